@@ -1,0 +1,39 @@
+# Set-up and entry points. `make run` trains the default job; `make test` runs the test suite.
+# On a machine without an NVIDIA GPU the virtualenv gets PyTorch's CPU build and no CUDA wheels.
+
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_CPU   ?= torch==2.13.0
+# Where pip finds the CPU build if it is not configured locally, e.g.
+# make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+# Extras beyond `dev`; `make setup EXTRAS=dev,gpu` adds Transformer Engine and flash-attn.
+EXTRAS      ?= dev
+
+PIP       := $(VENV)/bin/python -m pip
+HAS_GPU   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+READY     := $(VENV)/.ready-$(EXTRAS)
+
+.PHONY: setup run test clean
+
+setup: $(READY)
+
+$(READY): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+ifeq ($(HAS_GPU),yes)
+	$(PIP) install --quiet -e '.[$(EXTRAS)]'
+else
+	$(PIP) install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH_CPU)'
+	$(PIP) install --quiet -e '.[$(EXTRAS)]'
+	$(VENV)/bin/python -c 'import sys, torch; sys.exit(torch.version.cuda and "a CUDA build of torch was installed on a machine without an NVIDIA GPU; run make clean, then make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu")'
+endif
+	touch $@
+
+run: setup
+	$(VENV)/bin/python run.py
+
+test: setup
+	$(VENV)/bin/python -m pytest
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,8 @@
+"""MEMO: fine-grained activation memory management for ultra-long-context LLM training.
+
+The package follows the life of a job: ``config`` (what to run) → ``model`` (the Megatron-core
+GPT) → ``execute`` (distributed start-up, data, optimizer, training loop) → ``metrics`` (FLOPs,
+MFU, TGS, memory) → ``results`` (the row each run leaves behind).
+"""
+
+__version__ = "0.1.0"

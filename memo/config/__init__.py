@@ -1,0 +1,26 @@
+"""Typed run configuration: the schema Hydra validates against, and the checks it cannot express."""
+
+from memo.config.schema import (
+    HardwareConfig,
+    MethodConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    register_configs,
+)
+from memo.config.validate import ConfigError, format_seq, parse_seq, validate
+
+__all__ = [
+    "ConfigError",
+    "HardwareConfig",
+    "MethodConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "format_seq",
+    "RunConfig",
+    "TrainConfig",
+    "parse_seq",
+    "register_configs",
+    "validate",
+]

@@ -1,0 +1,106 @@
+"""The run configuration as typed dataclasses.
+
+Hydra merges ``conf/`` and the command line into :class:`RunConfig`, so a misspelt key or a
+value of the wrong type is refused before any code runs; :func:`memo.config.validate` then
+checks what types cannot (divisibility, allowed names, ranges).
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """A GPT shape (conf/model/). Every model uses RoPE, LayerNorm, GeLU and tied embeddings."""
+
+    name: str = MISSING
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    ffn_hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    vocab_size: int = 50257
+    # The embedding is padded to a multiple of this (and of tp), as Megatron-LM does; the
+    # same padding for every tp keeps the model, and its parameter count, layout-independent.
+    make_vocab_size_divisible_by: int = 128
+    rotary_base: int = 10000
+
+
+@dataclass
+class MethodConfig:
+    """How activations are kept for the backward pass (conf/method/)."""
+
+    name: str = MISSING
+    # Megatron-core's own recomputation (TransformerConfig fields of the same names).
+    recompute_granularity: Optional[str] = None  # None, "full" or "selective"
+    recompute_method: Optional[str] = None  # "uniform" or "block" (full only)
+    recompute_num_layers: Optional[int] = None  # layers per checkpointed chunk (full only)
+    recompute_modules: Optional[list[str]] = None  # selective only, e.g. ["core_attn"]
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel sizes (conf/parallel/); their product must equal the number of processes."""
+
+    tp: int = 1  # tensor parallel
+    cp: int = 1  # context parallel
+    pp: int = 1  # pipeline parallel
+    dp: int = 1  # data parallel
+    sequence_parallel: bool = False  # shard norms and dropout regions along the sequence (tp > 1)
+
+
+@dataclass
+class HardwareConfig:
+    """The machine a run is measured against (conf/hardware/).
+
+    A field left ``None`` takes the value of the entry of the same name in
+    :data:`memo.hardware.HARDWARE` (or, for ``auto``, of the detected device).
+    """
+
+    name: str = MISSING
+    peak_flops: Optional[float] = None  # dense 16-bit FLOP/s per device (CPU: measured, fp32)
+    device_memory_gib: Optional[float] = None  # per device
+    host_memory_gib: Optional[float] = None  # per node
+    devices_per_node: Optional[int] = None
+    host_link_gbps: Optional[float] = None  # device <-> host copy bandwidth, GB/s (1e9 B/s)
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 10
+    warmup_steps: int = 2  # first steps left out of the timing metrics (allocator, autotuning)
+    micro_batch_size: int = 1  # sequences per micro-batch per data-parallel rank
+    micro_batches: int = 1  # micro-batches accumulated per step
+    lr: float = 1e-3
+    lr_warmup_steps: int = 0  # linear learning-rate warm-up from 0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    seed: int = 1234
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), fp32, bf16 or fp16
+    data: str = "synthetic"  # "synthetic" or the path of a text file read as byte tokens
+    attention_backend: str = "auto"  # auto, te, cudnn, flash, efficient or math
+    distributed_optimizer: bool = False  # shard optimizer states over data parallel (GPU)
+
+
+@dataclass
+class RunConfig:
+    """One job: ``python run.py`` resolves to exactly one of these."""
+
+    mode: str = "train"
+    seq: str = "1k"  # tokens: 4096, 4k or 1408k (k = 1024)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def register_configs() -> None:
+    """Register :class:`RunConfig` as ``run_schema``, the base of ``conf/config.yaml``."""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)

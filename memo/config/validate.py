@@ -1,0 +1,137 @@
+"""Checks on a composed run configuration that types alone cannot express.
+
+Every failure is a :class:`ConfigError` whose message is one line naming the key, its value
+and what to write instead; ``run.py`` prints it without a traceback.
+"""
+
+import re
+from pathlib import Path
+
+MODES = ("train",)
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+ATTENTION_BACKENDS = ("auto", "te", "cudnn", "flash", "efficient", "math")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+class ConfigError(ValueError):
+    """A user-fixable mistake in the configuration; the message is one line."""
+
+
+_SEQ = re.compile(r"(\d+)([kK]?)")
+
+
+def parse_seq(value: object) -> int:
+    """Return the sequence length in tokens for ``value`` (an int or a string like ``"64k"``).
+
+    ``4096`` and ``"4096"`` are tokens; ``"4k"`` and ``"1408k"`` count k = 1024 tokens.
+
+    Raises:
+        ConfigError: if ``value`` is not a positive whole number of tokens or of k.
+    """
+    match = _SEQ.fullmatch(str(value).strip())
+    tokens = int(match.group(1)) * (1024 if match.group(2) else 1) if match else 0
+    if tokens <= 0:
+        raise ConfigError(
+            f"seq={value} is not a sequence length: write a positive number of tokens "
+            "as 4096, 4k or 1408k (k = 1024 tokens)"
+        )
+    return tokens
+
+
+def format_seq(tokens: int) -> str:
+    """The shortest spelling of ``tokens`` that :func:`parse_seq` reads back (65536 → ``64k``)."""
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        shown = ", ".join("null" if a is None else str(a) for a in allowed)
+        raise ConfigError(f"{key}={value} is not allowed; choose one of: {shown}")
+
+
+def _positive(key: str, value, minimum: int = 1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key}={value} must be at least {minimum}")
+
+
+def validate(cfg) -> int:
+    """Check ``cfg`` (a composed :class:`memo.config.RunConfig`) and return its length in tokens.
+
+    Raises:
+        ConfigError: on the first problem found.
+    """
+    seq = parse_seq(cfg.seq)
+    _choice("mode", cfg.mode, MODES)
+
+    m = cfg.model
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by "
+            f"model.num_attention_heads={m.num_attention_heads}"
+        )
+
+    _check_method(cfg.method)
+    _check_parallel(cfg.parallel, m, seq)
+
+    t = cfg.train
+    _positive("train.steps", t.steps)
+    if not 0 <= t.warmup_steps < t.steps:
+        raise ConfigError(
+            f"train.warmup_steps={t.warmup_steps} must be at least 0 and below "
+            f"train.steps={t.steps} so that some steps are timed"
+        )
+    _positive("train.micro_batch_size", t.micro_batch_size)
+    _positive("train.micro_batches", t.micro_batches)
+    _positive("train.lr_warmup_steps", t.lr_warmup_steps, minimum=0)
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr={t.lr} must be positive")
+    _choice("train.dtype", t.dtype, DTYPES)
+    _choice("train.attention_backend", t.attention_backend, ATTENTION_BACKENDS)
+    if t.data != "synthetic" and not Path(t.data).is_file():
+        raise ConfigError(
+            f"train.data={t.data} is neither 'synthetic' nor an existing text file"
+        )
+    return seq
+
+
+def _check_method(method) -> None:
+    _choice("method.recompute_granularity", method.recompute_granularity, RECOMPUTE_GRANULARITIES)
+    if method.recompute_granularity == "full":
+        _choice("method.recompute_method", method.recompute_method, RECOMPUTE_METHODS)
+        if method.recompute_num_layers is None or method.recompute_num_layers < 1:
+            raise ConfigError(
+                f"method.recompute_num_layers={method.recompute_num_layers} must be at least 1 "
+                "with method.recompute_granularity=full"
+            )
+
+
+def _check_parallel(p, model, seq: int) -> None:
+    for key in ("tp", "cp", "pp", "dp"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    for size_key, size in (
+        ("model.num_attention_heads", model.num_attention_heads),
+        ("model.ffn_hidden_size", model.ffn_hidden_size),
+    ):
+        if size % p.tp:
+            raise ConfigError(f"parallel.tp={p.tp} does not divide {size_key}={size}")
+    if model.num_layers % p.pp:
+        raise ConfigError(
+            f"parallel.pp={p.pp} does not divide model.num_layers={model.num_layers}"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
+    # Megatron splits the sequence into 2·cp chunks (load balance of the causal mask), and
+    # sequence parallelism splits each rank's part again over tp.
+    divisor = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel else 1)
+    if seq % divisor:
+        parts = " × ".join(
+            part
+            for part, used in (("2·cp", p.cp > 1), ("tp", p.sequence_parallel))
+            if used
+        )
+        raise ConfigError(
+            f"seq={seq} is not divisible by {parts} = {divisor}; choose a multiple of {divisor}"
+        )

@@ -1,0 +1,1 @@
+"""Running a job: distributed start-up, data, optimizer and the training loop."""

@@ -1,0 +1,51 @@
+"""Shared fixtures: composing configs as ``run.py`` does, and a one-process parallel state."""
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+
+from memo.config import register_configs  # noqa: E402
+from memo.execute import distributed  # noqa: E402
+from memo.execute.distributed import ProcessInfo  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+PYTHON = sys.executable
+
+register_configs()
+
+
+def compose_config(*overrides: str):
+    """The configuration ``python run.py OVERRIDES`` would run."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def single_process():
+    """Megatron's parallel state for one CPU process (tp = cp = pp = dp = 1)."""
+    cfg = compose_config()
+    distributed.initialize(cfg.parallel, "cpu", ProcessInfo(rank=0, world_size=1, local_rank=0))
+    yield
+    distributed.shutdown()
+
+
+def run_in_process(output_dir: Path, *overrides: str) -> dict:
+    """Run one job in this process, as ``python run.py OVERRIDES`` would, and return its row."""
+    from memo.job import run_job
+
+    return run_job(compose_config(*overrides), output_dir, overrides)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

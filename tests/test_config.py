@@ -1,0 +1,125 @@
+"""Every config option composes; bad input is refused with one line naming the key."""
+
+import pytest
+
+from memo.config import ConfigError, format_seq, parse_seq, validate
+from memo.config.choices import GROUPS, check_group_choices, options
+from memo.execute.distributed import check_world_size
+
+from conftest import CONF_DIR, compose_config
+
+
+@pytest.mark.parametrize(
+    "group, option", [(g, o) for g in GROUPS for o in options(CONF_DIR, g)]
+)
+def test_every_group_option_composes_and_validates(group, option):
+    cfg = compose_config(f"{group}={option}")
+    assert validate(cfg) == 1024
+    if group in ("model", "method", "hardware"):
+        assert cfg[group].name == option
+
+
+def test_model_table_matches_the_paper():
+    shapes = {
+        name: (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.vocab_size)
+        for name in ("7b", "13b", "30b", "65b")
+        for m in [compose_config(f"model={name}").model]
+    }
+    assert shapes == {
+        "7b": (32, 4096, 16384, 32, 50257),
+        "13b": (40, 5120, 20480, 40, 50257),
+        "30b": (48, 7168, 28672, 56, 50257),
+        "65b": (80, 8192, 32768, 64, 50257),
+    }
+
+
+def test_megatron_methods_set_megatron_recompute_fields():
+    full = compose_config("method=megatron_full_recompute").method
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == (
+        "full", "uniform", 1
+    )
+    selective = compose_config("method=megatron_selective").method
+    assert selective.recompute_granularity == "selective"
+    assert list(selective.recompute_modules) == ["core_attn"]
+    assert compose_config("method=none").method.recompute_granularity is None
+
+
+@pytest.mark.parametrize(
+    "text, tokens",
+    [("4096", 4096), (4096, 4096), ("4k", 4096), ("1408k", 1408 * 1024), ("64K", 65536), (" 1k ", 1024)],
+)
+def test_parse_seq(text, tokens):
+    assert parse_seq(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["12q", "0", "0k", "-4k", "4.5k", "", "k", "4kk", "1m"])
+def test_parse_seq_rejects_with_one_line(text):
+    with pytest.raises(ConfigError) as err:
+        parse_seq(text)
+    message = str(err.value)
+    assert message.startswith(f"seq={text} ") and "\n" not in message
+    assert "4k" in message  # says what to write instead
+
+
+def test_format_seq_round_trips():
+    for tokens in (1000, 1024, 65536, 1408 * 1024):
+        assert parse_seq(format_seq(tokens)) == tokens
+    assert format_seq(65536) == "64k"
+
+
+def test_seq_sweep_values_compose_as_strings():
+    assert validate(compose_config("seq=4096")) == 4096
+    assert validate(compose_config("seq=1408k")) == 1441792
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["parallel.tp=3"], "parallel.tp=3"),
+        (["parallel.pp=3"], "parallel.pp=3"),
+        (["parallel.dp=0"], "parallel.dp=0"),
+        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true", "seq=1025"], "seq=1025"),
+        (["parallel.cp=2", "seq=1026"], "seq=1026"),
+        (["train.warmup_steps=10"], "train.warmup_steps=10"),
+        (["train.steps=0"], "train.steps=0"),
+        (["train.dtype=fp64"], "train.dtype=fp64"),
+        (["train.lr=0"], "train.lr=0"),
+        (["train.attention_backend=fast"], "train.attention_backend=fast"),
+        (["train.data=/no/such/file.txt"], "train.data=/no/such/file.txt"),
+        (["mode=dance"], "mode=dance"),
+        (["method.recompute_granularity=some"], "method.recompute_granularity=some"),
+        (["model.hidden_size=250"], "model.hidden_size=250"),
+    ],
+)
+def test_validation_errors_name_the_key_in_one_line(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(*overrides))
+    message = str(err.value)
+    assert key in message and "\n" not in message
+
+
+def test_divisibility_message_names_the_divisor():
+    with pytest.raises(ConfigError, match=r"2·cp × tp = 8"):
+        validate(compose_config("parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true", "seq=1028"))
+    assert validate(compose_config("parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true", "seq=1k")) == 1024
+
+
+def test_unknown_group_option_lists_the_choices():
+    with pytest.raises(ConfigError) as err:
+        check_group_choices(["model=foo"], CONF_DIR)
+    message = str(err.value)
+    assert message.startswith("model=foo is not a known model") and "tiny" in message and "65b" in message
+    with pytest.raises(ConfigError, match="method=mem0"):
+        check_group_choices(["-m", "method=none,mem0", "seq=1k,2k"], CONF_DIR)
+    check_group_choices(["-m", "model=tiny,7b", "method=none", "hardware=a800", "train.steps=3"], CONF_DIR)
+    check_group_choices(["+experiment=x", "hydra/launcher=basic"], CONF_DIR)
+
+
+def test_world_size_must_match_parallel_sizes():
+    cfg = compose_config("parallel.tp=2")
+    check_world_size(cfg.parallel, 2)
+    with pytest.raises(ConfigError, match=r"set parallel.dp=2"):
+        check_world_size(cfg.parallel, 4)
+    with pytest.raises(ConfigError, match=r"= 2 but 3 process"):
+        check_world_size(cfg.parallel, 3)
