@@ -1,0 +1,158 @@
+"""Adam with gradient reduction and clipping over Megatron's process groups.
+
+On a GPU this is Megatron-core's own stack, as Megatron-LM trains: ``DistributedDataParallel``
+(contiguous fp32 gradient buffers) and ``get_megatron_optimizer`` (fp32 main weights for 16-bit
+models, optional distributed optimizer, loss scaling for fp16). Those allocate on CUDA, so on the
+CPU :class:`HostOptimizer` does the same arithmetic with ``torch.optim.AdamW``: gradients
+averaged over data parallel, one global norm over tensor-parallel shards, clipped, then Adam
+with decoupled weight decay on matrices only (not on biases and norm weights).
+"""
+
+import math
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from memo.config import TrainConfig
+
+
+class StepOptimizer(Protocol):
+    """What the training loop needs from an optimizer."""
+
+    name: str
+    model: torch.nn.Module  # the module to run forward on (a DDP wrapper on GPUs)
+
+    def zero_grad(self) -> None: ...
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def step(self, lr: float) -> float:
+        """Reduce and clip gradients, update weights; returns the gradient norm before clipping."""
+        ...
+
+
+def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for param in module.parameters():
+        if param.requires_grad:
+            (decay if param.dim() > 1 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+class HostOptimizer:
+    """``torch.optim.AdamW`` with Megatron's data-parallel averaging and global-norm clipping."""
+
+    name = "torch_adamw"
+
+    def __init__(self, module: torch.nn.Module, train: TrainConfig):
+        self.model = module
+        self.clip_grad = train.clip_grad
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(module, train.weight_decay),
+            lr=train.lr,
+            betas=(train.adam_beta1, train.adam_beta2),
+            eps=1e-8,
+        )
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def step(self, lr: float) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if dist.get_world_size(dp_group) > 1:
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=dp_group)
+            flat /= dist.get_world_size(dp_group)
+            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(reduced)
+        norm = self.grad_norm(params)
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            torch._foreach_mul_(grads, self.clip_grad / (norm + 1e-6))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return norm
+
+    @staticmethod
+    def grad_norm(params: list[torch.nn.Parameter]) -> float:
+        """L2 norm of the whole model's gradient: shards summed over tensor and pipeline
+        parallel, weights replicated over tensor parallel counted once."""
+        local = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                local += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(local, group=parallel_state.get_model_parallel_group())
+        return math.sqrt(local.item())
+
+
+class MegatronStepOptimizer:
+    """Megatron-core's DDP and optimizer, stepped as Megatron-LM's ``train_step`` does."""
+
+    name = "megatron"
+
+    def __init__(self, module: torch.nn.Module, train: TrainConfig):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = module.config
+        self._finalize = finalize_model_grads
+        self.model = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=train.distributed_optimizer,
+            ),
+            module=module,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=train.lr,
+                weight_decay=train.weight_decay,
+                adam_beta1=train.adam_beta1,
+                adam_beta2=train.adam_beta2,
+                clip_grad=train.clip_grad,
+                bf16=config.bf16,
+                fp16=config.fp16,
+                params_dtype=config.params_dtype,
+                use_distributed_optimizer=train.distributed_optimizer,
+            ),
+            [self.model],
+        )
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.optimizer.scale_loss(loss)
+
+    def step(self, lr: float) -> float:
+        self._finalize([self.model])
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        _, grad_norm, _ = self.optimizer.step()
+        return float("nan") if grad_norm is None else float(grad_norm)
+
+
+def build_optimizer(module: torch.nn.Module, train: TrainConfig, device_type: str) -> StepOptimizer:
+    """Megatron's optimizer on a GPU, :class:`HostOptimizer` on the CPU."""
+    if device_type == "cuda":
+        return MegatronStepOptimizer(module, train)
+    return HostOptimizer(module, train)

@@ -1,0 +1,77 @@
+"""The training loop: forward, backward and optimizer step, timed per step.
+
+One step runs ``train.micro_batches`` forward/backward passes (gradients accumulate), then the
+optimizer. Its wall-clock time covers all of it, device work included (the GPU is synchronized
+before the clock stops). The loss reported is the mean over micro-batches and data-parallel
+replicas, the quantity the optimizer minimizes.
+"""
+
+import time
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from memo.config import TrainConfig
+from memo.execute.optimizer import StepOptimizer
+
+
+def learning_rate(train: TrainConfig, step: int) -> float:
+    """Learning rate of ``step`` (0-based): linear warm-up over ``lr_warmup_steps``, then constant."""
+    if step < train.lr_warmup_steps:
+        return train.lr * (step + 1) / train.lr_warmup_steps
+    return train.lr
+
+
+def _slice_for_context_parallel(micro_batch: dict) -> dict:
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return micro_batch
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(dict(micro_batch))
+
+
+def run_steps(
+    optimizer: StepOptimizer,
+    batches: Iterator[list[dict]],
+    train: TrainConfig,
+    device_type: str,
+    on_step: Callable[[dict], None],
+) -> None:
+    """Train for ``train.steps`` steps, calling ``on_step`` with each step's record.
+
+    A record holds ``step`` (1-based), ``loss``, ``lr``, ``grad_norm``, ``iter_time_s`` and
+    ``timed`` (False for the first ``train.warmup_steps`` steps).
+    """
+    model = optimizer.model
+    model.train()
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for step in range(train.steps):
+        batch = next(batches)
+        lr = learning_rate(train, step)
+        sync()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss_sum = torch.zeros((), device=device_type, dtype=torch.float32)
+        for micro_batch in batch:
+            mb = _slice_for_context_parallel(micro_batch)
+            per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+            loss = per_token.float().mean() / len(batch)
+            optimizer.scale_loss(loss).backward()
+            loss_sum += loss.detach()
+        grad_norm = optimizer.step(lr)
+        sync()
+        elapsed = time.perf_counter() - start
+        dist.all_reduce(loss_sum, group=dp_group)
+        on_step(
+            {
+                "step": step + 1,
+                "loss": loss_sum.item() / dist.get_world_size(dp_group),
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "iter_time_s": elapsed,
+                "timed": step >= train.warmup_steps,
+            }
+        )

@@ -1,0 +1,35 @@
+"""Model FLOPs, MFU and TGS exactly as the MEMO paper defines them (§5.1).
+
+Model FLOPs per sample, for a causal GPT with FlashAttention-style attention:
+
+    6·s·P + 6·n·h·s²
+
+with s the sequence length (tokens), P the parameter count of the whole model (all tensor- and
+pipeline-parallel shards, the tied embedding once), n the number of layers and h the hidden size.
+6·s·P is forward (2) plus backward (4) of every weight; 6·n·h·s² is the same for the two s×s
+attention matmuls at half density (the causal mask). Recomputation adds no model FLOPs, so a
+method that recomputes more scores a lower MFU for the same work.
+"""
+
+
+def model_flops_per_sample(seq: int, params: int, num_layers: int, hidden_size: int) -> float:
+    """Model FLOPs of one training sample (forward and backward) of ``seq`` tokens."""
+    return 6.0 * seq * params + 6.0 * num_layers * hidden_size * seq**2
+
+
+def mfu(flops_per_iter: float, iter_time_s: float, num_devices: int, peak_flops: float) -> float:
+    """Model FLOPs utilization, a fraction in [0, 1].
+
+    Args:
+        flops_per_iter: model FLOPs of one iteration over all devices (every sample of the
+            global batch), from :func:`model_flops_per_sample`.
+        iter_time_s: wall-clock seconds of one iteration.
+        num_devices: devices the iteration ran on.
+        peak_flops: dense peak FLOP/s of one device.
+    """
+    return flops_per_iter / (iter_time_s * num_devices * peak_flops)
+
+
+def tgs(tokens_per_iter: int, iter_time_s: float, num_devices: int) -> float:
+    """Tokens per GPU (device) per second: the global batch's tokens over time and devices."""
+    return tokens_per_iter / (iter_time_s * num_devices)

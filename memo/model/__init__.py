@@ -1,0 +1,21 @@
+"""The Megatron-core GPT that every method trains, and what it needs to run on any device."""
+
+from memo.model.gpt import (
+    BuiltModel,
+    build_gpt,
+    count_parameters,
+    padded_vocab_size,
+    parameter_count,
+    resolve_dtype,
+    uses_transformer_engine,
+)
+
+__all__ = [
+    "BuiltModel",
+    "build_gpt",
+    "count_parameters",
+    "padded_vocab_size",
+    "parameter_count",
+    "resolve_dtype",
+    "uses_transformer_engine",
+]

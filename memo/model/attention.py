@@ -1,0 +1,117 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+Megatron-core's own ``DotProductAttention`` materializes the s×s score matrix and calls
+``torch.cuda``; this module keeps attention memory O(s) (FlashAttention-style kernels on the GPU,
+PyTorch's fused CPU kernel on the host), which is what every activation figure of MEMO assumes.
+It plugs into the local layer spec as ``core_attention`` when Transformer Engine is absent.
+
+The kernel is chosen once per (device, dtype, head size) by trying the candidates in order of
+speed on a small causal problem, forward and backward; the winner is the only one allowed
+afterwards, so :attr:`SdpaAttention.backend` is the kernel that really ran.
+"""
+
+import functools
+import math
+from typing import Optional
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from memo.config import ConfigError
+
+# Fastest first on Hopper: cuDNN's fused attention, then FlashAttention-2, then the rest.
+_CANDIDATES = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def select_backend(device_type: str, dtype: torch.dtype, head_dim: int, wanted: str = "auto") -> str:
+    """Name of the first SDPA kernel (of ``wanted``, or of all when "auto") that runs here.
+
+    Raises:
+        ConfigError: if ``wanted`` names a kernel that cannot run on this device and dtype.
+    """
+    names = list(_CANDIDATES) if wanted == "auto" else [wanted]
+    # A generator of its own: the probe must not move the global RNG that seeds the weights.
+    generator = torch.Generator(device_type).manual_seed(0)
+    for name in names:
+        q = torch.randn(1, 2, 64, head_dim, device=device_type, dtype=dtype, generator=generator)
+        q.requires_grad_()
+        try:
+            with sdpa_kernel([_CANDIDATES[name]]):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+            return name
+        except RuntimeError:
+            continue
+    raise ConfigError(
+        f"train.attention_backend={wanted} cannot run on {device_type} in {dtype} "
+        f"with head size {head_dim}; use train.attention_backend=auto"
+    )
+
+
+class SdpaAttention(MegatronModule):
+    """Causal self-attention for Megatron's ``[s, b, heads, head_dim]`` layout.
+
+    Construction follows Megatron-core's ``CoreAttentionBuilder`` protocol, with ``backend``
+    (a name from :func:`select_backend`) bound by the layer spec.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        backend: str = "math",
+    ):
+        super().__init__(config=config)
+        self.backend = backend
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SdpaAttention supports causal masks only, not {attn_mask_type}")
+        if config.context_parallel_size > 1:
+            raise ValueError("context parallelism needs Transformer Engine's attention")
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.grouped = config.num_query_groups is not None and (
+            config.num_query_groups != config.num_attention_heads
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """Attend causally; returns ``[s, b, heads·head_dim]``. ``attention_mask`` is unused:
+        the causal mask is implicit, so no s×s tensor is ever built."""
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SdpaAttention supports neither attention bias nor packed sequences")
+        # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take strided batch and head dims.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        with sdpa_kernel([_CANDIDATES[self.backend]]):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=True,
+                scale=self.softmax_scale,
+                enable_gqa=self.grouped,
+            )
+        b, n, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)

@@ -1,0 +1,220 @@
+"""Megatron-core's ``GPTModel`` built from a run configuration.
+
+The layer spec follows what is installed: Transformer Engine's layers and attention on a GPU
+when ``transformer_engine`` imports, otherwise Megatron's local layers with
+:class:`~memo.model.attention.SdpaAttention` and :class:`~memo.model.norm.LayerNorm`. All
+models are pre-norm GPTs with RoPE, GeLU MLPs, biases and tied input/output embeddings, and
+no dropout (long-context runs train without it, and it keeps recomputation bit-exact).
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
+from memo.model.attention import SdpaAttention, select_backend
+from memo.model.host import HostRotaryEmbedding, use_host_rng
+from memo.model.norm import LayerNorm
+
+try:
+    import transformer_engine  # noqa: F401
+
+    HAVE_TE = True
+except ImportError:
+    HAVE_TE = False
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class BuiltModel:
+    """A model and the facts about how it was built that a result row records."""
+
+    module: GPTModel
+    config: TransformerConfig
+    layer_spec: str  # "te" or "local"
+    attention_backend: str  # "te" or an SDPA kernel name
+    params: int  # of the whole model, all shards
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    """``train.dtype`` as a torch dtype; "auto" is bf16 on a GPU and fp32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def padded_vocab_size(model: ModelConfig, tp: int) -> int:
+    """Vocabulary rows of the embedding: a multiple of ``make_vocab_size_divisible_by`` and tp."""
+    multiple = math.lcm(model.make_vocab_size_divisible_by, tp)
+    return -(-model.vocab_size // multiple) * multiple
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """Parameters of the whole GPT, counted from its shape (P of the MFU formula).
+
+    Per layer: QKV 3h²+3h, projection h²+h, FC1 h·f+f, FC2 f·h+h, two LayerNorms 4h; then the
+    tied embedding V·h (V padded) and the final LayerNorm 2h.
+    """
+    h, f = model.hidden_size, model.ffn_hidden_size
+    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
+    return model.num_layers * per_layer + padded_vocab_size(model, 1) * h + 2 * h
+
+
+def count_parameters(module: torch.nn.Module) -> int:
+    """Parameters of the whole model seen from this rank: tensor-parallel shards count tp times.
+
+    Tied weights are one ``Parameter`` and so are counted once.
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return sum(
+        p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+        for p in module.parameters()
+    )
+
+
+def transformer_config(
+    model: ModelConfig,
+    method: MethodConfig,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    device_type: str,
+) -> TransformerConfig:
+    """The Megatron ``TransformerConfig`` for one run."""
+    recompute = {}
+    if method.recompute_granularity is not None:
+        recompute = {
+            "recompute_granularity": method.recompute_granularity,
+            "recompute_method": method.recompute_method,
+            "recompute_num_layers": method.recompute_num_layers,
+        }
+        if method.recompute_modules is not None:
+            recompute["recompute_modules"] = list(method.recompute_modules)
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # The full weight is drawn on the host and split, so every tp gives the same model.
+        use_cpu_initialization=device_type == "cpu",
+        init_method_std=0.02,
+        normalization="LayerNorm",
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        **recompute,
+    )
+
+
+def _local_block_spec(config: TransformerConfig, attention_backend: str) -> ModuleSpec:
+    layer = get_gpt_layer_local_spec()
+    layer.submodules.input_layernorm = LayerNorm
+    layer.submodules.pre_mlp_layernorm = LayerNorm
+    layer.submodules.self_attention.submodules.core_attention = functools.partial(
+        SdpaAttention, backend=attention_backend
+    )
+    layers = config.num_layers // config.pipeline_model_parallel_size
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=LayerNorm),
+    )
+
+
+def uses_transformer_engine(parallel: ParallelConfig, device_type: str, attention_backend: str) -> bool:
+    """Whether the model is built from Transformer Engine's layers (else the local spec).
+
+    Raises:
+        ConfigError: if the run needs Transformer Engine (``attention_backend=te``, or context
+            parallelism) and it cannot be used here.
+    """
+    use_te = device_type == "cuda" and HAVE_TE and attention_backend in ("auto", "te")
+    if attention_backend == "te" and not use_te:
+        raise ConfigError(
+            "train.attention_backend=te needs Transformer Engine on a GPU (pip install '.[gpu]'); "
+            "use train.attention_backend=auto"
+        )
+    if parallel.cp > 1 and not use_te:
+        raise ConfigError(
+            f"parallel.cp={parallel.cp} needs Transformer Engine's attention on a GPU "
+            "(pip install '.[gpu]'); use parallel.cp=1"
+        )
+    return use_te
+
+
+def build_gpt(
+    model: ModelConfig,
+    method: MethodConfig,
+    parallel: ParallelConfig,
+    seq: int,
+    dtype: torch.dtype,
+    device_type: str,
+    attention_backend: str = "auto",
+) -> BuiltModel:
+    """Build the GPT for this rank on ``device_type`` ("cuda" or "cpu").
+
+    Megatron's parallel state must be initialized (see :mod:`memo.execute.distributed`) and
+    the torch seed set: on the CPU the weights are drawn from it.
+
+    Raises:
+        ConfigError: if the attention backend asked for is not available here.
+    """
+    config = transformer_config(model, method, parallel, dtype, device_type)
+    use_te = uses_transformer_engine(parallel, device_type, attention_backend)
+    if use_te:
+        spec = ModuleSpec(
+            module=TransformerBlock,
+            submodules=get_gpt_decoder_block_spec(config, use_transformer_engine=True),
+        )
+        backend = "te"
+    else:
+        backend = select_backend(device_type, dtype, config.kv_channels, attention_backend)
+        spec = _local_block_spec(config, backend)
+
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(model, parallel.tp),
+        max_sequence_length=seq,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="rope",
+        rotary_base=model.rotary_base,
+    )
+    if device_type == "cpu":
+        use_host_rng()
+        gpt.rotary_pos_emb = HostRotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_interleaved=config.rotary_interleaved,
+            rotary_base=model.rotary_base,
+            use_cpu_initialization=True,
+        )
+    else:
+        gpt.cuda(torch.cuda.current_device())
+    return BuiltModel(
+        module=gpt,
+        config=config,
+        layer_spec="te" if use_te else "local",
+        attention_backend=backend,
+        params=count_parameters(gpt),
+    )

@@ -1,0 +1,50 @@
+"""What Megatron-core needs to run where PyTorch has no CUDA (CPU-only builds).
+
+Two places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
+
+* ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()``.
+  :class:`HostRotaryEmbedding` keeps them where they are.
+* Activation checkpointing (``tensor_parallel.checkpoint``, used by full and selective
+  recomputation) saves and restores the CUDA generator's state around every recomputed region.
+  Without CUDA there is no such generator, and the CPU generator, which Megatron saves as well,
+  is the only source of randomness; :func:`use_host_rng` makes the CUDA half a placeholder.
+
+Both are no-ops for runs on a GPU.
+"""
+
+import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import random as megatron_random
+
+
+class HostRotaryEmbedding(RotaryEmbedding):
+    """Megatron's RoPE with the frequency table left on the device it was built on."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        """RoPE angles ``[seq, 1, 1, dim]`` for positions ``offset .. offset + max_seq_len``."""
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+
+def _no_cuda_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _ignore_cuda_rng_state(*_args, **_kwargs) -> None:
+    return None
+
+
+def use_host_rng() -> None:
+    """Let Megatron-core's activation checkpointing run without CUDA (idempotent).
+
+    Only the CUDA generator's bookkeeping is replaced; the CPU generator is still saved before
+    and restored for every recomputation, so dropout masks (if any) are replayed exactly.
+    """
+    if torch.cuda.is_available():
+        return
+    megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+    megatron_random._set_cuda_rng_state = _ignore_cuda_rng_state

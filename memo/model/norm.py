@@ -1,0 +1,18 @@
+"""LayerNorm for the local (non-Transformer-Engine) layer spec, sequence parallelism included.
+
+Megatron-core's ``WrappedTorchNorm`` refuses sequence parallelism. Under it each tensor-parallel
+rank normalizes its own slice of the sequence, so the norm's weight gradients are partial sums;
+marking the weights ``sequence_parallel`` makes Megatron's ``finalize_model_grads`` all-reduce
+them over the tensor-parallel group, as Transformer Engine's norms are treated.
+"""
+
+import torch
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` with Megatron's norm constructor and sequence-parallel marking."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_options):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel

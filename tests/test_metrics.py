@@ -1,0 +1,104 @@
+"""MFU, TGS, parameter counts and hardware figures against hand-computed values."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from memo import hardware
+from memo.config import ConfigError
+from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
+from memo.model import build_gpt, padded_vocab_size, parameter_count
+
+from conftest import compose_config
+
+# 7B of the paper: n=32, h=4096, f=16384, vocab 50257 padded to 50304.
+#   per layer 4h² + 2hf + 9h + f = 67,108,864 + 134,217,728 + 36,864 + 16,384 = 201,379,840
+#   P = 32 · 201,379,840 + 50,304 · 4,096 + 2 · 4,096 = 6,650,208,256
+P_7B = 6_650_208_256
+S_1M = 1_048_576
+# 6·s·P = 6 · 1,048,576 · 6,650,208,256 and 6·n·h·s² = 6 · 32 · 4096 · 2^40 = 3 · 2^58
+FLOPS_7B_1M = 41_839_492_633_460_736 + 864_691_128_455_135_232
+
+
+def test_parameter_count_of_7b():
+    assert padded_vocab_size(compose_config("model=7b").model, 1) == 50_304
+    assert parameter_count(compose_config("model=7b").model) == P_7B
+
+
+def test_model_flops_per_sample_7b_at_1m():
+    assert model_flops_per_sample(S_1M, P_7B, 32, 4096) == FLOPS_7B_1M
+
+
+def test_mfu_and_tgs_7b_at_1m_on_8_a800():
+    # One 1M-token sample per iteration on 8 A800 (tp=4, cp=2), 1000 s per iteration:
+    # MFU = 906,530,621,088,595,968 / (1000 · 8 · 312e12) = 0.36319..., TGS = 2^20 / 8000.
+    peak = hardware.HARDWARE["a800"].peak_flops
+    assert peak == 312e12
+    assert mfu(FLOPS_7B_1M, 1000.0, 8, peak) == pytest.approx(0.363193, abs=1e-6)
+    assert tgs(S_1M, 1000.0, 8) == pytest.approx(131.072)
+
+
+def test_flops_grow_quadratically_with_sequence_at_fixed_params():
+    # Attention's share at 128k: n·h·s / (n·h·s + P) = 17,179,869,184 / 23,830,077,440.
+    s = 128 * 1024
+    attention = 6 * 32 * 4096 * s**2
+    assert model_flops_per_sample(s, P_7B, 32, 4096) - 6 * s * P_7B == attention
+    assert attention / model_flops_per_sample(s, P_7B, 32, 4096) == pytest.approx(0.72093, abs=1e-5)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 3])
+def test_vocab_padding_is_the_same_for_common_tp(tp):
+    model = compose_config("model=tiny").model
+    assert padded_vocab_size(model, tp) == 50_304  # 50304 = 131 · 384, so tp=3 too
+    assert padded_vocab_size(model, tp) % tp == 0
+
+
+def test_parameters_counted_from_the_model_match_the_formula(single_process):
+    cfg = compose_config("model=tiny")
+    built = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu")
+    assert built.params == parameter_count(cfg.model) == 16_037_376
+    assert built.params == sum(p.numel() for p in built.module.parameters())
+
+
+def test_hardware_table_entries_and_overrides():
+    a800 = hardware.resolve(compose_config("hardware=a800").hardware)
+    assert (a800.peak_flops, a800.device_memory_bytes, a800.devices_per_node) == (312e12, 80 * 2**30, 8)
+    assert a800.host_memory_bytes == 2048 * 2**30 and a800.host_link_bytes_per_s == 32e9
+    assert a800.peak_flops_source == "table"
+    h100 = hardware.resolve(compose_config("hardware=h100", "hardware.host_memory_gib=1024").hardware)
+    assert h100.peak_flops == 989e12 and h100.host_memory_bytes == 1024 * 2**30
+    given = hardware.resolve(compose_config("hardware=h200", "hardware.peak_flops=1e15").hardware)
+    assert (given.peak_flops, given.peak_flops_source) == (1e15, "config")
+
+
+def test_unknown_hardware_needs_all_figures():
+    with pytest.raises(ConfigError, match=r"hardware.name=b200 .* hardware.peak_flops"):
+        hardware.resolve(compose_config("hardware.name=b200").hardware)
+    b200 = hardware.resolve(compose_config(
+        "hardware.name=b200", "hardware.peak_flops=2.25e15", "hardware.device_memory_gib=180",
+        "hardware.host_memory_gib=2048", "hardware.devices_per_node=8",
+    ).hardware)
+    assert b200.peak_flops == 2.25e15 and b200.device_memory_bytes == 180 * 2**30
+
+
+def test_cpu_peak_is_measured_when_not_given():
+    cpu = hardware.resolve(compose_config("hardware=cpu").hardware)
+    assert cpu.peak_flops is None and cpu.host_memory_bytes == hardware.host_memory_bytes()
+    measured = hardware.with_measured_peak(cpu, torch.float32)
+    assert measured.peak_flops_source == "measured" and 1e8 < measured.peak_flops < 1e14
+    auto = hardware.resolve(compose_config().hardware)  # this machine has no GPU
+    assert auto.name == "cpu" and auto.device_type == "cpu"
+    assert dataclasses.replace(measured, peak_flops=1.0).peak_flops == 1.0
+
+
+def test_peak_rss_tracks_a_large_allocation_and_resets():
+    memory = PeakMemory("cpu")
+    memory.reset()
+    before = memory.read()["peak_rss_bytes"]
+    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    grown = memory.read()["peak_rss_bytes"]
+    assert grown - before >= 60 * 2**20
+    del block
+    memory.reset()
+    assert memory.read()["peak_rss_bytes"] < grown - 32 * 2**20
