@@ -1,0 +1,1 @@
+"""Turning result rows into tables and figures."""

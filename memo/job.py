@@ -1,0 +1,243 @@
+"""One job from configuration to result row: check, start, build, train, measure, record.
+
+Whatever happens, rank 0 leaves a ``result.json`` whose ``status`` says how the job ended:
+``ok``, ``oom`` (the device ran out of memory), ``oohm`` (host memory for offloaded activations
+ran out) or ``error`` (with the message). Out-of-memory is a result, not a crash, so a sweep goes
+on with its next job.
+"""
+
+import dataclasses
+import gc
+import logging
+import platform
+import socket
+import statistics
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import megatron.core
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from omegaconf import DictConfig, OmegaConf
+
+from memo import hardware
+from memo.config import ConfigError, validate
+from memo.execute import distributed
+from memo.execute.data import micro_batches, token_source
+from memo.execute.optimizer import build_optimizer
+from memo.execute.train import run_steps
+from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
+from memo.model import build_gpt, resolve_dtype, uses_transformer_engine
+from memo.results import ResultWriter, flatten, git_revision
+
+log = logging.getLogger("memo")
+REPO = Path(__file__).resolve().parents[1]
+
+# Fields every row carries, so that a table of ok and failed runs has the same columns.
+METRIC_FIELDS = (
+    "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "steps_timed",
+    "iter_time_s", "iter_time_s_median", "tgs", "mfu", "loss_first", "loss_last",
+)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _is_oom(error: BaseException) -> bool:
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+def _device_type(cfg: DictConfig) -> str:
+    """"cuda" or "cpu" for the configured hardware; a GPU entry needs a visible GPU."""
+    name = cfg.hardware.name
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    entry = hardware.HARDWARE.get(name)
+    device_type = entry.device_type if entry else "cuda"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"hardware={name} trains on a GPU and none is visible here; "
+            "use hardware=auto or hardware=cpu"
+        )
+    return device_type
+
+
+def _check_runtime_support(cfg: DictConfig, device_type: str) -> None:
+    if cfg.parallel.pp > 1:
+        raise ConfigError(
+            f"parallel.pp={cfg.parallel.pp}: the training loop has no pipeline schedule yet; "
+            "use parallel.pp=1"
+        )
+    if device_type == "cpu" and cfg.parallel.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs GPUs (Megatron's sequence-parallel "
+            "collectives allocate on CUDA); use parallel.sequence_parallel=false on the CPU"
+        )
+    if device_type == "cpu" and cfg.train.dtype == "fp16":
+        raise ConfigError("train.dtype=fp16 needs a GPU (loss scaling); use fp32 or bf16 on the CPU")
+    uses_transformer_engine(cfg.parallel, device_type, cfg.train.attention_backend)
+
+
+def _max_over_ranks(values: dict, device_type: str) -> dict:
+    """Each numeric memory figure as its maximum over all processes."""
+    keys = [k for k, v in values.items() if isinstance(v, int) and not isinstance(v, bool)]
+    if not keys or not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device_type)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {**values, **{k: int(v) for k, v in zip(keys, t.tolist())}}
+
+
+def run_job(
+    cfg: DictConfig,
+    output_dir: Path,
+    overrides: Sequence[str] = (),
+    info: Optional[distributed.ProcessInfo] = None,
+) -> dict[str, Any]:
+    """Run the job ``cfg`` describes and return its row (also written to ``output_dir``).
+
+    Args:
+        cfg: a composed :class:`memo.config.RunConfig`.
+        output_dir: where rank 0 writes ``result.json`` and ``metrics.jsonl``.
+        overrides: the command-line overrides, recorded in the row.
+        info: the process layout; read from the launcher's environment when omitted.
+
+    Raises:
+        ConfigError: only if ``output_dir`` already holds an earlier run's result; every
+            other failure is reported in the row's ``status`` and ``error``.
+    """
+    info = info or distributed.process_info()
+    writer = ResultWriter(output_dir, enabled=info.rank == 0)
+    commit, dirty = git_revision(REPO)
+    row: dict[str, Any] = {
+        **flatten(OmegaConf.to_container(cfg, resolve=True)),
+        **dict.fromkeys(METRIC_FIELDS),
+        "status": "error",
+        "error": None,
+        "world_size": info.world_size,
+        "overrides": " ".join(overrides),
+        "output_dir": str(output_dir),
+        "host": socket.gethostname(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "torch_version": torch.__version__,
+        "megatron_core_version": megatron.core.__version__,
+        "python_version": platform.python_version(),
+        "start_time": _now(),
+    }
+    try:
+        _train(cfg, info, row, writer)
+        row["status"] = "ok"
+    except ConfigError as error:
+        row["error"] = str(error)
+    except Exception as error:  # noqa: BLE001 - every failure must leave its row
+        if _is_oom(error):
+            row["status"] = "oom"
+            row["error"] = str(error).splitlines()[0]
+            log.warning("out of memory: %s", row["error"])
+        else:
+            row["error"] = f"{type(error).__name__}: {error}"
+            log.error("job failed:\n%s", traceback.format_exc())
+    finally:
+        row["end_time"] = _now()
+        path = writer.write_result(row)
+        if path is not None:
+            log.info("status %s; row written to %s", row["status"], path)
+        distributed.shutdown()
+        # The failed job's model and optimizer are garbage now; give their memory back
+        # before the next job of a sweep starts in this process.
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return row
+
+
+def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: ResultWriter) -> None:
+    """Everything of a job that can fail; fills ``row`` as facts become known."""
+    seq = validate(cfg)
+    row["seq"] = seq
+    device_type = _device_type(cfg)
+    _check_runtime_support(cfg, device_type)
+    dtype = resolve_dtype(cfg.train.dtype, device_type)
+    hw = hardware.with_measured_peak(hardware.resolve(cfg.hardware), dtype)
+    row["dtype"] = str(dtype).removeprefix("torch.")
+    row.update({f"hardware.{k}": v for k, v in dataclasses.asdict(hw).items()})
+    if device_type == "cuda":
+        row["device_name"] = torch.cuda.get_device_name()
+
+    distributed.initialize(cfg.parallel, device_type, info)
+    torch.manual_seed(cfg.train.seed)
+    if device_type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(cfg.train.seed)
+    memory = PeakMemory(device_type)
+    memory.reset()
+    try:
+        built = build_gpt(
+            cfg.model, cfg.method, cfg.parallel, seq, dtype, device_type, cfg.train.attention_backend
+        )
+        optimizer = build_optimizer(built.module, cfg.train, device_type)
+        dp_size = parallel_state.get_data_parallel_world_size()
+        source = token_source(cfg.train.data, cfg.model.vocab_size, cfg.train.seed, seq)
+        batches = micro_batches(
+            source, seq, cfg.train.micro_batch_size, cfg.train.micro_batches,
+            parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type),
+        )
+        global_batch = cfg.train.micro_batch_size * cfg.train.micro_batches * dp_size
+        flops_per_iter = global_batch * model_flops_per_sample(
+            seq, built.params, cfg.model.num_layers, cfg.model.hidden_size
+        )
+        row.update(
+            params=built.params,
+            global_batch_size=global_batch,
+            tokens_per_iter=global_batch * seq,
+            flops_per_iter=flops_per_iter,
+            layer_spec=built.layer_spec,
+            attention_backend=built.attention_backend,
+            optimizer=optimizer.name,
+        )
+        log.info(
+            "%s: %s params, seq %d, %s on %s (%s, %s attention), %d process(es)",
+            cfg.model.name, f"{built.params:,}", seq, cfg.method.name, hw.name,
+            row["dtype"], built.attention_backend, info.world_size,
+        )
+
+        records = []
+
+        def on_step(record: dict) -> None:
+            record["tgs"] = tgs(global_batch * seq, record["iter_time_s"], info.world_size)
+            record["mfu"] = mfu(flops_per_iter, record["iter_time_s"], info.world_size, hw.peak_flops)
+            record.update(memory.read())
+            records.append(record)
+            writer.append_step(record)
+            if info.rank == 0:
+                log.info(
+                    "step %d/%d  loss %.4f  %.3f s/it  TGS %.1f  MFU %.2f%%%s",
+                    record["step"], cfg.train.steps, record["loss"], record["iter_time_s"],
+                    record["tgs"], 100 * record["mfu"], "" if record["timed"] else "  (warm-up)",
+                )
+
+        run_steps(optimizer, batches, cfg.train, device_type, on_step)
+    except BaseException:
+        row.update(memory.read())  # this rank's peak: the others may be gone
+        raise
+    row.update(_max_over_ranks(memory.read(), device_type))
+
+    times = [r["iter_time_s"] for r in records if r["timed"]]
+    iter_time = statistics.fmean(times)
+    row.update(
+        steps_timed=len(times),
+        iter_time_s=iter_time,
+        iter_time_s_median=statistics.median(times),
+        tgs=tgs(global_batch * seq, iter_time, info.world_size),
+        mfu=mfu(flops_per_iter, iter_time, info.world_size, hw.peak_flops),
+        loss_first=records[0]["loss"],
+        loss_last=records[-1]["loss"],
+    )

@@ -1,0 +1,99 @@
+"""The files a run leaves in its output directory, written by rank 0 only.
+
+* ``result.json``: one flat row (config fields as dotted keys, status, metrics, provenance),
+  written once, atomically (a temporary file renamed over), so a reader never sees half a row.
+* ``metrics.jsonl``: one JSON line per training step, appended and flushed as the step ends, so
+  a long run shows progress and a crash keeps every finished step.
+
+Neither file is ever overwritten: a directory that already holds them is refused up front.
+"""
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from memo.config import ConfigError
+
+RESULT_FILE = "result.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level of dotted keys; lists become comma-separated strings."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = ",".join(str(v) for v in value)
+        else:
+            flat[name] = value
+    return flat
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` so that ``path`` holds either nothing or all of it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide results from the rest of a team
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def git_revision(repo: Path) -> tuple[Optional[str], Optional[bool]]:
+    """(commit, dirty) of the checkout at ``repo``, or (None, None) outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+class ResultWriter:
+    """Writes one run's ``result.json`` and ``metrics.jsonl`` into ``output_dir`` (if enabled).
+
+    Raises:
+        ConfigError: if ``output_dir`` already holds a result of an earlier run.
+    """
+
+    def __init__(self, output_dir: Path, enabled: bool = True):
+        self.output_dir = Path(output_dir)
+        self.enabled = enabled
+        if not enabled:
+            return
+        for name in (RESULT_FILE, METRICS_FILE):
+            if (self.output_dir / name).exists():
+                raise ConfigError(
+                    f"{self.output_dir / name} exists from an earlier run and is kept; "
+                    "give this run another hydra.run.dir"
+                )
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+
+    def append_step(self, record: Mapping[str, Any]) -> None:
+        """Append one step's record to ``metrics.jsonl``."""
+        if self.enabled:
+            with open(self.output_dir / METRICS_FILE, "a") as f:
+                f.write(json.dumps(record, sort_keys=True, default=str) + "\n")
+
+    def write_result(self, row: Mapping[str, Any]) -> Optional[Path]:
+        """Write the run's row to ``result.json``; returns its path (None when disabled)."""
+        if not self.enabled:
+            return None
+        path = self.output_dir / RESULT_FILE
+        write_json_atomic(path, dict(row))
+        return path

@@ -1,0 +1,82 @@
+"""Every job leaves a row: out-of-memory and failures are results, and the next job still runs."""
+
+import json
+
+import pytest
+import torch
+
+import memo.job
+from memo.config import ConfigError
+
+from conftest import run_in_process
+
+SHORT = ["train.steps=2", "train.warmup_steps=1", "seq=128"]
+
+
+def _raise(error):
+    def run_steps(*_args, **_kwargs):
+        raise error
+
+    return run_steps
+
+
+def test_out_of_memory_is_a_result_and_the_next_job_runs(tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(memo.job, "run_steps", _raise(torch.cuda.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 64.00 GiB\nmore detail")))
+        row = run_in_process(tmp_path / "oom", *SHORT)
+    assert row["status"] == "oom"
+    assert row["error"] == "CUDA out of memory. Tried to allocate 64.00 GiB"
+    written = json.loads((tmp_path / "oom" / "result.json").read_text())
+    assert written["status"] == "oom" and written["peak_rss_bytes"] > 0 and written["mfu"] is None
+    assert run_in_process(tmp_path / "next", *SHORT)["status"] == "ok"
+
+
+def test_host_allocator_failure_is_out_of_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(memo.job, "run_steps", _raise(RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory")))
+    assert run_in_process(tmp_path, *SHORT)["status"] == "oom"
+
+
+def test_a_crash_is_an_error_row_with_its_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(memo.job, "run_steps", _raise(ValueError("bad shape")))
+    row = run_in_process(tmp_path, *SHORT)
+    assert (row["status"], row["error"]) == ("error", "ValueError: bad shape")
+    assert json.loads((tmp_path / "result.json").read_text())["error"] == "ValueError: bad shape"
+
+
+def test_configuration_errors_leave_an_error_row(tmp_path):
+    row = run_in_process(tmp_path, "parallel.tp=3")
+    assert row["status"] == "error" and row["error"].startswith("parallel.tp=3 does not divide")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["hardware=a800"], "hardware=a800 trains on a GPU and none is visible here"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true"], "needs GPUs"),
+        (["parallel.pp=2"], "no pipeline schedule yet"),
+        (["parallel.cp=2"], "needs Transformer Engine"),
+        (["train.dtype=fp16"], "train.dtype=fp16 needs a GPU"),
+        (["train.attention_backend=te"], "train.attention_backend=te needs Transformer Engine"),
+    ],
+)
+def test_what_this_machine_cannot_run_is_refused_up_front(tmp_path, overrides, message):
+    row = run_in_process(tmp_path, *SHORT, *overrides)
+    assert row["status"] == "error" and message in row["error"], row["error"]
+    assert row["iter_time_s"] is None
+
+
+def test_results_of_an_earlier_run_are_never_overwritten(tmp_path):
+    assert run_in_process(tmp_path, *SHORT)["status"] == "ok"
+    before = (tmp_path / "result.json").read_bytes()
+    with pytest.raises(ConfigError, match="exists from an earlier run"):
+        run_in_process(tmp_path, *SHORT)
+    assert (tmp_path / "result.json").read_bytes() == before
+
+
+def test_training_on_a_text_file(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    row = run_in_process(tmp_path / "run", *SHORT, f"train.data={corpus}")
+    assert row["status"] == "ok" and row["train.data"] == str(corpus)
