@@ -130,11 +130,13 @@ def with_measured_peak(hw: Hardware, dtype: torch.dtype) -> Hardware:
 
 
 @functools.lru_cache(maxsize=None)
-def measure_cpu_peak_flops(dtype: torch.dtype, n: int = 1536, repeats: int = 5) -> float:
+def measure_cpu_peak_flops(dtype: torch.dtype, n: int = 1536, repeats: int = 10) -> float:
     """Best FLOP/s of an ``n``×``n`` matrix multiply in ``dtype`` on this CPU (all its threads).
 
     The best of ``repeats`` timings, after one untimed run, so the figure is a peak and not an
-    average disturbed by other work; it is measured once per process.
+    average. It is measured once per process, so every job of a sweep shares one denominator;
+    other work on the machine at that moment lowers it (and raises MFU): to compare runs across
+    processes or machines, give ``hardware.peak_flops`` instead.
     """
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=generator).to(dtype)

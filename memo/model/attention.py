@@ -30,9 +30,32 @@ _CANDIDATES = {
 }
 
 
+def causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    backend: str,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    grouped: bool = False,
+) -> torch.Tensor:
+    """Causal attention with one SDPA kernel: ``[s, b, heads, dim]`` in, ``[s, b, heads·dim]`` out."""
+    # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take strided batch and head dims.
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    with sdpa_kernel([_CANDIDATES[backend]]):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
+        )
+    b, n, s, d = out.shape
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
 @functools.lru_cache(maxsize=None)
 def select_backend(device_type: str, dtype: torch.dtype, head_dim: int, wanted: str = "auto") -> str:
     """Name of the first SDPA kernel (of ``wanted``, or of all when "auto") that runs here.
+
+    The probe runs forward and backward on query, key and value cut from one fused tensor, as
+    Megatron's QKV projection hands them over, so strides match those of training.
 
     Raises:
         ConfigError: if ``wanted`` names a kernel that cannot run on this device and dtype.
@@ -41,11 +64,10 @@ def select_backend(device_type: str, dtype: torch.dtype, head_dim: int, wanted: 
     # A generator of its own: the probe must not move the global RNG that seeds the weights.
     generator = torch.Generator(device_type).manual_seed(0)
     for name in names:
-        q = torch.randn(1, 2, 64, head_dim, device=device_type, dtype=dtype, generator=generator)
-        q.requires_grad_()
+        fused = torch.randn(64, 1, 2, 3 * head_dim, device=device_type, dtype=dtype,
+                            generator=generator, requires_grad=True)
         try:
-            with sdpa_kernel([_CANDIDATES[name]]):
-                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+            causal_attention(*fused.split(head_dim, dim=-1), backend=name).sum().backward()
             return name
         except RuntimeError:
             continue
@@ -101,17 +123,12 @@ class SdpaAttention(MegatronModule):
         the causal mask is implicit, so no s×s tensor is ever built."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("SdpaAttention supports neither attention bias nor packed sequences")
-        # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take strided batch and head dims.
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        with sdpa_kernel([_CANDIDATES[self.backend]]):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                dropout_p=self.dropout if self.training else 0.0,
-                is_causal=True,
-                scale=self.softmax_scale,
-                enable_gqa=self.grouped,
-            )
-        b, n, s, d = out.shape
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+        return causal_attention(
+            query,
+            key,
+            value,
+            self.backend,
+            scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            grouped=self.grouped,
+        )
