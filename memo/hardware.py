@@ -82,6 +82,10 @@ def detect() -> Hardware:
     )
 
 
+def _bytes(value: Optional[float], unit: int) -> Optional[int]:
+    return None if value is None else int(value * unit)
+
+
 def resolve(cfg: HardwareConfig) -> Hardware:
     """Turn the ``hardware`` config into figures: table (or detected) values, then overrides.
 
@@ -91,13 +95,12 @@ def resolve(cfg: HardwareConfig) -> Hardware:
     Raises:
         ConfigError: for an unknown name whose figures are not all given.
     """
-    gib = lambda value: None if value is None else int(value * GiB)  # noqa: E731
     given = {
         "peak_flops": cfg.peak_flops,
-        "device_memory_bytes": gib(cfg.device_memory_gib),
-        "host_memory_bytes": gib(cfg.host_memory_gib),
+        "device_memory_bytes": _bytes(cfg.device_memory_gib, GiB),
+        "host_memory_bytes": _bytes(cfg.host_memory_gib, GiB),
         "devices_per_node": cfg.devices_per_node,
-        "host_link_bytes_per_s": None if cfg.host_link_gbps is None else cfg.host_link_gbps * 1e9,
+        "host_link_bytes_per_s": _bytes(cfg.host_link_gbps, 10**9),
     }
     given = {key: value for key, value in given.items() if value is not None}
     if cfg.name == "auto":

@@ -91,7 +91,7 @@ def _max_over_ranks(values: dict, device_type: str) -> dict:
         return values
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device_type)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {**values, **{k: int(v) for k, v in zip(keys, t.tolist())}}
+    return {**values, **{k: int(v) for k, v in zip(keys, t.tolist(), strict=True)}}
 
 
 def run_job(

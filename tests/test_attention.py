@@ -11,6 +11,13 @@ from memo.config import ConfigError
 from memo.model.attention import SdpaAttention, select_backend
 
 
+def attention_config() -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
+
+
 def reference_attention(q, k, v):
     """Textbook causal softmax attention; [s, b, n, d] in, [s, b, n·d] out."""
     s, b, n, d = q.shape
@@ -22,9 +29,7 @@ def reference_attention(q, k, v):
 
 @pytest.mark.parametrize("backend, dtype", [("flash", torch.float32), ("math", torch.float64)])
 def test_matches_reference_forward_and_backward(backend, dtype):
-    config = TransformerConfig(
-        num_layers=1, hidden_size=64, num_attention_heads=4, attention_dropout=0.0, use_cpu_initialization=True
-    )
+    config = attention_config()
     attention = SdpaAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, backend=backend)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(37, 2, 4, 16, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -34,7 +39,7 @@ def test_matches_reference_forward_and_backward(backend, dtype):
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
     want = torch.autograd.grad(expected, (q, k, v), grad)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -46,9 +51,7 @@ def test_backend_selection_on_cpu():
 
 
 def test_refuses_non_causal_masks():
-    config = TransformerConfig(
-        num_layers=1, hidden_size=64, num_attention_heads=4, attention_dropout=0.0, use_cpu_initialization=True
-    )
+    config = attention_config()
     with pytest.raises(ValueError, match="causal"):
         SdpaAttention(config, layer_number=1, attn_mask_type=AttnMaskType.padding)
 

@@ -1,7 +1,5 @@
 """MFU, TGS, parameter counts and hardware figures against hand-computed values."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -89,7 +87,6 @@ def test_cpu_peak_is_measured_when_not_given():
     assert measured.peak_flops_source == "measured" and 1e8 < measured.peak_flops < 1e14
     auto = hardware.resolve(compose_config().hardware)  # this machine has no GPU
     assert auto.name == "cpu" and auto.device_type == "cpu"
-    assert dataclasses.replace(measured, peak_flops=1.0).peak_flops == 1.0
 
 
 def test_peak_rss_tracks_a_large_allocation_and_resets():

@@ -9,7 +9,7 @@ from memo.config.schema import (
     TrainConfig,
     register_configs,
 )
-from memo.config.validate import ConfigError, format_seq, parse_seq, validate
+from memo.config.validate import ConfigError, parse_seq, validate
 
 __all__ = [
     "ConfigError",
@@ -17,7 +17,6 @@ __all__ = [
     "MethodConfig",
     "ModelConfig",
     "ParallelConfig",
-    "format_seq",
     "RunConfig",
     "TrainConfig",
     "parse_seq",

@@ -39,11 +39,6 @@ def parse_seq(value: object) -> int:
     return tokens
 
 
-def format_seq(tokens: int) -> str:
-    """The shortest spelling of ``tokens`` that :func:`parse_seq` reads back (65536 → ``64k``)."""
-    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
-
-
 def _choice(key: str, value, allowed) -> None:
     if value not in allowed:
         shown = ", ".join("null" if a is None else str(a) for a in allowed)

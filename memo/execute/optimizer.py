@@ -75,7 +75,7 @@ class HostOptimizer:
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=dp_group)
             flat /= dist.get_world_size(dp_group)
-            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(reduced)
         norm = self.grad_norm(params)
         if self.clip_grad > 0 and norm > self.clip_grad:
