@@ -56,6 +56,11 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _this_host() -> Hardware:
+    memory = host_memory_bytes()
+    return dataclasses.replace(HARDWARE["cpu"], device_memory_bytes=memory, host_memory_bytes=memory)
+
+
 def detect() -> Hardware:
     """The table entry for the visible device, with its memory sizes read off this machine.
 
@@ -63,10 +68,7 @@ def detect() -> Hardware:
         ConfigError: if the visible GPU is not in :data:`HARDWARE`.
     """
     if not torch.cuda.is_available():
-        memory = host_memory_bytes()
-        return dataclasses.replace(
-            HARDWARE["cpu"], device_memory_bytes=memory, host_memory_bytes=memory
-        )
+        return _this_host()
     gpu = torch.cuda.get_device_name()
     key = next((k for spelling, k in _GPU_NAMES.items() if spelling in gpu), None)
     if key is None:
@@ -106,10 +108,7 @@ def resolve(cfg: HardwareConfig) -> Hardware:
     if cfg.name == "auto":
         base = detect()
     elif cfg.name in HARDWARE:
-        base = HARDWARE[cfg.name]
-        if base.device_type == "cpu":
-            memory = host_memory_bytes()
-            base = dataclasses.replace(base, device_memory_bytes=memory, host_memory_bytes=memory)
+        base = _this_host() if cfg.name == "cpu" else HARDWARE[cfg.name]
     else:
         required = ("peak_flops", "device_memory_gib", "host_memory_gib", "devices_per_node")
         missing = [key for key in required if getattr(cfg, key) is None]

@@ -53,19 +53,12 @@ def _is_oom(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
-def _device_type(cfg: DictConfig) -> str:
-    """"cuda" or "cpu" for the configured hardware; a GPU entry needs a visible GPU."""
-    name = cfg.hardware.name
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    entry = hardware.HARDWARE.get(name)
-    device_type = entry.device_type if entry else "cuda"
-    if device_type == "cuda" and not torch.cuda.is_available():
+def _check_device_visible(hw: hardware.Hardware) -> None:
+    if hw.device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
-            f"hardware={name} trains on a GPU and none is visible here; "
+            f"hardware={hw.name} trains on a GPU and none is visible here; "
             "use hardware=auto or hardware=cpu"
         )
-    return device_type
 
 
 def _check_runtime_support(cfg: DictConfig, device_type: str) -> None:
@@ -162,10 +155,12 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
     """Everything of a job that can fail; fills ``row`` as facts become known."""
     seq = validate(cfg)
     row["seq"] = seq
-    device_type = _device_type(cfg)
+    hw = hardware.resolve(cfg.hardware)
+    _check_device_visible(hw)
+    device_type = hw.device_type
     _check_runtime_support(cfg, device_type)
     dtype = resolve_dtype(cfg.train.dtype, device_type)
-    hw = hardware.with_measured_peak(hardware.resolve(cfg.hardware), dtype)
+    hw = hardware.with_measured_peak(hw, dtype)
     row["dtype"] = str(dtype).removeprefix("torch.")
     row.update({f"hardware.{k}": v for k, v in dataclasses.asdict(hw).items()})
     if device_type == "cuda":

@@ -2,8 +2,9 @@
 
 One step runs ``train.micro_batches`` forward/backward passes (gradients accumulate), then the
 optimizer. Its wall-clock time covers all of it, device work included (the GPU is synchronized
-before the clock stops); preparing the step's tokens happens before the clock starts. The loss reported is the mean over micro-batches and data-parallel
-replicas, the quantity the optimizer minimizes.
+before the clock stops); preparing the step's tokens happens before the clock starts. The
+loss reported is the mean over micro-batches and data-parallel replicas, the quantity the
+optimizer minimizes.
 """
 
 import time

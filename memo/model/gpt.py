@@ -42,7 +42,6 @@ class BuiltModel:
     """A model and the facts about how it was built that a result row records."""
 
     module: GPTModel
-    config: TransformerConfig
     layer_spec: str  # "te" or "local"
     attention_backend: str  # "te" or an SDPA kernel name
     params: int  # of the whole model, all shards
@@ -213,7 +212,6 @@ def build_gpt(
         gpt.cuda(torch.cuda.current_device())
     return BuiltModel(
         module=gpt,
-        config=config,
         layer_spec="te" if use_te else "local",
         attention_backend=backend,
         params=count_parameters(gpt),
