@@ -9,6 +9,7 @@ on with its next job.
 import dataclasses
 import gc
 import logging
+import math
 import platform
 import socket
 import statistics
@@ -24,13 +25,17 @@ from megatron.core import parallel_state
 from omegaconf import DictConfig, OmegaConf
 
 from memo import hardware
-from memo.config import ConfigError, validate
+from memo.config import ConfigError, parse_alpha, validate
 from memo.execute import distributed
+from memo.execute.streams import streams_for
+from memo.execute.swap import SwapRuntime
+from memo.execute.swap_setup import SwapReport, prepare_swap
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import build_gpt, resolve_dtype, uses_transformer_engine
+from memo.plan.alpha import HostMemoryError
 from memo.results import ResultWriter, flatten, git_revision
 
 log = logging.getLogger("memo")
@@ -40,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 METRIC_FIELDS = (
     "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "steps_timed",
     "iter_time_s", "iter_time_s_median", "tgs", "mfu", "loss_first", "loss_last",
+    *(f"swap.{f.name}" for f in dataclasses.fields(SwapReport)),
 )
 
 
@@ -67,14 +73,41 @@ def _check_runtime_support(cfg: DictConfig, device_type: str) -> None:
             f"parallel.pp={cfg.parallel.pp}: the training loop has no pipeline schedule yet; "
             "use parallel.pp=1"
         )
-    if device_type == "cpu" and cfg.parallel.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel=true needs GPUs (Megatron's sequence-parallel "
-            "collectives allocate on CUDA); use parallel.sequence_parallel=false on the CPU"
-        )
     if device_type == "cpu" and cfg.train.dtype == "fp16":
         raise ConfigError("train.dtype=fp16 needs a GPU (loss scaling); use fp32 or bf16 on the CPU")
-    uses_transformer_engine(cfg.parallel, device_type, cfg.train.attention_backend)
+    uses_transformer_engine(cfg.parallel, device_type, cfg.train.attention_backend, cfg.method)
+
+
+def _finite(value):
+    return None if isinstance(value, float) and math.isinf(value) else value
+
+
+def _prepare_swap(cfg: DictConfig, model, seq: int, dtype: torch.dtype, hw: hardware.Hardware):
+    """A swap runtime attached to ``model`` and ready to train, and its report."""
+    device = torch.device(hw.device_type, torch.cuda.current_device()) if hw.device_type == "cuda" \
+        else torch.device("cpu")
+    chunks = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+    runtime = SwapRuntime(cfg.model.num_layers, streams_for(device), device, chunks)
+    fixed = cfg.method.alpha if cfg.method.alpha is not None else parse_alpha(cfg.alpha)
+    host_memory = hw.host_memory_bytes or hardware.host_memory_bytes()
+    budget = host_memory / (hw.devices_per_node or 1)
+    report = prepare_swap(runtime, model, seq, cfg.train.micro_batch_size, dtype, fixed, budget)
+    return runtime, report
+
+
+def _swap_accounting(runtime: SwapRuntime, step: int, writer: ResultWriter) -> dict:
+    """One step's activation bytes: per layer into ``layers.jsonl``, totals for the step record."""
+    layers = runtime.take_accounting()
+    writer.append_layers([
+        {"step": step, "layer": r["layer"], "device_bytes": r["device"], "host_bytes": r["host"],
+         "recomputed_bytes": r["recomputed"]}
+        for r in layers
+    ])
+    return {
+        "skeletal_device_bytes": runtime.rounding_buffer_bytes + sum(r["device"] for r in layers),
+        "skeletal_host_bytes": sum(r["host"] for r in layers),
+        "recomputed_bytes": sum(r["recomputed"] for r in layers),
+    }
 
 
 def _max_over_ranks(values: dict, device_type: str) -> dict:
@@ -129,6 +162,10 @@ def run_job(
         row["status"] = "ok"
     except ConfigError as error:
         row["error"] = str(error)
+    except HostMemoryError as error:
+        row["status"] = "oohm"
+        row["error"] = str(error)
+        log.warning("%s", error)
     except Exception as error:  # noqa: BLE001 - every failure must leave its row
         if _is_oom(error):
             row["status"] = "oom"
@@ -179,6 +216,16 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
             cfg.model, cfg.method, cfg.parallel, seq, dtype, device_type, cfg.train.attention_backend
         )
         optimizer = build_optimizer(built.module, cfg.train, device_type)
+        swap = None
+        if cfg.method.layer_activations == "swap":
+            swap, report = _prepare_swap(cfg, built.module, seq, dtype, hw)
+            row.update({f"swap.{k}": _finite(v) for k, v in dataclasses.asdict(report).items()})
+            log.info(
+                "swapping: alpha %.4f (%s), %d of %d tokens per chunk, T_layer %.4f s, "
+                "B %.2f GB/s, host %.2f GiB", report.alpha, report.alpha_binding,
+                report.keep_tokens, report.tokens, report.layer_time_s,
+                report.host_bandwidth_bytes_per_s / 1e9, report.host_bytes / 2**30,
+            )
         dp_size = parallel_state.get_data_parallel_world_size()
         source = token_source(cfg.train.data, cfg.model.vocab_size, cfg.train.seed, seq)
         batches = micro_batches(
@@ -210,6 +257,8 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
             record["tgs"] = tgs(global_batch * seq, record["iter_time_s"], info.world_size)
             record["mfu"] = mfu(flops_per_iter, record["iter_time_s"], info.world_size, hw.peak_flops)
             record.update(memory.read())
+            if swap is not None:
+                record.update(_swap_accounting(swap, record["step"], writer))
             records.append(record)
             writer.append_step(record)
             if info.rank == 0:

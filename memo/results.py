@@ -19,6 +19,7 @@ from memo.config import ConfigError
 
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
+LAYERS_FILE = "layers.jsonl"  # per step and layer: activation bytes on device, on host, recomputed
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -76,7 +77,7 @@ class ResultWriter:
         self.enabled = enabled
         if not enabled:
             return
-        for name in (RESULT_FILE, METRICS_FILE):
+        for name in (RESULT_FILE, METRICS_FILE, LAYERS_FILE):
             if (self.output_dir / name).exists():
                 raise ConfigError(
                     f"{self.output_dir / name} exists from an earlier run and is kept; "
@@ -86,9 +87,16 @@ class ResultWriter:
 
     def append_step(self, record: Mapping[str, Any]) -> None:
         """Append one step's record to ``metrics.jsonl``."""
-        if self.enabled:
-            with open(self.output_dir / METRICS_FILE, "a") as f:
-                f.write(json.dumps(record, sort_keys=True, default=str) + "\n")
+        self._append(METRICS_FILE, [record])
+
+    def append_layers(self, records: list[Mapping[str, Any]]) -> None:
+        """Append one step's per-layer records (activation accounting) to ``layers.jsonl``."""
+        self._append(LAYERS_FILE, records)
+
+    def _append(self, name: str, records: list[Mapping[str, Any]]) -> None:
+        if self.enabled and records:
+            with open(self.output_dir / name, "a") as f:
+                f.writelines(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records)
 
     def write_result(self, row: Mapping[str, Any]) -> Optional[Path]:
         """Write the run's row to ``result.json``; returns its path (None when disabled)."""

@@ -84,11 +84,12 @@ def _steps(tmp_path, name: str, *overrides: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_two_processes_match_one(tmp_path):
+def test_tensor_and_sequence_parallel_two_processes_match_one(tmp_path):
     common = ["train.steps=3", *SHORT]
     tp2 = _torchrun(tmp_path, "tp2", "parallel.tp=2", *common)
+    sp2 = _torchrun(tmp_path, "sp2", "parallel.tp=2", "parallel.sequence_parallel=true", *common)
     tp1 = _steps(tmp_path, "tp1", *common)
-    for a, b in zip(tp2, tp1, strict=True):
+    for a, b in [*zip(tp2, tp1, strict=True), *zip(sp2, tp1, strict=True)]:
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 

@@ -9,7 +9,7 @@ from memo.config.schema import (
     TrainConfig,
     register_configs,
 )
-from memo.config.validate import ConfigError, parse_seq, validate
+from memo.config.validate import ConfigError, parse_alpha, parse_seq, validate
 
 __all__ = [
     "ConfigError",
@@ -19,6 +19,7 @@ __all__ = [
     "ParallelConfig",
     "RunConfig",
     "TrainConfig",
+    "parse_alpha",
     "parse_seq",
     "register_configs",
     "validate",

@@ -38,6 +38,12 @@ class MethodConfig:
     recompute_method: Optional[str] = None  # "uniform" or "block" (full only)
     recompute_num_layers: Optional[int] = None  # layers per checkpointed chunk (full only)
     recompute_modules: Optional[list[str]] = None  # selective only, e.g. ["core_attn"]
+    # Our own layer (memo.model.layer): "megatron" leaves activations to Megatron (and the
+    # recompute_* fields above); "swap" is MEMO's token-wise swapping and recomputation;
+    # "recompute" keeps each layer's input and recomputes the whole layer, attention included.
+    layer_activations: str = "megatron"
+    # swap only: a fixed fraction of tokens swapped (full_swap: 1.0); None takes the run's `alpha`.
+    alpha: Optional[float] = None
 
 
 @dataclass
@@ -94,6 +100,9 @@ class RunConfig:
 
     mode: str = "train"
     seq: str = "1k"  # tokens: 4096, 4k or 1408k (k = 1024)
+    # method=memo: the fraction of tokens whose skeletal activations are swapped to the host
+    # (the rest are recomputed), a number in [0, 1], or "auto" to solve MEMO's α problem.
+    alpha: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -4,14 +4,17 @@ Every failure is a :class:`ConfigError` whose message is one line naming the key
 and what to write instead; ``run.py`` prints it without a traceback.
 """
 
+import math
 import re
 from pathlib import Path
+from typing import Optional
 
 MODES = ("train",)
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("auto", "te", "cudnn", "flash", "efficient", "math")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+LAYER_ACTIVATIONS = ("megatron", "swap", "recompute")
 
 
 class ConfigError(ValueError):
@@ -69,6 +72,7 @@ def validate(cfg) -> int:
         )
 
     _check_method(cfg.method)
+    _check_alpha(cfg)
     _check_parallel(cfg.parallel, m, seq)
 
     t = cfg.train
@@ -92,8 +96,46 @@ def validate(cfg) -> int:
     return seq
 
 
+def parse_alpha(value: object) -> Optional[float]:
+    """``alpha`` as a number in [0, 1], or ``None`` for "auto".
+
+    Raises:
+        ConfigError: if ``value`` is neither "auto" nor a number in [0, 1].
+    """
+    if str(value).strip() == "auto":
+        return None
+    try:
+        alpha = float(value)
+    except ValueError:
+        alpha = math.nan
+    if not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"alpha={value} must be a number in [0, 1] or auto")
+    return alpha
+
+
+def _check_alpha(cfg) -> None:
+    alpha = parse_alpha(cfg.alpha)
+    m = cfg.method
+    if m.layer_activations == "swap" and m.alpha is not None:
+        parse_alpha(m.alpha)
+        if alpha is not None:
+            raise ConfigError(
+                f"alpha={cfg.alpha} has no effect with method={m.name}, which swaps "
+                f"alpha={m.alpha:g} of the tokens; drop alpha or use method=memo"
+            )
+    elif m.layer_activations != "swap" and alpha is not None:
+        raise ConfigError(f"alpha={cfg.alpha} applies to method=memo only; drop it or use method=memo")
+
+
 def _check_method(method) -> None:
     _choice("method.recompute_granularity", method.recompute_granularity, RECOMPUTE_GRANULARITIES)
+    _choice("method.layer_activations", method.layer_activations, LAYER_ACTIVATIONS)
+    if method.layer_activations != "megatron" and method.recompute_granularity is not None:
+        raise ConfigError(
+            f"method.recompute_granularity={method.recompute_granularity} is Megatron's "
+            f"recomputation and cannot be combined with method.layer_activations="
+            f"{method.layer_activations}; set one of them"
+        )
     if method.recompute_granularity == "full":
         _choice("method.recompute_method", method.recompute_method, RECOMPUTE_METHODS)
         if method.recompute_num_layers is None or method.recompute_num_layers < 1:

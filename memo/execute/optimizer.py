@@ -46,6 +46,19 @@ def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def _all_reduce(tensors: list[torch.Tensor], group, average: bool = False) -> None:
+    """Sum (or average) ``tensors`` over ``group`` in place, as one flat buffer."""
+    size = dist.get_world_size(group)
+    if size == 1 or not tensors:
+        return
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= size
+    for tensor, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+        tensor.copy_(reduced)
+
+
 class HostOptimizer:
     """``torch.optim.AdamW`` with Megatron's data-parallel averaging and global-norm clipping."""
 
@@ -70,13 +83,12 @@ class HostOptimizer:
     def step(self, lr: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
+        # Under sequence parallelism each tensor-parallel rank saw only its slice of the
+        # sequence, so the weights applied to slices (norms, row-parallel biases) hold partial sums.
+        _all_reduce([p.grad for p in params if getattr(p, "sequence_parallel", False)],
+                    parallel_state.get_tensor_model_parallel_group())
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if dist.get_world_size(dp_group) > 1:
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=dp_group)
-            flat /= dist.get_world_size(dp_group)
-            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-                grad.copy_(reduced)
+        _all_reduce(grads, dp_group, average=True)
         norm = self.grad_norm(params)
         if self.clip_grad > 0 and norm > self.clip_grad:
             torch._foreach_mul_(grads, self.clip_grad / (norm + 1e-6))

@@ -38,14 +38,23 @@ def causal_attention(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
     grouped: bool = False,
+    runtime=None,
 ) -> torch.Tensor:
-    """Causal attention with one SDPA kernel: ``[s, b, heads, dim]`` in, ``[s, b, heads·dim]`` out."""
+    """Causal attention with one SDPA kernel: ``[s, b, heads, dim]`` in, ``[s, b, heads·dim]`` out.
+
+    ``runtime`` (a :class:`memo.execute.swap.SwapRuntime`) sees the kernel's inputs and may
+    replay its output instead of running it.
+    """
     # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take strided batch and head dims.
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-    with sdpa_kernel([_CANDIDATES[backend]]):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
-        )
+
+    def kernel() -> torch.Tensor:
+        with sdpa_kernel([_CANDIDATES[backend]]):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
+            )
+
+    out = kernel() if runtime is None else runtime.attention(q, k, v, kernel)
     b, n, s, d = out.shape
     return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
@@ -98,6 +107,7 @@ class SdpaAttention(MegatronModule):
     ):
         super().__init__(config=config)
         self.backend = backend
+        self.runtime = None  # a SwapRuntime, attached after the model is built
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SdpaAttention supports causal masks only, not {attn_mask_type}")
         if config.context_parallel_size > 1:
@@ -131,4 +141,5 @@ class SdpaAttention(MegatronModule):
             scale=self.softmax_scale,
             dropout_p=self.dropout if self.training else 0.0,
             grouped=self.grouped,
+            runtime=self.runtime,
         )

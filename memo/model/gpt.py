@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.host import HostRotaryEmbedding, use_host_rng
+from memo.model.layer import MemoTransformerLayer
 from memo.model.norm import LayerNorm
 
 try:
@@ -126,8 +127,11 @@ def transformer_config(
     )
 
 
-def _local_block_spec(config: TransformerConfig, attention_backend: str) -> ModuleSpec:
+def _local_block_spec(config: TransformerConfig, attention_backend: str, layer_activations: str) -> ModuleSpec:
     layer = get_gpt_layer_local_spec()
+    if layer_activations != "megatron":
+        layer.module = MemoTransformerLayer
+        layer.params = {**layer.params, "activations": layer_activations}
     layer.submodules.input_layernorm = LayerNorm
     layer.submodules.pre_mlp_layernorm = LayerNorm
     layer.submodules.self_attention.submodules.core_attention = functools.partial(
@@ -140,14 +144,29 @@ def _local_block_spec(config: TransformerConfig, attention_backend: str) -> Modu
     )
 
 
-def uses_transformer_engine(parallel: ParallelConfig, device_type: str, attention_backend: str) -> bool:
+def uses_transformer_engine(
+    parallel: ParallelConfig, device_type: str, attention_backend: str, method: MethodConfig
+) -> bool:
     """Whether the model is built from Transformer Engine's layers (else the local spec).
+
+    MEMO's own layers (``method.layer_activations`` other than "megatron") are built on the
+    local spec, whose attention and norms the swap runtime knows how to take apart.
 
     Raises:
         ConfigError: if the run needs Transformer Engine (``attention_backend=te``, or context
             parallelism) and it cannot be used here.
     """
-    use_te = device_type == "cuda" and HAVE_TE and attention_backend in ("auto", "te")
+    if method.layer_activations != "megatron" and (attention_backend == "te" or parallel.cp > 1):
+        setting = "train.attention_backend=te" if attention_backend == "te" else f"parallel.cp={parallel.cp}"
+        raise ConfigError(
+            f"method={method.name} runs on Megatron's local layers, so {setting} (Transformer "
+            "Engine's attention) is not supported with it yet; use train.attention_backend=auto "
+            "and parallel.cp=1"
+        )
+    use_te = (
+        device_type == "cuda" and HAVE_TE and attention_backend in ("auto", "te")
+        and method.layer_activations == "megatron"
+    )
     if attention_backend == "te" and not use_te:
         raise ConfigError(
             "train.attention_backend=te needs Transformer Engine on a GPU (pip install '.[gpu]'); "
@@ -179,7 +198,7 @@ def build_gpt(
         ConfigError: if the attention backend asked for is not available here.
     """
     config = transformer_config(model, method, parallel, dtype, device_type)
-    use_te = uses_transformer_engine(parallel, device_type, attention_backend)
+    use_te = uses_transformer_engine(parallel, device_type, attention_backend, method)
     if use_te:
         spec = ModuleSpec(
             module=TransformerBlock,
@@ -188,7 +207,7 @@ def build_gpt(
         backend = "te"
     else:
         backend = select_backend(device_type, dtype, config.kv_channels, attention_backend)
-        spec = _local_block_spec(config, backend)
+        spec = _local_block_spec(config, backend, method.layer_activations)
 
     gpt = GPTModel(
         config=config,

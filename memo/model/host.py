@@ -1,15 +1,19 @@
 """What Megatron-core needs to run where PyTorch has no CUDA (CPU-only builds).
 
-Two places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
+Three places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
 
 * ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()``.
   :class:`HostRotaryEmbedding` keeps them where they are.
 * Activation checkpointing (``tensor_parallel.checkpoint``, used by full and selective
-  recomputation) saves and restores the CUDA generator's state around every recomputed region.
+  recomputation) saves and restores the CUDA generator's state around every recomputed region,
+  and the embedding forks the tracker's "model-parallel-rng" state under sequence parallelism.
   Without CUDA there is no such generator, and the CPU generator, which Megatron saves as well,
   is the only source of randomness; :func:`use_host_rng` makes the CUDA half a placeholder.
+* The sequence-parallel collectives and the tensor-parallel linear layers allocate their
+  gather and reduce-scatter outputs on ``torch.cuda.current_device()``. On a build without
+  CUDA that call can only fail, so :func:`use_host_rng` answers it with the host device.
 
-Both are no-ops for runs on a GPU.
+All are no-ops for runs on a GPU.
 """
 
 import torch
@@ -38,8 +42,12 @@ def _ignore_cuda_rng_state(*_args, **_kwargs) -> None:
     return None
 
 
+def _host_device() -> str:
+    return "cpu"
+
+
 def use_host_rng() -> None:
-    """Let Megatron-core's activation checkpointing run without CUDA (idempotent).
+    """Let Megatron-core's checkpointing and tensor-parallel layers run without CUDA (idempotent).
 
     Only the CUDA generator's bookkeeping is replaced; the CPU generator is still saved before
     and restored for every recomputation, so dropout masks (if any) are replayed exactly.
@@ -48,3 +56,7 @@ def use_host_rng() -> None:
         return
     megatron_random._get_cuda_rng_state = _no_cuda_rng_state
     megatron_random._set_cuda_rng_state = _ignore_cuda_rng_state
+    tracker = megatron_random.get_cuda_rng_tracker()
+    names = ("model-parallel-rng", "data-parallel-rng", "expert-parallel-rng")
+    tracker.set_states({name: _no_cuda_rng_state() for name in names})
+    torch.cuda.current_device = _host_device

@@ -1,0 +1,556 @@
+"""MEMO's token-wise swapping and recomputation of skeletal activations.
+
+A transformer layer's forward pass saves tensors for its backward pass (its *skeletal*
+activations). :class:`SwapRuntime` intercepts them with saved-tensor hooks and, for every layer
+but the last two:
+
+* copies the layer input and what attention produced (its output and log-sum-exp) whole, and the
+  first ``k = ⌊α·S⌋`` tokens of every other saved tensor, into rounding buffer ``i % 2``; the
+  other tokens are dropped;
+* sends that buffer to its region of one host slab on the D2H stream once the layer's forward is
+  done; layer ``i + 2`` waits for that copy before it writes the same buffer;
+* at the start of layer ``i + 1``'s backward pass (layer ``i + 2``'s is then finished and its
+  buffer free) brings layer ``i``'s region back on the H2D stream, after the D2H copy of it;
+* at the start of layer ``i``'s backward pass waits for that copy and recomputes tokens
+  ``k .. S`` from the layer input and the attention output of those tokens only, by running the
+  layer again on them with attention replayed from the buffer; the saved tensors it produces
+  fill the dropped rows of the buffer, which backward then reads.
+
+Every layer saves the same sequence of tensors (all layers have one shape), so their layout in
+the buffer (:class:`LayerLayout`) is found once, before training, by :meth:`SwapRuntime.discover`.
+Tensors keep Megatron's ``[s, b, ...]`` layout (tokens first, attention's ``[b, heads, s, ...]``
+is turned around), so a token prefix is one contiguous block.
+
+Under sequence parallelism each rank holds ``S = s / tp`` tokens of the layer input, while the
+tensors between the gather and the reduce-scatter have all ``tp·S`` tokens, as ``tp`` chunks of
+``S``; the first ``k`` tokens of every chunk are kept. Recomputation runs the same collectives on
+the dropped tokens of every rank, which are exactly those chunks' tails.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from memo.execute.streams import Streams
+
+INPUT, ATTENTION, TOKENS, ALIAS = "input", "attention", "tokens", "alias"
+_ALIGN = 256  # bytes; each rounding-buffer slot starts at a multiple, as allocator blocks do
+_SMALL = 4096  # elements; attention's scalars (RNG seeds) stay where they are
+
+
+@dataclass
+class Slot:
+    """One saved tensor of a layer: how to find its tokens and where it is kept.
+
+    ``shape`` is token-major: the saved tensor with its token dimension moved to the front.
+    """
+
+    kind: str  # INPUT, ATTENTION, TOKENS or ALIAS
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    token_dim: int  # where tokens sit in the tensor as saved
+    chunks: int  # shape[0] // S: tp for tensors gathered over sequence parallelism, else 1
+    role: Optional[str] = None  # inside attention: "q", "k", "v", "out" or "product"
+    alias_of: Optional[int] = None  # ALIAS: the slot whose memory this tensor views
+    alias_stride: Optional[tuple[int, ...]] = None
+    saved_shape: Optional[tuple[int, ...]] = None  # ALIAS: shape as saved
+    offset: int = 0  # bytes into a rounding buffer
+    host_offset: int = 0  # bytes into a layer's host region
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def rows_swapped(self, k: int, tokens: int) -> int:
+        """Rows of each chunk that go to the host: all of them unless the slot is TOKENS."""
+        if self.kind == ALIAS:
+            return 0
+        return k if self.kind == TOKENS else tokens
+
+    def swapped_bytes(self, k: int, tokens: int) -> int:
+        return self.nbytes * self.rows_swapped(k, tokens) // tokens
+
+
+@dataclass
+class LayerLayout:
+    """The saved tensors of one layer, in the order its forward pass saves them."""
+
+    slots: list[Slot]
+    tokens: int  # S: tokens of the layer input on this rank
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of one rounding buffer: every slot whole."""
+        return max((s.offset + s.nbytes for s in self.slots), default=0)
+
+    def host_bytes(self, k: int) -> int:
+        """Bytes one layer sends to the host keeping ``k`` tokens per chunk."""
+        return sum(s.swapped_bytes(k, self.tokens) for s in self.slots)
+
+    def bytes_of(self, kind: str) -> int:
+        return sum(s.nbytes for s in self.slots if s.kind == kind)
+
+    def same_as(self, other: "LayerLayout") -> bool:
+        key = lambda s: (s.kind, s.shape, s.dtype, s.token_dim, s.chunks, s.role)  # noqa: E731
+        return self.tokens == other.tokens and list(map(key, self.slots)) == list(map(key, other.slots))
+
+
+def _canonical(t: torch.Tensor, token_dim: int) -> torch.Tensor:
+    return t.movedim(token_dim, 0)
+
+
+def _covers_exactly(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``t`` views exactly the memory of contiguous ``base`` (a reshape of it)."""
+    if t.data_ptr() != base.data_ptr() or t.numel() != base.numel() or t.dtype != base.dtype:
+        return False
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return last == t.numel() - 1
+
+
+@dataclass
+class _LayerState:
+    """One layer's swap in one forward/backward pass."""
+
+    index: int
+    kwargs: dict  # the forward's arguments but ``hidden_states``, for recomputation
+    offloaded: object = None  # event: D2H of this layer finished
+    prefetched: object = None  # event: H2D of this layer finished
+    ready: bool = False  # prefetched and recomputed: its backward may read the buffer
+
+
+@dataclass
+class _Capture:
+    """What the hooks need while one layer's forward (or its recomputation) runs."""
+
+    mode: str  # "discover", "forward" or "replay"
+    state: Optional[_LayerState]
+    tokens: int
+    input: Optional[torch.Tensor] = None
+    params: set = field(default_factory=set)
+    slots: list = field(default_factory=list)  # discover: slots found so far
+    sources: dict = field(default_factory=dict)  # slot -> tensor, attention products (aliases)
+    cursor: int = 0  # forward/replay: next slot
+    attention: Optional[tuple] = None  # (q, k, v) while attention runs
+    outer: list = field(default_factory=list)  # replay: slot indices outside attention
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on a layer's output whose backward marks the start of that layer's backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, runtime, index):
+        ctx.runtime, ctx.index = runtime, index
+        return hidden.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.runtime.backward_started(ctx.index)
+        return grad, None, None
+
+
+class SwapRuntime:
+    """Token-wise swapping and recomputation for the layers of one model replica.
+
+    Args:
+        num_layers: transformer layers of the model (n); the last two never swap.
+        streams: compute, D2H and H2D streams (:mod:`memo.execute.streams`).
+        device: where the rounding buffers live.
+        sequence_chunks: tp under sequence parallelism, else 1.
+    """
+
+    def __init__(self, num_layers: int, streams: Streams, device: torch.device, sequence_chunks: int = 1):
+        self.num_layers = num_layers
+        self.swapped_layers = max(num_layers - 2, 0)
+        self.streams = streams
+        self.device = device
+        self.sequence_chunks = sequence_chunks
+        self.layout: Optional[LayerLayout] = None
+        self.keep_tokens: Optional[int] = None  # k
+        self.buffers: list[torch.Tensor] = []
+        self.slab: Optional[torch.Tensor] = None
+        self.layers: list = []
+        self._states: dict[int, _LayerState] = {}
+        self._buffer_owner: list[Optional[_LayerState]] = [None, None]
+        self._buffer_free: list[object] = [None, None]
+        self._capture: Optional[_Capture] = None
+        self._accounting: dict[int, dict[str, int]] = {}
+
+    # ----------------------------------------------------------------- set-up
+
+    def attach(self, layers: list) -> None:
+        """Let ``layers`` (:class:`memo.model.layer.MemoTransformerLayer`, in order) swap here."""
+        if len(layers) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} layers, got {len(layers)}")
+        self.layers = list(layers)
+        for layer in self.layers:
+            layer.runtime = self
+            layer.self_attention.core_attention.runtime = self
+
+    def discover(self, layer, kwargs: dict) -> LayerLayout:
+        """Run ``layer`` forward once on ``kwargs`` and return the layout of what it saves.
+
+        The input (``kwargs["hidden_states"]``) must require grad, as in training.
+        """
+        capture = _Capture("discover", None, kwargs["hidden_states"].shape[0])
+        self._run_captured(layer, kwargs, capture, self._pack, lambda t: t)
+        layout = LayerLayout(capture.slots, capture.tokens)
+        _place(layout)
+        return layout
+
+    def allocate(self, layout: LayerLayout, keep_tokens: int, pin: bool) -> None:
+        """Allocate the two rounding buffers and the host slab for ``keep_tokens`` tokens per chunk.
+
+        Args:
+            pin: page-lock the slab (on a GPU); it is registered whole, at its exact size.
+        """
+        if not 0 <= keep_tokens <= layout.tokens:
+            raise ValueError(f"keep_tokens={keep_tokens} outside [0, {layout.tokens}]")
+        self.release()
+        self.layout, self.keep_tokens = layout, keep_tokens
+        self.buffers = [torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        _place_host(layout, keep_tokens)
+        self.slab = torch.empty(self.swapped_layers * layout.host_bytes(keep_tokens), dtype=torch.uint8)
+        if pin and self.slab.numel():
+            _register(self.slab)
+
+    def release(self) -> None:
+        """Give back the buffers and the slab."""
+        if self.slab is not None and self.device.type == "cuda" and self.slab.numel():
+            torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
+        self.buffers, self.slab = [], None
+
+    # ------------------------------------------------------------- accounting
+
+    @property
+    def rounding_buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def take_accounting(self) -> list[dict]:
+        """Per-layer bytes since the last call: ``device`` (skeletal bytes left resident on the
+        device after the layer's forward), ``host`` (sent to the host) and ``recomputed``."""
+        rows = [{"layer": i, **v} for i, v in sorted(self._accounting.items())]
+        self._accounting = {}
+        return rows
+
+    def _account(self, index: int, key: str, nbytes: int) -> None:
+        entry = self._accounting.setdefault(index, {"device": 0, "host": 0, "recomputed": 0})
+        entry[key] += nbytes
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, layer, kwargs: dict):
+        """Run ``layer``'s forward pass (keyword arguments as Megatron passes them) with swapping."""
+        index = self.layers.index(layer)
+        if index >= self.swapped_layers:
+            output, context = self._resident_forward(layer, index, kwargs)
+        else:
+            output, context = self._swapped_forward(layer, index, kwargs)
+        return _BackwardStart.apply(output, self, index), context
+
+    def _resident_forward(self, layer, index: int, kwargs: dict):
+        seen = set()
+
+        def count(t):
+            key = (t.data_ptr(), t.numel() * t.element_size())
+            if not isinstance(t, torch.nn.Parameter) and key not in seen:
+                seen.add(key)
+                self._account(index, "device", key[1])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            return layer.run(**kwargs)
+
+    def _swapped_forward(self, layer, index: int, kwargs: dict):
+        if self.layout is None:
+            raise RuntimeError("SwapRuntime.allocate must run before training")
+        hidden = kwargs["hidden_states"]
+        for key in ("context", "packed_seq_params", "sequence_len_offset", "inference_context",
+                    "attention_bias", "rotary_pos_cos", "rotary_pos_sin", "padding_mask"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"memo's swapping does not support the layer argument {key}")
+        state = _LayerState(index, {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        b = index % 2
+        # The D2H copy of the buffer's previous layer must be done before it is overwritten.
+        self.streams.wait(self.streams.compute, self._buffer_free[b])
+        self._buffer_owner[b] = state
+        capture = _Capture("forward", state, hidden.shape[0])
+        result = self._run_captured(layer, kwargs, capture, self._pack, self._unpack)
+        if capture.cursor != len(self.layout.slots):
+            raise RuntimeError(f"layer {index} saved {capture.cursor} tensors, layer layout has {len(self.layout.slots)}")
+        self._offload(state)
+        self._states[index] = state
+        return result
+
+    def _run_captured(self, layer, kwargs: dict, capture: _Capture, pack, unpack):
+        capture.input = kwargs["hidden_states"]
+        capture.params = {p.data_ptr() for p in layer.parameters()}
+        self._capture = capture
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return layer.run(**kwargs)
+        finally:
+            self._capture = None
+
+    def _offload(self, state: _LayerState) -> None:
+        s = self.streams
+        b = state.index % 2
+        s.wait(s.d2h, s.record(s.compute))
+        for j, slot in enumerate(self.layout.slots):
+            if slot.kind != ALIAS:
+                s.copy(s.d2h, self._host_view(state.index, slot), self._swapped_part(b, j))
+        state.offloaded = self._buffer_free[b] = s.record(s.d2h)
+        self._account(state.index, "host", self.layout.host_bytes(self.keep_tokens))
+
+    # ------------------------------------------------------------------ hooks
+
+    def _classify(self, t: torch.Tensor, capture: _Capture) -> Optional[Slot]:
+        """The slot a saved tensor belongs in, or ``None`` for one left where it is."""
+        if isinstance(t, torch.nn.Parameter) or t.data_ptr() in capture.params:
+            return None
+        S, chunks = capture.tokens, self.sequence_chunks
+        if capture.attention is not None:
+            q, k, v = capture.attention
+            for role, x in (("q", q), ("k", k), ("v", v)):
+                if t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.stride() == x.stride():
+                    return Slot(TOKENS, tuple(_canonical(t, 2).shape), t.dtype, 2, chunks, role)
+            if t.dim() >= 3 and t.shape[2] == S * chunks:
+                return Slot(ATTENTION, tuple(_canonical(t, 2).shape), t.dtype, 2, chunks, "product")
+            if t.numel() <= _SMALL:
+                return None
+            raise RuntimeError(f"memo cannot place a tensor of shape {tuple(t.shape)} saved by attention")
+        if t is capture.input or (t.data_ptr() == capture.input.data_ptr() and t.shape == capture.input.shape):
+            return Slot(INPUT, tuple(t.shape), t.dtype, 0, 1)
+        for j, source in capture.sources.items():
+            if _covers_exactly(t, source):
+                return Slot(ALIAS, (), t.dtype, 0, 1, alias_of=j, alias_stride=t.stride(),
+                            saved_shape=tuple(t.shape))
+        if t.dim() >= 1 and t.shape[0] in (S, S * chunks):
+            return Slot(TOKENS, tuple(t.shape), t.dtype, 0, t.shape[0] // S)
+        raise RuntimeError(
+            f"memo cannot find the tokens of a saved tensor of shape {tuple(t.shape)}: every "
+            f"tensor a layer saves must have {S} or {S * chunks} tokens in its first dimension"
+        )
+
+    def _pack(self, t: torch.Tensor):
+        capture = self._capture
+        slot = self._classify(t, capture)
+        if slot is None:
+            return t
+        if capture.mode == "discover":
+            capture.slots.append(slot)
+            j = len(capture.slots) - 1
+            if slot.kind == ATTENTION:
+                capture.sources[j] = _canonical(t, 2) if _canonical(t, 2).is_contiguous() else t
+            return t
+        j = capture.cursor
+        expected = self.layout.slots[j] if j < len(self.layout.slots) else None
+        if expected is None or (slot.kind, slot.shape, slot.dtype, slot.alias_of) != (
+            expected.kind, expected.shape, expected.dtype, expected.alias_of
+        ):
+            raise RuntimeError(
+                f"layer {capture.state.index} saved tensor #{j} ({slot.kind} {slot.shape}) unlike "
+                "the layer layout: memo needs every layer to save the same tensors"
+            )
+        capture.cursor += 1
+        if slot.kind == ATTENTION:
+            canonical = _canonical(t, 2)
+            capture.sources[j] = canonical if canonical.is_contiguous() else t
+        if slot.kind != ALIAS:
+            source = _canonical(t, expected.token_dim)
+            if expected.kind == TOKENS:
+                source = _split(source, expected, capture.tokens, self.keep_tokens)[0]
+            self.streams.copy(self.streams.compute, self._swapped_part(capture.state.index % 2, j), source)
+        return (capture.state, j)
+
+    def _unpack(self, handle):
+        if isinstance(handle, torch.Tensor):
+            return handle
+        state, j = handle
+        if not state.ready or self._buffer_owner[state.index % 2] is not state:
+            raise RuntimeError(
+                f"layer {state.index}'s activations were read before they were reloaded"
+            )
+        return self._saved_view(state.index % 2, j)
+
+    # --------------------------------------------------------------- attention
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute: Callable):
+        """Core attention under swapping: ``q, k, v`` as the kernel takes them
+        (``[b, heads, s, dim]``), ``compute()`` runs the kernel and returns its output."""
+        capture = self._capture
+        if capture is None:
+            return compute()
+        if capture.mode == "replay":
+            for role, x in (("q", q), ("k", k), ("v", v)):
+                self._fill(capture, self._slot_index(role), x)
+            out = self._slot_index("out")
+            _, dropped = _split(self._slot_tensor(capture.state.index % 2, out), self.layout.slots[out],
+                                capture.tokens, self.keep_tokens)
+            return dropped.flatten(0, 1).movedim(0, 2)
+        capture.attention = (q, k, v)
+        try:
+            out = compute()
+        finally:
+            capture.attention = None
+        for j, source in capture.sources.items():
+            if source.data_ptr() == out.data_ptr():
+                if capture.mode == "discover":
+                    capture.slots[j].role = "out"
+                elif self.layout.slots[j].role != "out":
+                    raise RuntimeError("attention's output moved between layers")
+                break
+        else:
+            raise RuntimeError("memo could not find attention's output among its saved tensors")
+        return out
+
+    def _slot_index(self, role: str) -> int:
+        return next(j for j, s in enumerate(self.layout.slots) if s.role == role)
+
+    # ---------------------------------------------------------------- backward
+
+    def backward_started(self, index: int) -> None:
+        """Called as layer ``index``'s backward pass begins (layer ``index + 1``'s is done)."""
+        s = self.streams
+        released = s.record(s.compute)
+        below = index - 1
+        if 0 <= below < self.swapped_layers:
+            self._prefetch(self._states[below], released)
+        if index < self.swapped_layers:
+            state = self._states.pop(index)
+            if state.prefetched is None:
+                self._prefetch(state, released)
+            s.wait(s.compute, state.prefetched)
+            if self.keep_tokens < self.layout.tokens:
+                self._recompute(state)
+            state.ready = True
+
+    def _prefetch(self, state: _LayerState, released: object) -> None:
+        s = self.streams
+        b = state.index % 2
+        s.wait(s.h2d, released)  # the buffer's previous layer finished its backward
+        s.wait(s.h2d, state.offloaded)  # and this layer's own D2H is complete
+        self._buffer_owner[b] = state
+        for j, slot in enumerate(self.layout.slots):
+            if slot.kind != ALIAS:
+                s.copy(s.h2d, self._swapped_part(b, j), self._host_view(state.index, slot))
+        state.prefetched = s.record(s.h2d)
+
+    def _recompute(self, state: _LayerState) -> None:
+        layout, k = self.layout, self.keep_tokens
+        b = state.index % 2
+        inputs = [j for j, s in enumerate(layout.slots) if s.kind == INPUT]
+        hidden = self._slot_tensor(b, inputs[0])[k:].detach().requires_grad_(True)
+        kwargs = dict(state.kwargs, hidden_states=hidden)
+        rope = kwargs.get("rotary_pos_emb")
+        if rope is not None:
+            kwargs["rotary_pos_emb"] = _tail_rows(rope, self.sequence_chunks, k)
+        capture = _Capture("replay", state, layout.tokens)
+        capture.outer = [j for j, s in enumerate(layout.slots) if s.role is None]
+        with torch.enable_grad():
+            self._run_captured(self.layers[state.index], kwargs, capture, self._collect, _never)
+        if capture.cursor != len(capture.outer):
+            raise RuntimeError(f"recomputing layer {state.index} saved {capture.cursor} of {len(capture.outer)} tensors")
+
+    def _collect(self, t: torch.Tensor):
+        capture = self._capture
+        if isinstance(t, torch.nn.Parameter) or t.data_ptr() in capture.params:
+            return None
+        if capture.cursor >= len(capture.outer):
+            raise RuntimeError(f"recomputing layer {capture.state.index} saved more tensors than its forward")
+        j = capture.outer[capture.cursor]
+        capture.cursor += 1
+        self._fill(capture, j, t)
+        return None
+
+    def _fill(self, capture: _Capture, j: int, t: torch.Tensor) -> None:
+        """Write recomputed tokens ``t`` into the dropped rows of slot ``j``."""
+        slot = self.layout.slots[j]
+        if slot.kind in (INPUT, ALIAS):
+            return  # kept whole on the host, nothing to recompute
+        canonical = _canonical(t, slot.token_dim)
+        dropped = slot.chunks * (capture.tokens - self.keep_tokens)
+        rest = slot.shape[1:]
+        if tuple(canonical.shape) != (dropped, *rest) or canonical.dtype != slot.dtype:
+            raise RuntimeError(
+                f"recomputing layer {capture.state.index} gave {tuple(canonical.shape)} for slot {j}, "
+                f"expected {(dropped, *rest)}"
+            )
+        _, tail = _split(self._slot_tensor(capture.state.index % 2, j), slot, capture.tokens, self.keep_tokens)
+        tail.copy_(canonical.reshape(tail.shape))
+        self._account(capture.state.index, "recomputed", canonical.numel() * canonical.element_size())
+
+    # ---------------------------------------------------------------- views
+
+    def _slot_tensor(self, b: int, j: int) -> torch.Tensor:
+        """Slot ``j`` of rounding buffer ``b``, token-major."""
+        slot = self.layout.slots[j]
+        raw = self.buffers[b][slot.offset: slot.offset + slot.nbytes]
+        return raw.view(slot.dtype).view(slot.shape)
+
+    def _saved_view(self, b: int, j: int) -> torch.Tensor:
+        """Slot ``j`` shaped as the tensor its layer saved."""
+        slot = self.layout.slots[j]
+        if slot.kind == ALIAS:
+            flat = self._slot_tensor(b, slot.alias_of).view(-1)
+            return flat.as_strided(slot.saved_shape, slot.alias_stride)
+        return self._slot_tensor(b, j).movedim(0, slot.token_dim)
+
+    def _swapped_part(self, b: int, j: int) -> torch.Tensor:
+        """The rows of slot ``j`` in buffer ``b`` that the host keeps, ``[chunks, k, ...]`` for TOKENS."""
+        slot, full = self.layout.slots[j], self._slot_tensor(b, j)
+        return _split(full, slot, self.layout.tokens, self.keep_tokens)[0] if slot.kind == TOKENS else full
+
+    def _host_view(self, index: int, slot: Slot) -> torch.Tensor:
+        tokens, k = self.layout.tokens, self.keep_tokens
+        start = index * self.layout.host_bytes(k) + slot.host_offset
+        raw = self.slab[start: start + slot.swapped_bytes(k, tokens)]
+        if slot.kind == TOKENS:
+            return raw.view(slot.dtype).view(slot.chunks, k, *slot.shape[1:])
+        return raw.view(slot.dtype).view(slot.shape)
+
+
+def _split(t: torch.Tensor, slot: Slot, tokens: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``k`` and the other rows of every chunk of token-major ``t``, as
+    ``[chunks, rows, ...]`` views."""
+    chunked = t.unflatten(0, (slot.chunks, tokens))
+    return chunked[:, :k], chunked[:, k:]
+
+
+def _tail_rows(t: torch.Tensor, chunks: int, k: int) -> torch.Tensor:
+    """Rows ``k ..`` of every one of ``chunks`` equal chunks of ``t`` (token-major), joined."""
+    return t.unflatten(0, (chunks, t.shape[0] // chunks))[:, k:].flatten(0, 1)
+
+
+def _never(_handle):
+    raise RuntimeError("a recomputation's saved tensors are never read")
+
+
+def _place(layout: LayerLayout) -> None:
+    """Give every slot but aliases its own aligned range of a rounding buffer."""
+    offset = 0
+    for slot in layout.slots:
+        if slot.kind != ALIAS:
+            slot.offset = offset
+            offset += -(-slot.nbytes // _ALIGN) * _ALIGN
+
+
+def _place_host(layout: LayerLayout, k: int) -> None:
+    """Pack the swapped parts of a layer's slots back to back, widest element type first so
+    every part stays aligned without padding: a host region is exactly ``host_bytes(k)``."""
+    offset = 0
+    for slot in sorted((s for s in layout.slots if s.kind != ALIAS), key=lambda s: -s.dtype.itemsize):
+        slot.host_offset = offset
+        offset += slot.swapped_bytes(k, layout.tokens)
+
+
+def _register(slab: torch.Tensor) -> None:
+    """Page-lock ``slab`` in place: one registration of the exact size, where the pinned
+    allocator would round a request up to a power of two."""
+    error = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0)
+    if int(error) != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of {slab.numel() / 2**30:.2f} GiB failed (error {int(error)}): "
+            "raise the locked-memory limit (ulimit -l) or lower hardware.host_memory_gib"
+        )

@@ -1,0 +1,154 @@
+"""Before training with swapping: measure one layer, solve α, allocate buffers and the host slab.
+
+1. Run layer 0 forward on a random input of the training shape: the tensors it saves give the
+   layer layout and S_input, S_attn, S_other; two more forwards give T_layer.
+2. Check the host constraint (``oohm`` if even α = 0 does not fit) and allocate the rounding
+   buffers and the pinned slab for the largest α the host allows.
+3. Measure B by copying a rounding buffer into that slab on the D2H stream.
+4. ``alpha=auto``: solve α; if it is smaller, allocate the slab again at its exact size.
+
+Every process of a model replica must swap the same number of tokens (the recomputation's
+collectives see their shapes), so the smallest k over all processes is used.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from memo.execute.swap import ATTENTION, INPUT, TOKENS, SwapRuntime
+from memo.plan.alpha import SkeletalBytes, check_host, host_bound, solve_alpha
+
+
+@dataclass(frozen=True)
+class SwapReport:
+    """What a run with swapping decided and measured; every field goes into its result row."""
+
+    alpha: float  # swapped fraction actually used: keep_tokens / tokens
+    alpha_binding: str  # "bandwidth", "host", "none" (α = 1) or "fixed" (given)
+    alpha_bandwidth: Optional[float]  # the bandwidth constraint's bound on α (None: fixed α)
+    alpha_host: float  # the host constraint's bound on α
+    keep_tokens: int  # k: tokens per chunk swapped
+    tokens: int  # S: tokens of a layer input on this device
+    swapped_layers: int
+    layer_time_s: float  # T_layer: one layer's forward
+    host_bandwidth_bytes_per_s: float  # B: device-to-host copies into the slab
+    host_budget_bytes: int  # M_host
+    host_bytes: int  # the slab: what all swapped layers keep on the host
+    rounding_buffer_bytes: int  # both buffers
+    skeletal_input_bytes: int  # S_input of one layer
+    skeletal_attention_bytes: int  # S_attn
+    skeletal_other_bytes: int  # S_other
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _layer_time(layer, kwargs: dict, device: torch.device, repeats: int = 2) -> float:
+    """Seconds of one forward of ``layer`` with autograd recording, best of ``repeats``."""
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        layer.run(**kwargs)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _bandwidth(runtime: SwapRuntime, device: torch.device, repeats: int = 3) -> float:
+    """Bytes/s of a copy from a rounding buffer into the host slab on the D2H stream."""
+    n = min(runtime.buffers[0].numel(), runtime.slab.numel())
+    if n == 0:
+        return math.inf
+    src, dst, s = runtime.buffers[0][:n], runtime.slab[:n], runtime.streams
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        s.copy(s.d2h, dst, src)
+        s.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return n / best
+
+
+def _min_over_processes(value: int, device: torch.device) -> int:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def prepare_swap(
+    runtime: SwapRuntime,
+    model,
+    seq: int,
+    micro_batch_size: int,
+    dtype: torch.dtype,
+    alpha: Optional[float],
+    host_budget: float,
+) -> SwapReport:
+    """Attach ``runtime`` to ``model`` (a Megatron ``GPTModel``) and get it ready to train.
+
+    Args:
+        seq: tokens per sequence (all tensor-parallel ranks together).
+        micro_batch_size: sequences per micro-batch.
+        alpha: a fixed swap ratio, or ``None`` to solve for it.
+        host_budget: bytes of host memory this process may fill with activations (M_host).
+
+    Raises:
+        HostMemoryError: if the swapped activations cannot fit in ``host_budget``.
+    """
+    device = runtime.device
+    layers = list(model.decoder.layers)
+    runtime.attach(layers)
+    config = model.config
+    tokens = seq // runtime.sequence_chunks
+    # A generator of its own: measuring must not move the RNG that training draws from.
+    generator = torch.Generator(device.type).manual_seed(0)
+    hidden = torch.randn(tokens, micro_batch_size, config.hidden_size, dtype=dtype, device=device,
+                         generator=generator, requires_grad=True)
+    kwargs = {"hidden_states": hidden, "attention_mask": None, "rotary_pos_emb": model.rotary_pos_emb(seq)}
+    layout = runtime.discover(layers[0], kwargs)
+    layer_time = _layer_time(layers[0], kwargs, device)
+    del hidden, kwargs
+    sizes = SkeletalBytes(layout.bytes_of(INPUT), layout.bytes_of(ATTENTION), layout.bytes_of(TOKENS))
+    n = len(layers)
+    by_host = host_bound(sizes, n, host_budget)
+    check_host(sizes, n, host_budget, 0.0 if alpha is None else alpha)
+    cap = min(1.0, by_host) if alpha is None else alpha
+    pin = device.type == "cuda"
+    keep = _min_over_processes(math.floor(cap * tokens + 1e-9), device)
+    runtime.allocate(layout, keep, pin)
+    bandwidth = _bandwidth(runtime, device) if runtime.swapped_layers else math.inf
+    by_bandwidth, binding = None, "fixed"
+    if alpha is None:
+        solution = solve_alpha(sizes, n, layer_time, bandwidth, host_budget)
+        by_bandwidth, binding = solution.alpha_bandwidth, solution.binding
+        solved = _min_over_processes(math.floor(solution.alpha * tokens + 1e-9), device)
+        if solved != keep:
+            keep = solved
+            runtime.allocate(layout, keep, pin)
+    return SwapReport(
+        alpha=keep / tokens,
+        alpha_binding=binding,
+        alpha_bandwidth=by_bandwidth,
+        alpha_host=by_host,
+        keep_tokens=keep,
+        tokens=tokens,
+        swapped_layers=runtime.swapped_layers,
+        layer_time_s=layer_time,
+        host_bandwidth_bytes_per_s=bandwidth,
+        host_budget_bytes=int(host_budget),
+        host_bytes=runtime.slab.numel(),
+        rounding_buffer_bytes=runtime.rounding_buffer_bytes,
+        skeletal_input_bytes=sizes.input,
+        skeletal_attention_bytes=sizes.attention,
+        skeletal_other_bytes=sizes.other,
+    )

@@ -1,0 +1,45 @@
+"""The transformer layer of MEMO's methods: Megatron-core's ``TransformerLayer``, put in the
+layer spec, with control over what its forward pass keeps for the backward pass.
+
+* ``activations="swap"``: the layer hands its forward to a
+  :class:`~memo.execute.swap.SwapRuntime` (attached after the model is built), which swaps and
+  recomputes its skeletal activations token-wise (methods ``memo`` and ``full_swap``).
+* ``activations="recompute"``: the layer keeps only its input and runs its forward again in
+  the backward pass, attention included (method ``full_recompute``, the paper's ablation).
+
+The computation itself is Megatron's, unchanged; without grad (evaluation) both run plainly.
+"""
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch.utils.checkpoint import checkpoint
+
+ACTIVATIONS = ("swap", "recompute")
+
+
+class MemoTransformerLayer(TransformerLayer):
+    """Megatron's transformer layer with MEMO's activation management (see module docstring)."""
+
+    def __init__(self, *args, activations: str = "swap", **kwargs):
+        super().__init__(*args, **kwargs)
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations={activations} is not one of {ACTIVATIONS}")
+        self.activations = activations
+        self.runtime = None
+
+    def run(self, **kwargs):
+        """Megatron's forward pass, as is: ``(hidden_states, context)``."""
+        return super().forward(**kwargs)
+
+    def forward(self, *args, **kwargs):
+        """The layer's forward; Megatron's ``TransformerBlock`` passes keyword arguments only."""
+        if args:
+            raise TypeError("MemoTransformerLayer takes keyword arguments only")
+        if not torch.is_grad_enabled():
+            return self.run(**kwargs)
+        if self.activations == "recompute":
+            # No dropout in our models, so there is no random state to replay.
+            return checkpoint(self.run, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        if self.runtime is None:
+            raise RuntimeError("attach a SwapRuntime to the model before training with swapping")
+        return self.runtime.forward(self, kwargs)

@@ -1,0 +1,1 @@
+"""Planning: decisions taken before training from profiled sizes and times."""

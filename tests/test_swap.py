@@ -1,0 +1,174 @@
+"""MEMO's token-wise swapping and recomputation: exact gradients, ordering, sizes, accounting."""
+
+import pytest
+import torch
+
+from memo.execute import distributed
+from memo.execute.distributed import ProcessInfo
+from memo.execute.streams import CudaStreams, DeferredStreams
+from memo.execute.swap import SwapRuntime
+from memo.execute.swap_setup import prepare_swap
+from memo.model import build_gpt
+from memo.plan.alpha import HostMemoryError
+
+from conftest import compose_config
+from swap_training import train_gradients
+
+SIX = ["model.num_layers=6"]  # four swapped layers: both rounding buffers are reused
+
+
+@pytest.fixture(scope="module")
+def parallel_state():
+    distributed.initialize(compose_config().parallel, "cpu", ProcessInfo(rank=0, world_size=1, local_rank=0))
+    yield
+    distributed.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(parallel_state):
+    return train_gradients("none", *SIX)
+
+
+def _assert_same_gradients(got, expected):
+    for step, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g.keys() == e.keys()
+        for name in e:
+            torch.testing.assert_close(g[name], e[name], msg=f"step {step + 1}: {name}")
+
+
+@pytest.mark.parametrize(
+    "method, alpha",
+    [("memo", 0.0), ("memo", 0.125), ("memo", 0.5), ("memo", 1.0), ("full_swap", None), ("full_recompute", None)],
+)
+def test_gradients_of_three_steps_equal_keeping_everything(reference, method, alpha):
+    losses, grads, runtime = train_gradients(method, *SIX, alpha=alpha)
+    assert losses == pytest.approx(reference[0], abs=1e-6)
+    _assert_same_gradients(grads, reference[1])
+    if runtime is not None:
+        rows = runtime.take_accounting()
+        recomputed = sum(r["recomputed"] for r in rows)
+        assert (recomputed == 0) == (runtime.keep_tokens == runtime.layout.tokens)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_copies_done_as_late_as_the_events_allow_give_the_same_gradients(reference, alpha):
+    streams = DeferredStreams()
+    _, grads, _ = train_gradients("memo", *SIX, alpha=alpha, streams=streams)
+    assert streams.copies_run > 0
+    _assert_same_gradients(grads, reference[1])
+
+
+class _MissingWait(DeferredStreams):
+    """Deferred copies, and one kind of hand-over that the runtime's waits no longer order."""
+
+    def __init__(self, waiter: str, producer: str):
+        super().__init__()
+        self.skipped = (waiter, producer)
+
+    def wait(self, stream, event) -> None:
+        if event is not None and (stream, event[0]) == self.skipped:
+            return
+        super().wait(stream, event)
+
+
+@pytest.mark.parametrize(
+    "waiter, producer",
+    [
+        ("compute", "d2h"),  # a buffer overwritten before its copy to the host ended
+        ("compute", "h2d"),  # backward reading a buffer before its prefetch ended
+        ("h2d", "d2h"),  # a reload started before the offload it reads ended
+    ],
+)
+def test_each_missing_wait_would_corrupt_the_gradients(reference, waiter, producer):
+    streams = _MissingWait(waiter, producer)
+    _, grads, _ = train_gradients("memo", *SIX, alpha=0.5, streams=streams)
+    wrong = [
+        name for name in grads[0]
+        if not torch.allclose(grads[0][name], reference[1][0][name], rtol=1.3e-6, atol=1e-5)
+    ]
+    assert wrong, "the ordering check cannot see this missing wait"
+
+
+def test_skeletal_sizes_of_a_layer_match_a_hand_count(parallel_state):
+    # tiny: h = 256, 4 heads of 64, ffn 1024; one sequence of S = 256 tokens in fp32.
+    cfg = compose_config("method=memo", *SIX)
+    torch.manual_seed(0)
+    model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu").module
+    runtime = SwapRuntime(6, DeferredStreams(), torch.device("cpu"))
+    report = prepare_swap(runtime, model, 256, 1, torch.float32, 0.25, 2**40)
+    S, h, f, heads, d = 256, 256, 1024, 4, 64
+    assert report.skeletal_input_bytes == 4 * S * h
+    assert report.skeletal_attention_bytes == 4 * S * (h + heads)  # output and log-sum-exp
+    # norm1 out, q, k, v, attention residual, norm2 out: 6h; fc1 and GeLU outputs: 2f;
+    # RoPE cos and sin for q and k: 4d; mean and rstd of both norms: 4.
+    assert report.skeletal_other_bytes == 4 * S * (6 * h + 2 * f + 4 * d + 4)
+    assert (report.keep_tokens, report.alpha, report.alpha_binding) == (64, 0.25, "fixed")
+    swapped = 4 * S * h + 4 * S * (h + heads) + 0.25 * report.skeletal_other_bytes
+    assert report.host_bytes == runtime.slab.numel() == 4 * swapped
+
+
+def _one_step_accounting(layers: int, alpha: float):
+    _, _, runtime = train_gradients("memo", f"model.num_layers={layers}", alpha=alpha, steps=1)
+    rows = runtime.take_accounting()
+    resident = [r["device"] for r in rows if r["layer"] >= layers - 2]
+    return runtime, rows, runtime.rounding_buffer_bytes + sum(resident)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_device_bytes_do_not_grow_with_layers_and_host_bytes_follow_the_formula(parallel_state, alpha):
+    results = {n: _one_step_accounting(n, alpha) for n in (4, 8)}
+    (_, _, device4), (runtime8, rows8, device8) = results[4], results[8]
+    assert device4 == device8 > 0
+    layout = runtime8.layout
+    assert runtime8.rounding_buffer_bytes == 2 * layout.buffer_bytes
+    s_in, s_attn, s_other = (layout.bytes_of(kind) for kind in ("input", "attention", "tokens"))
+    assert sum(r["host"] for r in rows8) == 6 * (s_in + s_attn + alpha * s_other)
+    assert all(r["device"] == 0 for r in rows8 if r["layer"] < 6)
+    assert sum(r["recomputed"] for r in rows8) == 6 * (1 - alpha) * s_other
+
+
+def test_the_slab_is_allocated_once_before_training(parallel_state, monkeypatch):
+    calls = []
+    original = SwapRuntime.allocate
+    monkeypatch.setattr(SwapRuntime, "allocate", lambda self, *a: calls.append(a) or original(self, *a))
+    _, _, runtime = train_gradients("memo", *SIX, alpha=0.5, steps=2)
+    assert len(calls) == 1  # in prepare_swap, none during the two steps
+    assert runtime.slab.numel() == 4 * runtime.layout.host_bytes(runtime.keep_tokens)
+
+
+def test_cuda_waits_land_on_the_named_stream_whatever_stream_is_current(monkeypatch):
+    log = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append((self.name, event))
+
+    current = [Stream("compute")]
+
+    class Switch:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", Switch)
+    streams = CudaStreams(torch.device("cuda", 0))
+    with torch.cuda.stream(streams.d2h):  # a caller inside another stream's context
+        streams.wait(streams.compute, "offloaded")
+    assert log == [("compute", "offloaded")]
+
+
+def test_host_memory_error_names_what_to_change():
+    from memo.plan.alpha import SkeletalBytes, check_host
+
+    with pytest.raises(HostMemoryError, match="lower alpha, shorten seq"):
+        check_host(SkeletalBytes(100, 100, 1000), 10, 8 * 700, 0.6)

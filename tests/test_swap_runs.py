@@ -1,0 +1,73 @@
+"""Jobs with MEMO's methods, end to end: result rows, host-memory limits, long training on
+text, and tensor plus sequence parallelism in two processes."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, REPO, free_port, run_in_process
+
+SHORT = ["seq=256", "train.steps=2", "train.warmup_steps=1"]
+
+
+def test_a_row_of_memo_records_alpha_and_why(tmp_path):
+    row = run_in_process(tmp_path, "method=memo", *SHORT)
+    assert row["status"] == "ok", row["error"]
+    assert row["swap.alpha_binding"] in ("bandwidth", "host", "none")
+    assert 0 <= row["swap.alpha"] <= 1 and row["swap.keep_tokens"] == round(row["swap.alpha"] * 256)
+    assert row["swap.layer_time_s"] > 0 and row["swap.host_bandwidth_bytes_per_s"] > 0
+    assert row["swap.host_bytes"] == 2 * (
+        row["swap.skeletal_input_bytes"] + row["swap.skeletal_attention_bytes"]
+        + row["swap.keep_tokens"] * row["swap.skeletal_other_bytes"] // 256
+    )
+    layers = [json.loads(line) for line in (tmp_path / "layers.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["layer"]) for r in layers] == [(s, i) for s in (1, 2) for i in range(4)]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0]["skeletal_host_bytes"] == row["swap.host_bytes"]
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["hardware.host_memory_gib=0.0001"], "alpha=0 swaps"),
+        (["alpha=1", "hardware.host_memory_gib=0.005"], "alpha=1 swaps"),
+    ],
+)
+def test_activations_that_do_not_fit_the_host_are_oohm_before_training(tmp_path, overrides, fragment):
+    row = run_in_process(tmp_path, "method=memo", *SHORT, *overrides)
+    assert row["status"] == "oohm" and fragment in row["error"], row["error"]
+    assert row["iter_time_s"] is None and not (tmp_path / "metrics.jsonl").exists()
+
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_fifty_steps_on_text_follow_the_loss_of_keeping_everything(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes((REPO / "README.md").read_bytes() * 4)
+    common = ["seq=128", "train.steps=50", "train.warmup_steps=1", f"train.data={corpus}"]
+    reference = run_in_process(tmp_path / "none", *common)
+    assert reference["status"] == "ok", reference["error"]
+    expected = _losses(tmp_path / "none")
+    assert expected[-1] < expected[0] - 2  # it learns the text
+    for name, overrides in [("memo0", ["method=memo", "alpha=0"]), ("memo.5", ["method=memo", "alpha=0.5"])]:
+        row = run_in_process(tmp_path / name, *common, *overrides)
+        assert row["status"] == "ok", row["error"]
+        assert _losses(tmp_path / name) == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_gradients_match_in_two_processes():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    result = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+         str(free_port()), str(REPO / "tests" / "swap_worker.py")],
+        cwd=REPO, env=env, timeout=600, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("6 methods match over 3 steps") == 2
