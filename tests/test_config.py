@@ -2,7 +2,7 @@
 
 import pytest
 
-from memo.config import ConfigError, parse_seq, validate
+from memo.config import ConfigError, parse_alpha, parse_seq, validate
 from memo.config.choices import GROUPS, check_group_choices, options
 from memo.execute.distributed import check_world_size
 
@@ -84,6 +84,13 @@ def test_seq_sweep_values_compose_as_strings():
         (["mode=dance"], "mode=dance"),
         (["method.recompute_granularity=some"], "method.recompute_granularity=some"),
         (["model.hidden_size=250"], "model.hidden_size=250"),
+        (["method=memo", "alpha=1.5"], "alpha=1.5"),
+        (["method=memo", "alpha=-0.1"], "alpha=-0.1"),
+        (["method=memo", "alpha=half"], "alpha=half"),
+        (["alpha=0.5"], "alpha=0.5 applies to method=memo only"),
+        (["method=full_swap", "alpha=0.5"], "alpha=0.5 has no effect with method=full_swap"),
+        (["method=memo", "method.recompute_granularity=full"], "method.recompute_granularity=full"),
+        (["method=memo", "method.layer_activations=offload"], "method.layer_activations=offload"),
     ],
 )
 def test_validation_errors_name_the_key_in_one_line(overrides, key):
@@ -91,6 +98,13 @@ def test_validation_errors_name_the_key_in_one_line(overrides, key):
         validate(compose_config(*overrides))
     message = str(err.value)
     assert key in message and "\n" not in message
+
+
+@pytest.mark.parametrize("text, alpha", [("auto", None), ("0", 0.0), ("0.125", 0.125), ("1", 1.0)])
+def test_alpha_is_auto_or_a_fraction(text, alpha):
+    cfg = compose_config("method=memo", f"alpha={text}")
+    validate(cfg)
+    assert parse_alpha(cfg.alpha) == alpha
 
 
 def test_divisibility_message_names_the_divisor():

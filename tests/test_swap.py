@@ -38,7 +38,8 @@ def _assert_same_gradients(got, expected):
 
 @pytest.mark.parametrize(
     "method, alpha",
-    [("memo", 0.0), ("memo", 0.125), ("memo", 0.5), ("memo", 1.0), ("full_swap", None), ("full_recompute", None)],
+    [("memo", 0.0), ("memo", 0.125), ("memo", 0.5), ("memo", 1.0), ("full_swap", None),
+     ("full_recompute", None)],
 )
 def test_gradients_of_three_steps_equal_keeping_everything(reference, method, alpha):
     losses, grads, runtime = train_gradients(method, *SIX, alpha=alpha)

@@ -92,10 +92,6 @@ class LayerLayout:
     def bytes_of(self, kind: str) -> int:
         return sum(s.nbytes for s in self.slots if s.kind == kind)
 
-    def same_as(self, other: "LayerLayout") -> bool:
-        key = lambda s: (s.kind, s.shape, s.dtype, s.token_dim, s.chunks, s.role)  # noqa: E731
-        return self.tokens == other.tokens and list(map(key, self.slots)) == list(map(key, other.slots))
-
 
 def _canonical(t: torch.Tensor, token_dim: int) -> torch.Tensor:
     return t.movedim(token_dim, 0)
@@ -130,7 +126,10 @@ class _Capture:
     input: Optional[torch.Tensor] = None
     params: set = field(default_factory=set)
     slots: list = field(default_factory=list)  # discover: slots found so far
-    sources: dict = field(default_factory=dict)  # slot -> tensor, attention products (aliases)
+    products: dict = field(default_factory=dict)  # slot -> what attention produced
+    # slot -> attention product whose token-major form is contiguous, so that a tensor viewing
+    # its memory can be rebuilt from the slot's buffer range (an ALIAS)
+    sources: dict = field(default_factory=dict)
     cursor: int = 0  # forward/replay: next slot
     attention: Optional[tuple] = None  # (q, k, v) while attention runs
     outer: list = field(default_factory=list)  # replay: slot indices outside attention
@@ -171,6 +170,7 @@ class SwapRuntime:
         self.buffers: list[torch.Tensor] = []
         self.slab: Optional[torch.Tensor] = None
         self.layers: list = []
+        self._index: dict[int, int] = {}  # id(layer) -> its place in the model
         self._states: dict[int, _LayerState] = {}
         self._buffer_owner: list[Optional[_LayerState]] = [None, None]
         self._buffer_free: list[object] = [None, None]
@@ -184,6 +184,7 @@ class SwapRuntime:
         if len(layers) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} layers, got {len(layers)}")
         self.layers = list(layers)
+        self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         for layer in self.layers:
             layer.runtime = self
             layer.self_attention.core_attention.runtime = self
@@ -209,7 +210,9 @@ class SwapRuntime:
             raise ValueError(f"keep_tokens={keep_tokens} outside [0, {layout.tokens}]")
         self.release()
         self.layout, self.keep_tokens = layout, keep_tokens
-        self.buffers = [torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.buffers = [
+            torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)
+        ]
         _place_host(layout, keep_tokens)
         self.slab = torch.empty(self.swapped_layers * layout.host_bytes(keep_tokens), dtype=torch.uint8)
         if pin and self.slab.numel():
@@ -242,7 +245,7 @@ class SwapRuntime:
 
     def forward(self, layer, kwargs: dict):
         """Run ``layer``'s forward pass (keyword arguments as Megatron passes them) with swapping."""
-        index = self.layers.index(layer)
+        index = self._index[id(layer)]
         if index >= self.swapped_layers:
             output, context = self._resident_forward(layer, index, kwargs)
         else:
@@ -278,7 +281,9 @@ class SwapRuntime:
         capture = _Capture("forward", state, hidden.shape[0])
         result = self._run_captured(layer, kwargs, capture, self._pack, self._unpack)
         if capture.cursor != len(self.layout.slots):
-            raise RuntimeError(f"layer {index} saved {capture.cursor} tensors, layer layout has {len(self.layout.slots)}")
+            raise RuntimeError(
+                f"layer {index} saved {capture.cursor} tensors, its layout has {len(self.layout.slots)}"
+            )
         self._offload(state)
         self._states[index] = state
         return result
@@ -320,7 +325,8 @@ class SwapRuntime:
             if t.numel() <= _SMALL:
                 return None
             raise RuntimeError(f"memo cannot place a tensor of shape {tuple(t.shape)} saved by attention")
-        if t is capture.input or (t.data_ptr() == capture.input.data_ptr() and t.shape == capture.input.shape):
+        x = capture.input
+        if t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.stride() == x.stride():
             return Slot(INPUT, tuple(t.shape), t.dtype, 0, 1)
         for j, source in capture.sources.items():
             if _covers_exactly(t, source):
@@ -340,9 +346,7 @@ class SwapRuntime:
             return t
         if capture.mode == "discover":
             capture.slots.append(slot)
-            j = len(capture.slots) - 1
-            if slot.kind == ATTENTION:
-                capture.sources[j] = _canonical(t, 2) if _canonical(t, 2).is_contiguous() else t
+            self._remember_product(capture, len(capture.slots) - 1, slot, t)
             return t
         j = capture.cursor
         expected = self.layout.slots[j] if j < len(self.layout.slots) else None
@@ -354,15 +358,22 @@ class SwapRuntime:
                 "the layer layout: memo needs every layer to save the same tensors"
             )
         capture.cursor += 1
-        if slot.kind == ATTENTION:
-            canonical = _canonical(t, 2)
-            capture.sources[j] = canonical if canonical.is_contiguous() else t
+        self._remember_product(capture, j, slot, t)
         if slot.kind != ALIAS:
             source = _canonical(t, expected.token_dim)
             if expected.kind == TOKENS:
                 source = _split(source, expected, capture.tokens, self.keep_tokens)[0]
             self.streams.copy(self.streams.compute, self._swapped_part(capture.state.index % 2, j), source)
         return (capture.state, j)
+
+    @staticmethod
+    def _remember_product(capture: _Capture, j: int, slot: Slot, t: torch.Tensor) -> None:
+        # Held until the layer's forward ends, so no other tensor can reuse their addresses.
+        if slot.kind == ATTENTION:
+            capture.products[j] = t
+            canonical = _canonical(t, slot.token_dim)
+            if canonical.is_contiguous():
+                capture.sources[j] = canonical
 
     def _unpack(self, handle):
         if isinstance(handle, torch.Tensor):
@@ -384,7 +395,9 @@ class SwapRuntime:
             return compute()
         if capture.mode == "replay":
             for role, x in (("q", q), ("k", k), ("v", v)):
-                self._fill(capture, self._slot_index(role), x)
+                j = self._slot_index(role)
+                if j is not None:  # else the kernel saved its own copy, swapped whole
+                    self._fill(capture, j, x)
             out = self._slot_index("out")
             _, dropped = _split(self._slot_tensor(capture.state.index % 2, out), self.layout.slots[out],
                                 capture.tokens, self.keep_tokens)
@@ -394,8 +407,8 @@ class SwapRuntime:
             out = compute()
         finally:
             capture.attention = None
-        for j, source in capture.sources.items():
-            if source.data_ptr() == out.data_ptr():
+        for j, product in capture.products.items():
+            if product.data_ptr() == out.data_ptr():
                 if capture.mode == "discover":
                     capture.slots[j].role = "out"
                 elif self.layout.slots[j].role != "out":
@@ -405,8 +418,8 @@ class SwapRuntime:
             raise RuntimeError("memo could not find attention's output among its saved tensors")
         return out
 
-    def _slot_index(self, role: str) -> int:
-        return next(j for j, s in enumerate(self.layout.slots) if s.role == role)
+    def _slot_index(self, role: str) -> Optional[int]:
+        return next((j for j, s in enumerate(self.layout.slots) if s.role == role), None)
 
     # ---------------------------------------------------------------- backward
 
@@ -451,14 +464,18 @@ class SwapRuntime:
         with torch.enable_grad():
             self._run_captured(self.layers[state.index], kwargs, capture, self._collect, _never)
         if capture.cursor != len(capture.outer):
-            raise RuntimeError(f"recomputing layer {state.index} saved {capture.cursor} of {len(capture.outer)} tensors")
+            raise RuntimeError(
+                f"recomputing layer {state.index} saved {capture.cursor} of {len(capture.outer)} tensors"
+            )
 
     def _collect(self, t: torch.Tensor):
         capture = self._capture
         if isinstance(t, torch.nn.Parameter) or t.data_ptr() in capture.params:
             return None
         if capture.cursor >= len(capture.outer):
-            raise RuntimeError(f"recomputing layer {capture.state.index} saved more tensors than its forward")
+            raise RuntimeError(
+                f"recomputing layer {capture.state.index} saved more tensors than its forward"
+            )
         j = capture.outer[capture.cursor]
         capture.cursor += 1
         self._fill(capture, j, t)
@@ -477,7 +494,8 @@ class SwapRuntime:
                 f"recomputing layer {capture.state.index} gave {tuple(canonical.shape)} for slot {j}, "
                 f"expected {(dropped, *rest)}"
             )
-        _, tail = _split(self._slot_tensor(capture.state.index % 2, j), slot, capture.tokens, self.keep_tokens)
+        full = self._slot_tensor(capture.state.index % 2, j)
+        _, tail = _split(full, slot, capture.tokens, self.keep_tokens)
         tail.copy_(canonical.reshape(tail.shape))
         self._account(capture.state.index, "recomputed", canonical.numel() * canonical.element_size())
 

@@ -127,7 +127,9 @@ def transformer_config(
     )
 
 
-def _local_block_spec(config: TransformerConfig, attention_backend: str, layer_activations: str) -> ModuleSpec:
+def _local_block_spec(
+    config: TransformerConfig, attention_backend: str, layer_activations: str
+) -> ModuleSpec:
     layer = get_gpt_layer_local_spec()
     if layer_activations != "megatron":
         layer.module = MemoTransformerLayer
