@@ -46,6 +46,20 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_gradient_accumulation_swaps_each_micro_batch(tmp_path):
+    common = [*SHORT, "train.micro_batches=2", "model.num_layers=5"]
+    steps = {}
+    for name, overrides in [("none", []), ("memo", ["method=memo", "alpha=0.25"])]:
+        row = run_in_process(tmp_path / name, *common, *overrides)
+        assert row["status"] == "ok", row["error"]
+        steps[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(steps["memo"], steps["none"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    # three swapped layers, two micro-batches a step: every one was sent out and brought back
+    assert steps["memo"][0]["skeletal_host_bytes"] == 2 * row["swap.host_bytes"]
+
+
 @pytest.mark.slow
 def test_fifty_steps_on_text_follow_the_loss_of_keeping_everything(tmp_path):
     corpus = tmp_path / "corpus.txt"
