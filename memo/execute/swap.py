@@ -253,6 +253,7 @@ class SwapRuntime:
         return _BackwardStart.apply(output, self, index), context
 
     def _resident_forward(self, layer, index: int, kwargs: dict):
+        """One of the last two layers: everything stays on the device, and is counted."""
         seen = set()
 
         def count(t):
