@@ -1,0 +1,105 @@
+"""DSA plans: the validator, the max-load bound, file round trips, and greedy placement
+against brute force."""
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+
+from memo.plan.dsa import Buffer, PlanError, max_load, read_buffers, read_plan, validate, write_plan
+from memo.plan.greedy import greedy_portfolio, lowest_fit
+
+SMALL = Path(__file__).parent / "data" / "minimalloc-small"
+
+
+def _buffers(*rows):
+    return [Buffer(str(i), lo, up, size) for i, (lo, up, size) in enumerate(rows)]
+
+
+def test_validator_accepts_disjoint_space_or_time_and_returns_the_peak():
+    b = _buffers((0, 10, 4), (0, 10, 6), (10, 20, 8), (5, 15, 0))
+    assert validate(b, [0, 4, 0, 3]) == 10  # the third starts when the first two end
+
+
+@pytest.mark.parametrize(
+    "offsets, message",
+    [
+        ([0, 3, 0, 0], "buffers 0 and 1 are alive together and share bytes [3, 4)"),
+        ([0, -1, 0, 0], "negative offset"),
+        ([0, 4, 0], "3 offsets for 4 buffers"),
+    ],
+)
+def test_validator_names_what_is_wrong(offsets, message):
+    b = _buffers((0, 10, 4), (0, 10, 6), (10, 20, 8), (5, 15, 0))
+    with pytest.raises(PlanError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        validate(b, offsets)
+    with pytest.raises(PlanError, match="exceeds the capacity 9"):
+        validate(b, [0, 4, 0, 0], capacity=9)
+
+
+def test_max_load_treats_lifetimes_as_half_open():
+    assert max_load(_buffers((0, 10, 4), (10, 20, 8))) == 8
+    assert max_load(_buffers((0, 11, 4), (10, 20, 8), (15, 16, 1))) == 12
+
+
+def _brute_force(buffers):
+    """The optimal peak: lowest-fit placement reaches it for some order (see memo.plan.greedy)."""
+    return min(
+        max(o + b.size for o, b in zip(lowest_fit(buffers, order), buffers, strict=True))
+        for order in itertools.permutations(range(len(buffers)))
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bounds_bracket_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(rng.randint(4, 7)):
+        lo = rng.randint(0, 8)
+        rows.append((lo, lo + rng.randint(1, 6), rng.randint(1, 9)))
+    buffers = _buffers(*rows)
+    optimum = _brute_force(buffers)
+    greedy = greedy_portfolio(buffers)
+    assert validate(buffers, greedy.offsets) == greedy.peak
+    assert max_load(buffers) <= optimum <= greedy.peak
+
+
+def test_the_small_public_instances_are_all_here():
+    assert len(list(SMALL.glob("*.csv"))) == 7
+
+
+@pytest.mark.parametrize("path", sorted(SMALL.glob("*.csv")), ids=lambda p: p.name)
+def test_small_public_instances_fit_their_capacity(path):
+    buffers = read_buffers(path)
+    capacity = int(path.name.split(".")[1])
+    assert max_load(buffers) == _brute_force(buffers) == capacity
+    greedy = greedy_portfolio(buffers)
+    assert validate(buffers, greedy.offsets, capacity=capacity) == capacity
+
+
+def test_plans_round_trip_and_are_never_overwritten(tmp_path):
+    buffers = _buffers((0, 10, 4), (0, 10, 6), (10, 20, 8))
+    path = tmp_path / "plan.csv"
+    write_plan(path, buffers, [0, 4, 0])
+    assert read_plan(path) == (buffers, [0, 4, 0])
+    with pytest.raises(FileExistsError, match="exists and is kept"):
+        write_plan(path, buffers, [6, 0, 0])
+    assert read_plan(path)[1] == [0, 4, 0]
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.csv"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("id,lower,size\n0,1,2\n", "the header lacks upper"),
+        ("id,lower,upper,size\n0,0,4,2\n1,3,x,5\n", ":3: not a buffer"),
+        ("id,lower,upper,size\n0,4,4,2\n", "needs lower < upper"),
+        ("id,lower,upper,size\n0,0,4,2\n0,1,5,2\n", "buffer id 0 appears twice"),
+    ],
+)
+def test_corrupt_traces_are_refused_with_their_line(tmp_path, text, message):
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        read_buffers(path)
