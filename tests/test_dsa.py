@@ -9,6 +9,8 @@ import pytest
 
 from memo.plan.dsa import Buffer, PlanError, max_load, read_buffers, read_plan, validate, write_plan
 from memo.plan.greedy import greedy_portfolio, lowest_fit
+from memo.plan.search import fits
+from memo.plan.solve import plan
 
 SMALL = Path(__file__).parent / "data" / "minimalloc-small"
 
@@ -103,3 +105,44 @@ def test_corrupt_traces_are_refused_with_their_line(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         read_buffers(path)
+
+
+def _random_instance(seed: int, buffers: int = 7):
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(rng.randint(3, buffers)):
+        lo = rng.randint(0, 8)
+        rows.append((lo, lo + rng.randint(1, 6), rng.randint(1, 9)))
+    return _buffers(*rows)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_exact_search_fits_the_optimum_and_proves_one_byte_less_impossible(seed):
+    buffers = _random_instance(seed)
+    optimum = _brute_force(buffers)
+    found = fits(buffers, optimum)
+    assert found.proven and validate(buffers, found.offsets, capacity=optimum) <= optimum
+    refused = fits(buffers, optimum - 1)
+    assert refused.proven and refused.offsets is None
+
+
+def test_the_planner_beats_greedy_and_proves_it():
+    seeds = [s for s in range(200) if greedy_portfolio(_random_instance(s, 8)).peak
+             > max_load(_random_instance(s, 8))]
+    worse = [(s, b) for s in seeds if greedy_portfolio(b := _random_instance(s, 8)).peak > _brute_force(b)]
+    assert worse, "no instance where greedy misses the optimum"
+    for _, buffers in worse[:3]:
+        result = plan(buffers, time_limit_s=30)
+        assert result.optimal and result.solver == "search"
+        assert validate(buffers, result.offsets) == result.peak == _brute_force(buffers)
+
+
+def test_a_time_out_keeps_the_greedy_plan_and_proves_nothing():
+    buffers = _buffers(*[(i % 5, i % 5 + 3 + i % 4, 3 + (7 * i) % 11) for i in range(60)])
+    greedy = greedy_portfolio(buffers)
+    assert fits(buffers, max_load(buffers), time_limit_s=0.0).proven is False
+    result = plan(buffers, time_limit_s=0.0)
+    assert greedy.peak > max_load(buffers)  # so the planner had something to search for
+    assert (result.peak, result.lower_bound) == (greedy.peak, max_load(buffers))
+    assert result.solver == f"greedy:{greedy.order}" and not result.optimal
+    assert validate(buffers, result.offsets) == result.peak
