@@ -138,7 +138,12 @@ def test_the_planner_beats_greedy_and_proves_it():
 
 
 def test_a_time_out_keeps_the_greedy_plan_and_proves_nothing():
-    buffers = _buffers(*[(i % 5, i % 5 + 3 + i % 4, 3 + (7 * i) % 11) for i in range(60)])
+    rng = random.Random(0)
+    rows = []
+    for _ in range(60):
+        lo = rng.randint(0, 30)
+        rows.append((lo, lo + rng.randint(1, 12), rng.randint(1, 20)))
+    buffers = _buffers(*rows)
     greedy = greedy_portfolio(buffers)
     assert fits(buffers, max_load(buffers), time_limit_s=0.0).proven is False
     result = plan(buffers, time_limit_s=0.0)
