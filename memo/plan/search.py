@@ -12,7 +12,8 @@ plans in that order, with a binary choice for the eligible buffer ``j`` of lowes
 Every compact plan is reached this way (a buffer below ``top(j)`` would be eligible with a lower
 top), so a failed search proves that nothing fits. Pruning, at every node: over each section of
 time (between consecutive lifetime ends), the buffers still to place are all alive together, so
-they stack above the section's floor and must fit under the capacity together.
+they stack, starting no lower than the lowest offset any of them can still take (its top, the
+current level, one more for a deferred buffer), and must fit under the capacity together.
 """
 
 import time
@@ -72,22 +73,21 @@ def fits(buffers: Sequence[Buffer], capacity: int, time_limit_s: float = 60.0) -
     load = np.zeros(inst.sections, dtype=np.int64)
     for j in range(n):
         load[inst.first[j]:inst.last[j]] += inst.size[j]
-    # A node: (placed, offset, top, deferred_at, floor, load, last offset)
+    # A node: which buffers are placed, their offsets, top(j) of every buffer, the top at which
+    # each was last deferred (-1: never), bytes still to place per section, the last offset.
     root = (np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64),
-            np.zeros(inst.sections, np.int64), load, 0)
+            load, 0)
     stack = [root]
     nodes = 0
     while stack:
         nodes += 1
         if nodes % 256 == 1 and time.perf_counter() > deadline:
             return SearchResult(None, False, nodes, time.perf_counter() - start)
-        placed, offset, top, deferred_at, floor, load, level = stack.pop()
+        placed, offset, top, deferred_at, load, level = stack.pop()
         if placed.all():
             for k, i in enumerate(live):
                 offsets[i] = int(offset[k])
             return SearchResult(offsets, True, nodes, time.perf_counter() - start)
-        if (np.maximum(floor, level) + load).max() > capacity:
-            continue
         unplaced = ~placed
         lowest = np.maximum(top, level)
         if ((lowest + inst.size)[unplaced] > capacity).any():
@@ -96,7 +96,7 @@ def fits(buffers: Sequence[Buffer], capacity: int, time_limit_s: float = 60.0) -
         waiting = unplaced & (deferred_at == top)
         lowest = np.where(waiting, np.maximum(lowest, top + 1), lowest)
         base = np.where(inst.cover & unplaced[:, None], lowest[:, None], capacity).min(axis=0)
-        if (base + load).max() > capacity and ((base + load) > capacity)[load > 0].any():
+        if (base + load).max() > capacity:  # sections nobody is left in have base + 0 = capacity
             continue
         eligible = unplaced & (top >= level) & (deferred_at != top)
         if not eligible.any():
@@ -108,19 +108,17 @@ def fits(buffers: Sequence[Buffer], capacity: int, time_limit_s: float = 60.0) -
         if unplaced[inst.neighbours[j]].any():  # something could still come under it
             deferred = deferred_at.copy()
             deferred[j] = p
-            stack.append((placed, offset, top, deferred, floor, load, level))
-        stack.append(_place(inst, j, p, placed, offset, top, deferred_at, floor, load))
+            stack.append((placed, offset, top, deferred, load, level))
+        stack.append(_place(inst, j, p, placed, offset, top, deferred_at, load))
     return SearchResult(None, True, nodes, time.perf_counter() - start)
 
 
-def _place(inst: _Instance, j: int, p: int, placed, offset, top, deferred_at, floor, load):
-    placed, offset, top, floor, load = placed.copy(), offset.copy(), top.copy(), floor.copy(), load.copy()
+def _place(inst: _Instance, j: int, p: int, placed, offset, top, deferred_at, load):
+    """The node after putting buffer ``j`` at offset ``p`` (arrays copied, never changed)."""
+    placed, offset, top, load = placed.copy(), offset.copy(), top.copy(), load.copy()
     placed[j] = True
     offset[j] = p
-    end = p + inst.size[j]
     near = inst.neighbours[j]
-    top[near] = np.maximum(top[near], end)
-    a, b = inst.first[j], inst.last[j]
-    floor[a:b] = np.maximum(floor[a:b], end)
-    load[a:b] -= inst.size[j]
-    return placed, offset, top, deferred_at, floor, load, p
+    top[near] = np.maximum(top[near], p + inst.size[j])
+    load[inst.first[j]:inst.last[j]] -= inst.size[j]
+    return placed, offset, top, deferred_at, load, p
