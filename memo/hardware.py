@@ -9,6 +9,7 @@ its peak is measured at start-up with a matrix multiply in the run's dtype, and 
 import dataclasses
 import functools
 import os
+import resource
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -54,6 +55,13 @@ _GPU_NAMES = {"A800": "a800", "A100": "a100", "H100": "h100", "H200": "h200"}
 def host_memory_bytes() -> int:
     """Physical memory of this machine, bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pinnable_memory_bytes() -> int:
+    """Bytes this process can page-lock now: memory available, capped by ``ulimit -l``."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    limit, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return available if limit == resource.RLIM_INFINITY else min(available, limit)
 
 
 def _this_host() -> Hardware:

@@ -89,8 +89,11 @@ def _prepare_swap(cfg: DictConfig, model, seq: int, dtype: torch.dtype, hw: hard
     chunks = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
     runtime = SwapRuntime(cfg.model.num_layers, streams_for(device), device, chunks)
     fixed = cfg.method.alpha if cfg.method.alpha is not None else parse_alpha(cfg.alpha)
-    host_memory = hw.host_memory_bytes or hardware.host_memory_bytes()
-    budget = host_memory / (hw.devices_per_node or 1)
+    devices = hw.devices_per_node or 1
+    budget = (hw.host_memory_bytes or hardware.host_memory_bytes()) / devices
+    if device.type == "cuda":
+        # Swapped activations live in page-locked memory: what can be pinned here bounds them.
+        budget = min(budget, hardware.pinnable_memory_bytes() / devices)
     report = prepare_swap(runtime, model, seq, cfg.train.micro_batch_size, dtype, fixed, budget)
     return runtime, report
 

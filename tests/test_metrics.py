@@ -99,3 +99,14 @@ def test_peak_rss_tracks_a_large_allocation_and_resets():
     del block
     memory.reset()
     assert memory.read()["peak_rss_bytes"] < grown - 32 * 2**20
+
+
+def test_pinnable_memory_is_available_memory_capped_by_the_lock_limit(monkeypatch):
+    import resource
+
+    from memo import hardware
+
+    free = hardware.pinnable_memory_bytes()
+    assert 0 < free <= hardware.host_memory_bytes()
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (64 * 2**20, resource.RLIM_INFINITY))
+    assert hardware.pinnable_memory_bytes() == 64 * 2**20  # far less than this machine has free
