@@ -52,7 +52,8 @@ def test_gradient_accumulation_swaps_each_micro_batch(tmp_path):
     for name, overrides in [("none", []), ("memo", ["method=memo", "alpha=0.25"])]:
         row = run_in_process(tmp_path / name, *common, *overrides)
         assert row["status"] == "ok", row["error"]
-        steps[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        steps[name] = [json.loads(line) for line in lines]
     for a, b in zip(steps["memo"], steps["none"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)

@@ -97,6 +97,11 @@ def _canonical(t: torch.Tensor, token_dim: int) -> torch.Tensor:
     return t.movedim(token_dim, 0)
 
 
+def _is_parameter(t: torch.Tensor, capture: "_Capture") -> bool:
+    """Weights are saved by reference and left where they are, never swapped."""
+    return isinstance(t, torch.nn.Parameter) or t.data_ptr() in capture.params
+
+
 def _covers_exactly(t: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether ``t`` views exactly the memory of contiguous ``base`` (a reshape of it)."""
     if t.data_ptr() != base.data_ptr() or t.numel() != base.numel() or t.dtype != base.dtype:
@@ -167,6 +172,8 @@ class SwapRuntime:
         self.sequence_chunks = sequence_chunks
         self.layout: Optional[LayerLayout] = None
         self.keep_tokens: Optional[int] = None  # k
+        self._region_bytes = 0  # one layer's share of the slab
+        self._roles: dict[str, int] = {}  # attention's "q", "k", "v", "out" -> slot
         self.buffers: list[torch.Tensor] = []
         self.slab: Optional[torch.Tensor] = None
         self.layers: list = []
@@ -210,11 +217,13 @@ class SwapRuntime:
             raise ValueError(f"keep_tokens={keep_tokens} outside [0, {layout.tokens}]")
         self.release()
         self.layout, self.keep_tokens = layout, keep_tokens
+        self._region_bytes = layout.host_bytes(keep_tokens)
+        self._roles = {slot.role: j for j, slot in enumerate(layout.slots) if slot.role}
         self.buffers = [
             torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)
         ]
         _place_host(layout, keep_tokens)
-        self.slab = torch.empty(self.swapped_layers * layout.host_bytes(keep_tokens), dtype=torch.uint8)
+        self.slab = torch.empty(self.swapped_layers * self._region_bytes, dtype=torch.uint8)
         if pin and self.slab.numel():
             _register(self.slab)
 
@@ -307,13 +316,13 @@ class SwapRuntime:
             if slot.kind != ALIAS:
                 s.copy(s.d2h, self._host_view(state.index, slot), self._swapped_part(b, j))
         state.offloaded = self._buffer_free[b] = s.record(s.d2h)
-        self._account(state.index, "host", self.layout.host_bytes(self.keep_tokens))
+        self._account(state.index, "host", self._region_bytes)
 
     # ------------------------------------------------------------------ hooks
 
     def _classify(self, t: torch.Tensor, capture: _Capture) -> Optional[Slot]:
         """The slot a saved tensor belongs in, or ``None`` for one left where it is."""
-        if isinstance(t, torch.nn.Parameter) or t.data_ptr() in capture.params:
+        if _is_parameter(t, capture):
             return None
         S, chunks = capture.tokens, self.sequence_chunks
         if capture.attention is not None:
@@ -396,10 +405,10 @@ class SwapRuntime:
             return compute()
         if capture.mode == "replay":
             for role, x in (("q", q), ("k", k), ("v", v)):
-                j = self._slot_index(role)
+                j = self._roles.get(role)
                 if j is not None:  # else the kernel saved its own copy, swapped whole
                     self._fill(capture, j, x)
-            out = self._slot_index("out")
+            out = self._roles["out"]
             _, dropped = _split(self._slot_tensor(capture.state.index % 2, out), self.layout.slots[out],
                                 capture.tokens, self.keep_tokens)
             return dropped.flatten(0, 1).movedim(0, 2)
@@ -418,9 +427,6 @@ class SwapRuntime:
         else:
             raise RuntimeError("memo could not find attention's output among its saved tensors")
         return out
-
-    def _slot_index(self, role: str) -> Optional[int]:
-        return next((j for j, s in enumerate(self.layout.slots) if s.role == role), None)
 
     # ---------------------------------------------------------------- backward
 
@@ -471,7 +477,7 @@ class SwapRuntime:
 
     def _collect(self, t: torch.Tensor):
         capture = self._capture
-        if isinstance(t, torch.nn.Parameter) or t.data_ptr() in capture.params:
+        if _is_parameter(t, capture):
             return None
         if capture.cursor >= len(capture.outer):
             raise RuntimeError(
@@ -523,7 +529,7 @@ class SwapRuntime:
 
     def _host_view(self, index: int, slot: Slot) -> torch.Tensor:
         tokens, k = self.layout.tokens, self.keep_tokens
-        start = index * self.layout.host_bytes(k) + slot.host_offset
+        start = index * self._region_bytes + slot.host_offset
         raw = self.slab[start: start + slot.swapped_bytes(k, tokens)]
         if slot.kind == TOKENS:
             return raw.view(slot.dtype).view(slot.chunks, k, *slot.shape[1:])

@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
 from memo.model.attention import SdpaAttention, select_backend
-from memo.model.host import HostRotaryEmbedding, use_host_rng
+from memo.model.host import HostRotaryEmbedding, run_megatron_on_host
 from memo.model.layer import MemoTransformerLayer
 from memo.model.norm import LayerNorm
 
@@ -221,7 +221,7 @@ def build_gpt(
         rotary_base=model.rotary_base,
     )
     if device_type == "cpu":
-        use_host_rng()
+        run_megatron_on_host()
         gpt.rotary_pos_emb = HostRotaryEmbedding(
             kv_channels=config.kv_channels,
             rotary_percent=1.0,

@@ -8,10 +8,10 @@ Three places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
   recomputation) saves and restores the CUDA generator's state around every recomputed region,
   and the embedding forks the tracker's "model-parallel-rng" state under sequence parallelism.
   Without CUDA there is no such generator, and the CPU generator, which Megatron saves as well,
-  is the only source of randomness; :func:`use_host_rng` makes the CUDA half a placeholder.
+  is the only source of randomness; :func:`run_megatron_on_host` makes the CUDA half a placeholder.
 * The sequence-parallel collectives and the tensor-parallel linear layers allocate their
   gather and reduce-scatter outputs on ``torch.cuda.current_device()``. On a build without
-  CUDA that call can only fail, so :func:`use_host_rng` answers it with the host device.
+  CUDA that call can only fail, so :func:`run_megatron_on_host` answers it with the host device.
 
 All are no-ops for runs on a GPU.
 """
@@ -46,7 +46,7 @@ def _host_device() -> str:
     return "cpu"
 
 
-def use_host_rng() -> None:
+def run_megatron_on_host() -> None:
     """Let Megatron-core's checkpointing and tensor-parallel layers run without CUDA (idempotent).
 
     Only the CUDA generator's bookkeeping is replaced; the CPU generator is still saved before
