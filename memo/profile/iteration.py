@@ -1,0 +1,150 @@
+"""Trace one training iteration of the real Megatron-core GPT, on one of three back-ends.
+
+* ``fake``: the model and its data are fake tensors (``FakeTensorMode``): shapes, dtypes and
+  storage lifetimes are real, nothing is allocated, so ``model=65b seq=1408k`` traces here in
+  seconds. Tensor, context and data parallelism are played by a fake process group of the
+  configured size: the trace is that of rank 0, with per-rank sizes. The model is the one a GPU
+  run builds (Megatron's local layers, 16-bit weights unless ``train.dtype`` says otherwise);
+  operators run with their CPU meta-kernels, so attention is PyTorch's fused kernel, which keeps
+  the same output and log-sum-exp for backward as FlashAttention does on a GPU.
+* ``cpu``: the same iteration on real CPU tensors (one process), to cross-check the fake trace.
+* ``cuda``: see :mod:`memo.profile.cuda` (the caching allocator's own request stream).
+
+One iteration is: forward of one micro-batch, loss, backward, optimizer step (AdamW whose
+states exist already, as in every step after the first). Weights, their gradients' previous
+values and optimizer states are not requests: they exist before the iteration starts.
+"""
+
+import contextlib
+from dataclasses import asdict
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
+from memo.model import build_gpt
+from memo.model.attention import select_backend
+from memo.model.gpt import transformer_config
+from memo.profile.recorder import AllocationRecorder, PhaseMarker
+from memo.profile.trace import Trace
+
+BACKENDS = ("fake", "cpu")
+
+
+@contextlib.contextmanager
+def _unchecked_rng_forks() -> Iterator[None]:
+    """Megatron's RNG tracker checks, when a fork ends, that the CPU generator is untouched, by
+    reading a tensor's value; fake tensors have none. Traces draw no random numbers that matter
+    (no dropout), so forks are plain no-ops while tracing."""
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.fork = lambda *_args, **_kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        del tracker.fork  # back to the class's method
+
+
+@contextlib.contextmanager
+def _process_group(parallel: ParallelConfig, backend: str) -> Iterator[None]:
+    """Megatron's parallel state for rank 0 of the configured layout, torn down afterwards."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process")
+    world = parallel.tp * parallel.cp * parallel.pp * parallel.dp
+    if backend == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    else:
+        if world != 1:
+            raise ConfigError(
+                f"profile.backend=cpu traces one process, but tp·cp·pp·dp = {world}; "
+                "use profile.backend=fake (any layout, per-rank sizes)"
+            )
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp,
+            pipeline_model_parallel_size=parallel.pp,
+            context_parallel_size=parallel.cp,
+            create_gloo_process_groups=False,
+        )
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def trace_iteration(
+    model: ModelConfig,
+    method: MethodConfig,
+    parallel: ParallelConfig,
+    seq: int,
+    micro_batch_size: int,
+    dtype: torch.dtype,
+    backend: str = "fake",
+    seed: int = 1234,
+) -> Trace:
+    """Allocation trace of one iteration of rank 0 (see the module docstring).
+
+    Args:
+        seq: tokens per sequence (all of them; each rank holds its share).
+        micro_batch_size: sequences per micro-batch.
+
+    Raises:
+        ConfigError: for a back-end or method that cannot be traced here.
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"profile.backend={backend} cannot run here; choose one of: {', '.join(BACKENDS)}")
+    if method.layer_activations == "swap":
+        raise ConfigError(
+            f"method={method.name} moves skeletal tensors into its rounding buffers at run time, "
+            "which a trace does not follow yet; trace method=none or a recomputation method"
+        )
+    if parallel.pp > 1:
+        raise ConfigError(f"parallel.pp={parallel.pp}: traces cover one pipeline stage only; "
+                          "use parallel.pp=1")
+    if parallel.cp > 1:
+        raise ConfigError(f"parallel.cp={parallel.cp}: context parallelism needs Transformer Engine's "
+                          "attention, which a trace cannot run; use parallel.cp=1")
+    config = transformer_config(model, method, parallel, dtype, "cpu")
+    attention = select_backend("cpu", dtype, config.kv_channels)  # a real probe, outside fake mode
+    mode = contextlib.nullcontext()
+    if backend == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _process_group(parallel, backend), mode:
+        torch.manual_seed(seed)
+        gpt = build_gpt(model, method, parallel, seq, dtype, "cpu", attention).module
+        optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-4, foreach=False)
+        for p in gpt.parameters():  # states exist before the traced step, as after step 1
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens = torch.zeros(micro_batch_size, seq, dtype=torch.long)
+        positions = torch.arange(seq).unsqueeze(0).expand(micro_batch_size, seq)
+        marker = PhaseMarker(gpt)
+        recorder = AllocationRecorder(lambda: marker.phase)
+        with recorder, _unchecked_rng_forks():
+            per_token = gpt(tokens, positions, None, labels=tokens)
+            loss = per_token.float().mean()
+            marker.backward()
+            loss.backward()
+            del per_token, loss
+            marker.optimizer()
+            optimizer.step()
+        recorder.stop()
+        marker.remove()
+    meta = {
+        "backend": backend,
+        "model": asdict(model),
+        "method": method.name,
+        "parallel": asdict(parallel),
+        "seq": seq,
+        "micro_batch_size": micro_batch_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "attention": attention,
+    }
+    return Trace(recorder.events, meta)

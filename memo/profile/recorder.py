@@ -1,0 +1,126 @@
+"""Record allocation requests and phases of a model running in this process.
+
+:class:`AllocationRecorder` is a ``TorchDispatchMode``: every operator output whose storage it
+has not seen is a new request of the storage's size, and the storage's finalizer records its
+release. A storage is freed when its last user lets go (a view, an autograd saved tensor, the
+engine), which is exactly when an allocator would see the free. The same mode records real CPU
+tensors and fake tensors (``FakeTensorMode``, any size, nothing allocated): storage sizes and
+lifetimes do not depend on the data.
+
+:class:`PhaseMarker` names the phase every event belongs to, from module hooks in the forward
+pass and from gradient hooks in the backward pass: when the gradient of a block's output is
+ready, that block's backward begins.
+"""
+
+import weakref
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memo.profile.trace import Event, layer_phase
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Appends an :class:`Event` to ``events`` for every storage created or freed while active.
+
+    ``phase`` is read at each event. Storages created before the mode was entered (weights,
+    optimizer states) are not requests; a release seen after :meth:`stop` is not recorded.
+    """
+
+    def __init__(self, phase: Callable[[], str]):
+        super().__init__()
+        self.events: list[Event] = []
+        self._phase = phase
+        self._live: dict[int, int] = {}  # id(storage object) -> request id
+        self._next_id = 0
+        self._recording = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._recording:
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self._see(tensor)
+        return out
+
+    def _see(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._live:
+            return
+        request = self._next_id
+        self._next_id += 1
+        self._live[key] = request
+        size = storage.nbytes()
+        self.events.append(Event("malloc", request, size, self._phase()))
+        # The storage's Python object lives as long as the storage itself, so this runs at the
+        # moment the memory would go back to the allocator.
+        weakref.finalize(storage, self._free, key, request, size)
+
+    def _free(self, key: int, request: int, size: int) -> None:
+        if self._live.get(key) == request:
+            del self._live[key]
+        if self._recording:
+            self.events.append(Event("free", request, size, self._phase()))
+
+    def stop(self) -> None:
+        """End recording; requests still live stay unfreed in :attr:`events`."""
+        self._recording = False
+
+
+class PhaseMarker:
+    """Tracks the phase of one GPT iteration through hooks on a Megatron ``GPTModel``.
+
+    Forward hooks set ``embedding.fwd``, ``layer.<i>.fwd``, ``head.fwd`` and ``loss.fwd``, and put
+    a gradient hook on each block's output that sets the block's backward phase. Once
+    :meth:`backward` was called, forward hooks (recomputation in the backward pass) no longer
+    change the phase.
+    """
+
+    def __init__(self, gpt: torch.nn.Module):
+        self.phase = "setup"
+        self._in_backward = False
+        self._handles = []
+        self._hook_block(gpt.embedding, "embedding.fwd", "embedding.bwd")
+        for layer in gpt.decoder.layers:
+            number = layer.layer_number - 1  # Megatron counts layers from 1
+            self._hook_block(layer, layer_phase(number, "fwd"), layer_phase(number, "bwd"))
+        head_start = gpt.decoder.final_layernorm or gpt.output_layer
+        self._handles.append(head_start.register_forward_pre_hook(lambda *_: self._forward("head.fwd")))
+        self._hook_block(gpt.output_layer, None, "head.bwd", after="loss.fwd")
+
+    def _hook_block(self, module, forward: Optional[str], backward: str, after: Optional[str] = None):
+        if forward is not None:
+            self._handles.append(module.register_forward_pre_hook(lambda *_: self._forward(forward)))
+
+        def on_output(_module, _inputs, output):
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad: self._set(backward))
+                    break  # the first output is the block's activations
+            if after is not None:
+                self._forward(after)
+
+        self._handles.append(module.register_forward_hook(on_output))
+
+    def _forward(self, phase: str) -> None:
+        if not self._in_backward:
+            self.phase = phase
+
+    def _set(self, phase: str) -> None:
+        self.phase = phase
+
+    def backward(self) -> None:
+        """Call right before ``loss.backward()``."""
+        self._in_backward = True
+        self.phase = "loss.bwd"
+
+    def optimizer(self) -> None:
+        """Call right before the optimizer step."""
+        self.phase = "optimizer"
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
