@@ -35,11 +35,12 @@ def lowest_fit(buffers: Sequence[Buffer], order: Sequence[int]) -> list[int]:
         mask = placed & (lower < upper[i]) & (lower[i] < upper) & (size > 0)
         offset = 0
         if mask.any():
-            begins, ends = start[mask], start[mask] + size[mask]
-            for s, e in sorted(zip(begins.tolist(), ends.tolist(), strict=True)):
-                if s - offset >= size[i]:
-                    break
-                offset = max(offset, e)
+            by_start = np.argsort(start[mask], kind="stable")
+            begins = start[mask][by_start]
+            # Below the k-th neighbour (by offset) lies the gap [top of the ones before, its begin).
+            tops = np.concatenate(([0], np.maximum.accumulate((start[mask] + size[mask])[by_start])))
+            room = np.concatenate((begins, [np.iinfo(np.int64).max])) - tops
+            offset = int(tops[np.argmax(room >= size[i])])
         start[i] = offset
         placed[i] = True
     return start.tolist()
