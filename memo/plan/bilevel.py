@@ -1,0 +1,237 @@
+"""Bi-level memory planning of one iteration's trace (MEMO, "Bi-level memory planning").
+
+Level 1 plans the transient requests of one block: a request made and freed inside one phase.
+All transformer layers allocate alike (the profiler checks it), so one layer's forward and one
+layer's backward are planned once and every layer reuses those offsets; the other phases
+(embedding, head, loss, optimizer) are planned once each. Level 2 plans the whole iteration: every
+request that crosses phases keeps its lifetime, and each phase's transient requests become one
+*pseudo* request of the level-1 peak, alive over the whole phase. A transient request's address
+is then its pseudo request's offset plus its level-1 offset.
+
+The plan records requests by phase and rank among that phase's mallocs (and size), which is how
+the runtime will recognise them; it round-trips through :func:`write_plan` / :func:`read_plan`.
+"""
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from memo.plan.dsa import Buffer, max_load, validate
+from memo.plan.solve import DsaPlan, plan
+from memo.profile.layers import check_identical_layers
+from memo.profile.trace import Trace
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one request goes: the ``rank``-th malloc of ``phase`` (``size`` bytes) at ``offset``."""
+
+    phase: str
+    rank: int
+    size: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class LevelPlan:
+    """A solved DSA instance: offsets relative to its arena, and how good they are."""
+
+    placements: list[Placement]
+    peak: int  # bytes
+    lower_bound: int  # bytes
+    solver: str
+    seconds: float
+
+    @property
+    def gap(self) -> float:
+        return self.peak / self.lower_bound - 1 if self.lower_bound else 0.0
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Level-1 plans per block (``layer.fwd``, ``layer.bwd`` and every other phase) and the
+    level-2 plan of the iteration, whose peak is the arena size in bytes."""
+
+    blocks: dict[str, LevelPlan]
+    phase_blocks: dict[str, str]  # phase -> the block whose offsets it uses
+    iteration: LevelPlan  # placements of crossing requests; pseudo requests have rank -1
+    flat_lower_bound: int  # bytes alive at once in the original trace: no plan can do better
+    layers_checked: list[int]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.iteration.peak
+
+
+def _solve(buffers: list[Buffer], keys: list[tuple[str, int, int]], time_limit_s: float) -> LevelPlan:
+    start = time.perf_counter()
+    result: DsaPlan = plan(buffers, time_limit_s)
+    validate(buffers, result.offsets)  # independent check: a wrong plan must never leave here
+    placements = [Placement(phase, rank, size, offset)
+                  for (phase, rank, size), offset in zip(keys, result.offsets, strict=True)]
+    return LevelPlan(placements, result.peak, result.lower_bound, result.solver, time.perf_counter() - start)
+
+
+def plan_iteration(trace: Trace, time_limit_s: float = 60.0) -> MemoryPlan:
+    """Bi-level plan of ``trace`` within about ``time_limit_s`` seconds in all.
+
+    The level-1 blocks share a quarter of the time (they are small and usually meet their
+    bound at once); level 2 gets the rest.
+
+    Raises:
+        memo.profile.layers.LayerMismatchError: if two inner layers allocate differently.
+    """
+    deadline = time.perf_counter() + time_limit_s
+    requests = trace.requests()
+    layers_checked = check_identical_layers(trace, requests)
+    rank = {event.id: r for _, r, event in _ranked_mallocs(trace)}
+
+    transient = [r for r in requests if r.free_phase == r.malloc_phase]
+    by_phase: dict[str, list] = {}
+    for r in transient:
+        by_phase.setdefault(r.malloc_phase, []).append(r)
+
+    def shape(phase: str) -> list[tuple[int, int]]:
+        return [(rank[r.id], r.size) for r in by_phase.get(phase, [])]
+
+    # Layers share the blocks of the first inner layer; a layer whose transients differ (the
+    # first and last may: their neighbours are the embedding and the head) gets its own.
+    phase_blocks, blocks = {}, {}
+    for phase in trace.phases:
+        block = phase
+        if phase.startswith("layer."):
+            direction = phase.split(".")[2]
+            shared = f"layer.{direction}"
+            if shape(phase) == shape(f"layer.{layers_checked[0]}.{direction}"):
+                block = shared
+        phase_blocks[phase] = block
+        if block not in blocks:
+            members = by_phase.get(phase, [])
+            first = min((r.lower for r in members), default=0)
+            buffers = [Buffer(str(r.id), r.lower - first, r.upper - first, r.size) for r in members]
+            keys = [(block, rank[r.id], r.size) for r in members]
+            share = (deadline - time.perf_counter()) / 4 / len(trace.phases)
+            blocks[block] = _solve(buffers, keys, max(share, 0.0))
+
+    buffers, keys = [], []
+    for r in requests:
+        if r.free_phase != r.malloc_phase:
+            buffers.append(Buffer(str(r.id), r.lower, r.upper, r.size))
+            keys.append((r.malloc_phase, rank[r.id], r.size))
+    for phase in trace.phases:
+        peak = blocks[phase_blocks[phase]].peak
+        if peak > 0:
+            lower, upper = trace.phase_span(phase)
+            buffers.append(Buffer(f"pseudo:{phase}", lower, upper, peak))
+            keys.append((phase, -1, peak))
+    iteration = _solve(buffers, keys, max(deadline - time.perf_counter(), 0.0))
+    meta = {**trace.meta, "format": PLAN_FORMAT}
+    return MemoryPlan(blocks, phase_blocks, iteration, max_load(trace.buffers()), layers_checked, meta)
+
+
+def addresses(memory_plan: MemoryPlan, trace: Trace) -> dict[int, int]:
+    """Arena offset (bytes) of every request of ``trace``, by request id: a crossing request's
+    level-2 offset, or a transient one's level-1 offset above its phase's pseudo request.
+
+    Raises:
+        KeyError: naming the first request the plan does not place.
+    """
+    crossing = {(p.phase, p.rank): p.offset for p in memory_plan.iteration.placements}
+    relative = {name: {p.rank: p.offset for p in level.placements}
+                for name, level in memory_plan.blocks.items()}
+    placed = {}
+    for phase, rank, event in _ranked_mallocs(trace):
+        if (phase, rank) in crossing:
+            placed[event.id] = crossing[(phase, rank)]
+            continue
+        block = relative.get(memory_plan.phase_blocks.get(phase, ""), {})
+        if rank not in block:
+            raise KeyError(f"the plan has no place for malloc number {rank} of phase {phase!r}")
+        placed[event.id] = crossing[(phase, -1)] + block[rank]
+    return placed
+
+
+def _ranked_mallocs(trace: Trace):
+    """(phase, rank among the phase's mallocs, event) for every malloc, in trace order."""
+    counts: dict[str, int] = {}
+    for event in trace.events:
+        if event.op == "malloc":
+            rank = counts.get(event.phase, 0)
+            counts[event.phase] = rank + 1
+            yield event.phase, rank, event
+
+
+def _level_dict(level: LevelPlan) -> dict:
+    return {**{k: v for k, v in asdict(level).items() if k != "placements"},
+            "placements": [[p.phase, p.rank, p.size, p.offset] for p in level.placements]}
+
+
+def _level(data: dict) -> LevelPlan:
+    return LevelPlan([Placement(*row) for row in data["placements"]], data["peak"], data["lower_bound"],
+                     data["solver"], data["seconds"])
+
+
+def write_plan(path: Path, memory_plan: MemoryPlan) -> None:
+    """Save ``memory_plan`` as JSON, atomically; an existing file is never replaced.
+
+    Raises:
+        FileExistsError: if ``path`` exists.
+    """
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists and is kept; choose another path")
+    data = {
+        "format": PLAN_FORMAT,
+        "arena_bytes": memory_plan.arena_bytes,
+        "flat_lower_bound": memory_plan.flat_lower_bound,
+        "layers_checked": memory_plan.layers_checked,
+        "meta": memory_plan.meta,
+        "blocks": {name: _level_dict(level) for name, level in memory_plan.blocks.items()},
+        "phase_blocks": memory_plan.phase_blocks,
+        "iteration": _level_dict(memory_plan.iteration),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.link(tmp, path)  # fails rather than replace a file that appeared meanwhile
+    finally:
+        os.unlink(tmp)
+
+
+def read_plan(path: Path) -> MemoryPlan:
+    """The plan saved by :func:`write_plan`.
+
+    Raises:
+        ValueError: if the file is not a plan of this format, naming the file.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != PLAN_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {PLAN_FORMAT}")
+        return MemoryPlan(
+            blocks={name: _level(level) for name, level in data["blocks"].items()},
+            phase_blocks=data["phase_blocks"],
+            iteration=_level(data["iteration"]),
+            flat_lower_bound=data["flat_lower_bound"],
+            layers_checked=data["layers_checked"],
+            meta=data["meta"],
+        )
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path}: not a memory plan ({error})") from None
+
+
+def level_summary(level: Optional[LevelPlan]) -> dict:
+    """Peak, bound, gap and time of a level plan, for a result row."""
+    if level is None:
+        return {}
+    return {"peak_bytes": level.peak, "lower_bound_bytes": level.lower_bound, "gap": level.gap,
+            "solver": level.solver, "seconds": level.seconds}
