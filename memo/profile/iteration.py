@@ -8,7 +8,8 @@
   operators run with their CPU meta-kernels, so attention is PyTorch's fused kernel, which keeps
   the same output and log-sum-exp for backward as FlashAttention does on a GPU.
 * ``cpu``: the same iteration on real CPU tensors (one process), to cross-check the fake trace.
-* ``cuda``: see :mod:`memo.profile.cuda` (the caching allocator's own request stream).
+* ``cuda``: the same on the GPU, from the caching allocator's own request stream
+  (:mod:`memo.profile.cuda`), with the allocator's peak figures for the iteration.
 
 One iteration is: forward of one micro-batch, loss, backward, optimizer step (AdamW whose
 states exist already, as in every step after the first). Weights, their gradients' previous
@@ -30,7 +31,7 @@ from memo.model.gpt import transformer_config
 from memo.profile.recorder import AllocationRecorder, PhaseMarker
 from memo.profile.trace import Trace
 
-BACKENDS = ("fake", "cpu")
+BACKENDS = ("fake", "cpu", "cuda")
 
 
 @contextlib.contextmanager
@@ -59,10 +60,11 @@ def _process_group(parallel: ParallelConfig, backend: str) -> Iterator[None]:
     else:
         if world != 1:
             raise ConfigError(
-                f"profile.backend=cpu traces one process, but tp·cp·pp·dp = {world}; "
+                f"profile.backend={backend} traces one process, but tp·cp·pp·dp = {world}; "
                 "use profile.backend=fake (any layout, per-rank sizes)"
             )
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if backend == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp,
@@ -96,7 +98,9 @@ def trace_iteration(
         ConfigError: for a back-end or method that cannot be traced here.
     """
     if backend not in BACKENDS:
-        raise ConfigError(f"profile.backend={backend} cannot run here; choose one of: {', '.join(BACKENDS)}")
+        raise ConfigError(f"profile.backend={backend} is not a back-end; choose one of: {', '.join(BACKENDS)}")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("profile.backend=cuda needs a GPU and none is visible here; use profile.backend=fake")
     if method.layer_activations == "swap":
         raise ConfigError(
             f"method={method.name} moves skeletal tensors into its rounding buffers at run time, "
@@ -108,35 +112,49 @@ def trace_iteration(
     if parallel.cp > 1:
         raise ConfigError(f"parallel.cp={parallel.cp}: context parallelism needs Transformer Engine's "
                           "attention, which a trace cannot run; use parallel.cp=1")
-    config = transformer_config(model, method, parallel, dtype, "cpu")
-    attention = select_backend("cpu", dtype, config.kv_channels)  # a real probe, outside fake mode
+    device = "cuda" if backend == "cuda" else "cpu"
+    config = transformer_config(model, method, parallel, dtype, device)
+    attention = select_backend(device, dtype, config.kv_channels)  # a real probe, outside fake mode
     mode = contextlib.nullcontext()
     if backend == "fake":
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
+    figures = {}
     with _process_group(parallel, backend), mode:
         torch.manual_seed(seed)
-        gpt = build_gpt(model, method, parallel, seq, dtype, "cpu", attention).module
+        gpt = build_gpt(model, method, parallel, seq, dtype, device, attention).module
+        # One implementation on every back-end (the CUDA default, foreach, allocates otherwise).
         optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-4, foreach=False)
         for p in gpt.parameters():  # states exist before the traced step, as after step 1
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens = torch.zeros(micro_batch_size, seq, dtype=torch.long)
-        positions = torch.arange(seq).unsqueeze(0).expand(micro_batch_size, seq)
-        marker = PhaseMarker(gpt)
-        recorder = AllocationRecorder(lambda: marker.phase)
-        with recorder, _unchecked_rng_forks():
-            per_token = gpt(tokens, positions, None, labels=tokens)
-            loss = per_token.float().mean()
-            marker.backward()
-            loss.backward()
-            del per_token, loss
-            marker.optimizer()
-            optimizer.step()
-        recorder.stop()
-        marker.remove()
+        tokens = torch.zeros(micro_batch_size, seq, dtype=torch.long, device=device)
+        positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, seq)
+
+        def run(marker: PhaseMarker) -> None:
+            with _unchecked_rng_forks():
+                per_token = gpt(tokens, positions, None, labels=tokens)
+                loss = per_token.float().mean()
+                marker.backward()
+                loss.backward()
+                del per_token, loss
+                marker.optimizer()
+                optimizer.step()
+
+        if backend == "cuda":
+            from memo.profile.cuda import record_cuda_iteration
+
+            events, figures = record_cuda_iteration(gpt, run)
+        else:
+            marker = PhaseMarker(gpt)
+            recorder = AllocationRecorder(lambda: marker.phase)
+            with recorder:
+                run(marker)
+            recorder.stop()
+            marker.remove()
+            events = recorder.events
     meta = {
         "backend": backend,
         "model": asdict(model),
@@ -146,5 +164,6 @@ def trace_iteration(
         "micro_batch_size": micro_batch_size,
         "dtype": str(dtype).removeprefix("torch."),
         "attention": attention,
+        **{f"cuda.{k}": v for k, v in figures.items()},
     }
-    return Trace(recorder.events, meta)
+    return Trace(events, meta)

@@ -76,11 +76,12 @@ class PhaseMarker:
     Forward hooks set ``embedding.fwd``, ``layer.<i>.fwd``, ``head.fwd`` and ``loss.fwd``, and put
     a gradient hook on each block's output that sets the block's backward phase. Once
     :meth:`backward` was called, forward hooks (recomputation in the backward pass) no longer
-    change the phase.
+    change the phase. ``on_change`` is called with every new phase.
     """
 
-    def __init__(self, gpt: torch.nn.Module):
+    def __init__(self, gpt: torch.nn.Module, on_change: Optional[Callable[[str], None]] = None):
         self.phase = "setup"
+        self._on_change = on_change
         self._in_backward = False
         self._handles = []
         self._hook_block(gpt.embedding, "embedding.fwd", "embedding.bwd")
@@ -107,19 +108,22 @@ class PhaseMarker:
 
     def _forward(self, phase: str) -> None:
         if not self._in_backward:
-            self.phase = phase
+            self._set(phase)
 
     def _set(self, phase: str) -> None:
-        self.phase = phase
+        if phase != self.phase:
+            self.phase = phase
+            if self._on_change is not None:
+                self._on_change(phase)
 
     def backward(self) -> None:
         """Call right before ``loss.backward()``."""
         self._in_backward = True
-        self.phase = "loss.bwd"
+        self._set("loss.bwd")
 
     def optimizer(self) -> None:
         """Call right before the optimizer step."""
-        self.phase = "optimizer"
+        self._set("optimizer")
 
     def remove(self) -> None:
         for handle in self._handles:
