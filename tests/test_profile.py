@@ -13,7 +13,8 @@ from memo.profile.recorder import AllocationRecorder
 from memo.profile.trace import Event, Trace, read_trace, write_trace
 
 TINY = ModelConfig(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4)
-SEVEN_B = ModelConfig(name="7b", num_layers=4, hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32)
+SEVEN_B = ModelConfig(name="7b", num_layers=4, hidden_size=4096, ffn_hidden_size=16384,
+                      num_attention_heads=32)
 NONE = MethodConfig(name="none")
 METHODS = [
     NONE,

@@ -46,7 +46,8 @@ def test_the_cuda_back_end_runs_on_a_gpu_and_is_refused_in_one_line_without():
     from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
     from memo.profile.iteration import trace_iteration
 
-    tiny = ModelConfig(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4)
+    tiny = ModelConfig(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=1024,
+                       num_attention_heads=4)
     args = (tiny, MethodConfig(name="none"), ParallelConfig(), 256, 1, torch.bfloat16, "cuda")
     if torch.cuda.is_available():
         trace = trace_iteration(*args)

@@ -46,7 +46,9 @@ def events_from_allocator_trace(entries: list[dict], phases: list[str], marker_s
     return events
 
 
-def record_cuda_iteration(gpt: torch.nn.Module, run: Callable[[PhaseMarker], None]) -> tuple[list[Event], dict]:
+def record_cuda_iteration(
+    gpt: torch.nn.Module, run: Callable[[PhaseMarker], None]
+) -> tuple[list[Event], dict]:
     """Run ``run(marker)`` (one iteration of ``gpt``) with memory history on.
 
     Returns:

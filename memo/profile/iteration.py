@@ -98,9 +98,11 @@ def trace_iteration(
         ConfigError: for a back-end or method that cannot be traced here.
     """
     if backend not in BACKENDS:
-        raise ConfigError(f"profile.backend={backend} is not a back-end; choose one of: {', '.join(BACKENDS)}")
+        raise ConfigError(f"profile.backend={backend} is not a back-end; "
+                          f"choose one of: {', '.join(BACKENDS)}")
     if backend == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("profile.backend=cuda needs a GPU and none is visible here; use profile.backend=fake")
+        raise ConfigError("profile.backend=cuda needs a GPU and none is visible here; "
+                          "use profile.backend=fake")
     if method.layer_activations == "swap":
         raise ConfigError(
             f"method={method.name} moves skeletal tensors into its rounding buffers at run time, "
