@@ -1,5 +1,8 @@
 """Train one configuration, or sweep many with ``-m``: ``python run.py model=7b seq=64k,128k -m``.
 
+``mode=profile`` traces one iteration's allocations instead, and ``mode=plan`` also plans them
+(see :mod:`memo.planning`); both run anywhere, for any model size.
+
 Each job writes ``result.json`` and ``metrics.jsonl`` into its Hydra output directory. A
 mistake in the configuration ends the run with one line on stderr (exit status 2); in a sweep
 it leaves an ``error`` row and the sweep goes on with the next job.
@@ -25,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 # default cuda_graph_scope; neither is something a user of this suite can act on.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed.*")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 from memo.config import ConfigError, register_configs, validate  # noqa: E402
 from memo.config.choices import check_group_choices  # noqa: E402
@@ -39,9 +43,15 @@ def main(cfg: DictConfig) -> None:
     try:  # caught here: past this function Hydra would add a report of its own
         if hydra_cfg.mode == RunMode.RUN:
             validate(cfg)  # fail fast, before the heavy imports; a sweep records it in a row
-        from memo.job import run_job
+        output_dir = Path(hydra_cfg.runtime.output_dir)
+        if cfg.mode == "train":
+            from memo.job import run_job
 
-        row = run_job(cfg, Path(hydra_cfg.runtime.output_dir), hydra_cfg.overrides.task)
+            row = run_job(cfg, output_dir, hydra_cfg.overrides.task)
+        else:
+            from memo.planning import profile_and_plan
+
+            row = profile_and_plan(cfg, output_dir, hydra_cfg.overrides.task)
     except ConfigError as error:
         _fail(str(error))
     if row["status"] == "error" and hydra_cfg.mode == RunMode.RUN:

@@ -95,10 +95,26 @@ class TrainConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """How ``mode=profile`` and ``mode=plan`` trace one iteration (memo.profile)."""
+
+    # fake (fake tensors: any size, per-rank sizes of any layout, nothing allocated; what auto
+    # picks), cpu (real tensors, one process) or cuda (the GPU caching allocator's requests).
+    backend: str = "auto"
+
+
+@dataclass
+class PlannerConfig:
+    """The memory planner of ``mode=plan`` (memo.plan)."""
+
+    time_limit_s: float = 60.0  # for the whole bi-level plan
+
+
+@dataclass
 class RunConfig:
     """One job: ``python run.py`` resolves to exactly one of these."""
 
-    mode: str = "train"
+    mode: str = "train"  # train; profile (write one iteration's allocation trace); plan (and plan it)
     seq: str = "1k"  # tokens: 4096, 4k or 1408k (k = 1024)
     # method=memo: the fraction of tokens whose skeletal activations are swapped to the host
     # (the rest are recomputed), a number in [0, 1], or "auto" to solve MEMO's α problem.
@@ -108,6 +124,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 def register_configs() -> None:

@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
-MODES = ("train",)
+MODES = ("train", "profile", "plan")
+PROFILE_BACKENDS = ("auto", "fake", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("auto", "te", "cudnn", "flash", "efficient", "math")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -93,6 +94,9 @@ def validate(cfg) -> int:
         raise ConfigError(
             f"train.data={t.data} is neither 'synthetic' nor an existing text file"
         )
+    _choice("profile.backend", cfg.profile.backend, PROFILE_BACKENDS)
+    if not cfg.planner.time_limit_s > 0:
+        raise ConfigError(f"planner.time_limit_s={cfg.planner.time_limit_s} must be positive (seconds)")
     return seq
 
 

@@ -17,12 +17,13 @@ values and optimizer states are not requests: they exist before the iteration st
 """
 
 import contextlib
-from dataclasses import asdict
+import dataclasses
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from omegaconf import OmegaConf
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
 from memo.model import build_gpt
@@ -32,6 +33,13 @@ from memo.profile.recorder import AllocationRecorder, PhaseMarker
 from memo.profile.trace import Trace
 
 BACKENDS = ("fake", "cpu", "cuda")
+
+
+def _plain(config) -> dict:
+    """A config section (dataclass or OmegaConf node) as a plain dict for JSON."""
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    return OmegaConf.to_container(config, resolve=True)
 
 
 @contextlib.contextmanager
@@ -159,9 +167,9 @@ def trace_iteration(
             events = recorder.events
     meta = {
         "backend": backend,
-        "model": asdict(model),
+        "model": _plain(model),
         "method": method.name,
-        "parallel": asdict(parallel),
+        "parallel": _plain(parallel),
         "seq": seq,
         "micro_batch_size": micro_batch_size,
         "dtype": str(dtype).removeprefix("torch."),

@@ -1,0 +1,138 @@
+"""``mode=profile`` and ``mode=plan``: trace one iteration, classify its layers, plan its memory.
+
+``mode=profile`` writes the trace (``trace.csv``, ``trace.json``) and a row with each layer's
+skeletal and transient bytes. ``mode=plan`` also writes the bi-level plan (``plan.json``) and
+adds to the row the level-1 and level-2 peaks, their lower bounds, gaps and solve times, and what
+PyTorch's caching allocator would reserve for the same requests (simulated), so the plan can be
+read against the baseline it replaces. Both run on any machine: the default back-end traces with
+fake tensors, for every model, length and parallel layout.
+"""
+
+import dataclasses
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from memo.config import ConfigError, validate
+from memo.model import resolve_dtype
+from memo.plan.bilevel import plan_iteration, write_plan
+from memo.plan.caching_allocator import simulate
+from memo.profile.iteration import trace_iteration
+from memo.profile.layers import LayerMismatchError, check_identical_layers, layer_bytes
+from memo.profile.trace import Trace, layer_phase, write_trace
+from memo.results import ResultWriter, flatten
+
+log = logging.getLogger("memo")
+
+TRACE_FILE = "trace.csv"
+PLAN_FILE = "plan.json"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.3f} GiB"
+
+
+def _backend(cfg: DictConfig) -> str:
+    return "fake" if cfg.profile.backend == "auto" else cfg.profile.backend
+
+
+def _simulated(trace: Trace, phase: Optional[str], prefix: str) -> dict[str, Any]:
+    """Caching-allocator figures for the transient requests of ``phase`` (the requests the
+    level-1 plan places), or for the whole trace when ``phase`` is None."""
+    events = trace.events
+    if phase is not None:
+        malloc_phase = {e.id: e.phase for e in events if e.op == "malloc"}
+        freed_here = {e.id for e in events if e.op == "free" and e.phase == phase}
+        events = [e for e in events if e.id in freed_here and malloc_phase[e.id] == phase]
+    stats = simulate(events)
+    return {**{f"{prefix}.{k}": v for k, v in dataclasses.asdict(stats).items()},
+            f"{prefix}.reserved_over_allocated": stats.reserved_over_allocated}
+
+
+def profile_and_plan(cfg: DictConfig, output_dir: Path, overrides=()) -> dict[str, Any]:
+    """Run ``cfg.mode`` (profile or plan), write its files and row into ``output_dir``.
+
+    Like a training job, a failure is the row's ``status`` ("error") and ``error``, not an exception.
+
+    Raises:
+        ConfigError: only if ``output_dir`` already holds an earlier run's files.
+    """
+    writer = ResultWriter(output_dir)
+    for name in (TRACE_FILE, PLAN_FILE):
+        if (output_dir / name).exists():
+            raise ConfigError(f"{output_dir / name} exists from an earlier run and is kept; "
+                              "give this run another hydra.run.dir")
+    row: dict[str, Any] = {**flatten(OmegaConf.to_container(cfg, resolve=True)),
+                           "overrides": " ".join(overrides), "output_dir": str(output_dir),
+                           "status": "error", "error": None}
+    try:
+        row["seq"] = seq = validate(cfg)
+        backend = _backend(cfg)
+        dtype = resolve_dtype(cfg.train.dtype, "cpu" if backend == "cpu" else "cuda")
+        row["dtype"] = str(dtype).removeprefix("torch.")
+        start = time.perf_counter()
+        trace = trace_iteration(cfg.model, cfg.method, cfg.parallel, seq, cfg.train.micro_batch_size,
+                                dtype, backend, cfg.train.seed)
+        row["profile.seconds"] = time.perf_counter() - start
+        row["profile.events"] = len(trace.events)
+        write_trace(output_dir / TRACE_FILE, trace)
+        requests = trace.requests()
+        try:
+            row["profile.layers_identical"] = ",".join(map(str, check_identical_layers(trace, requests)))
+        except LayerMismatchError as error:
+            if cfg.mode == "plan":
+                raise ConfigError(f"cannot plan one layer for all: {error}") from None
+            row["profile.layers_identical"] = None
+            log.warning("%s", error)
+        layer = 1 if cfg.model.num_layers > 2 else 0
+        bytes_ = layer_bytes(trace, layer, requests)
+        row.update({f"layer.{k}_bytes" if k not in ("layer", "skeletal_requests") else f"layer.{k}": v
+                    for k, v in dataclasses.asdict(bytes_).items()})
+        log.info("traced %d events in %.1f s (%s tensors): layer %d keeps %s skeletal (%d tensors), "
+                 "transient %s forward / %s backward, at most %s / %s at once",
+                 len(trace.events), row["profile.seconds"], backend, layer, _gib(bytes_.skeletal),
+                 bytes_.skeletal_requests, _gib(bytes_.transient_forward), _gib(bytes_.transient_backward),
+                 _gib(bytes_.transient_forward_peak), _gib(bytes_.transient_backward_peak))
+        if cfg.mode == "plan":
+            row.update(_plan(cfg, trace, layer, output_dir))
+        row["status"] = "ok"
+    except ConfigError as error:
+        row["error"] = str(error)
+    except Exception as error:  # noqa: BLE001 - every failure must leave its row
+        row["error"] = f"{type(error).__name__}: {error}"
+        log.error("%s failed:\n%s", cfg.mode, traceback.format_exc())
+    finally:
+        writer.write_result(row)
+    return row
+
+
+def _plan(cfg: DictConfig, trace: Trace, layer: int, output_dir: Path) -> dict[str, Any]:
+    memory_plan = plan_iteration(trace, cfg.planner.time_limit_s)
+    write_plan(output_dir / PLAN_FILE, memory_plan)
+    row: dict[str, Any] = {"plan.arena_bytes": memory_plan.arena_bytes,
+                           "plan.flat_lower_bound_bytes": memory_plan.flat_lower_bound}
+    for name, level in (("forward", memory_plan.blocks["layer.fwd"]),
+                        ("backward", memory_plan.blocks["layer.bwd"]), ("iteration", memory_plan.iteration)):
+        row.update({f"plan.{name}_peak_bytes": level.peak,
+                    f"plan.{name}_lower_bound_bytes": level.lower_bound, f"plan.{name}_gap": level.gap,
+                    f"plan.{name}_solver": level.solver, f"plan.{name}_seconds": level.seconds})
+    levels = [*memory_plan.blocks.values(), memory_plan.iteration]
+    row["plan.seconds"] = sum(level.seconds for level in levels)
+    row.update(_simulated(trace, layer_phase(layer, "fwd"), "simulated.forward"))
+    row.update(_simulated(trace, layer_phase(layer, "bwd"), "simulated.backward"))
+    row.update(_simulated(trace, None, "simulated.iteration"))
+    for name in ("forward", "backward", "iteration"):
+        log.info("%-9s planned %s (bound %s, gap %.3f%%, %s, %.1f s); caching allocator reserves %s "
+                 "for a peak of %s allocated (+%.1f%%; fragmentation at its reserved peak %.1f%%, "
+                 "%d retries)", name, _gib(row[f"plan.{name}_peak_bytes"]),
+                 _gib(row[f"plan.{name}_lower_bound_bytes"]), 100 * row[f"plan.{name}_gap"],
+                 row[f"plan.{name}_solver"], row[f"plan.{name}_seconds"],
+                 _gib(row[f"simulated.{name}.peak_reserved"]), _gib(row[f"simulated.{name}.peak_allocated"]),
+                 100 * row[f"simulated.{name}.reserved_over_allocated"],
+                 100 * row[f"simulated.{name}.fragmentation"], row[f"simulated.{name}.num_alloc_retries"])
+    log.info("plan written to %s", output_dir / PLAN_FILE)
+    return row
