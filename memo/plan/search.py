@@ -1,28 +1,46 @@
-"""Exact DSA: does every buffer fit under a capacity? A complete search over compact plans.
+"""Exact DSA: does every buffer fit under a capacity? MiniMalloc's search over canonical plans.
 
-Some optimal plan is *compact*: no buffer can move down, so each one sits at offset 0 or on the
-top of a buffer alive with it. Taken in order of offset, every buffer of a compact plan sits at
-``top(j)``, the highest top among the already placed buffers alive with it. The search builds
-plans in that order, with a binary choice for the eligible buffer ``j`` of lowest ``top(j)``:
+The method is that of MiniMalloc (Moffitt, ASPLOS 2024), written anew in plain Python.
 
-* place ``j`` at ``top(j)``; or
-* *defer* ``j``: it will sit higher, on a buffer not placed yet, so it waits until a newly
-  placed buffer raises ``top(j)``.
+*Canonical plans.* Gravity turns any plan into one no higher where every buffer sits at offset 0
+or on the top of a buffer alive with it. Taken in order of (offset, rank), for a fixed ranking
+of the buffers, each buffer of such a plan sits at its *floor*: the highest top among the
+buffers already placed that are alive with it. The search builds plans in that order: at a
+node, every unplaced buffer whose floor keeps the order increasing is a candidate, and each is
+tried at its floor. Every canonical plan is reached exactly once, so a failed search proves that
+nothing fits. Three rules cut the search without losing completeness, since some canonical plan
+obeys them whenever any plan fits (take the canonical plan with the least sum of offsets):
 
-Every compact plan is reached this way (a buffer below ``top(j)`` would be eligible with a lower
-top), so a failed search proves that nothing fits. Pruning, at every node: over each section of
-time (between consecutive lifetime ends), the buffers still to place are all alive together, so
-they stack, starting no lower than the lowest offset any of them can still take (its top, the
-current level, one more for a deferred buffer), and must fit under the capacity together.
+* dominance: a candidate at or above the top a buffer would have at its own floor would leave a
+  gap that buffer could drop into, so it is not tried;
+* hatless: a candidate with no unplaced buffer alive with it has its final offset now; any plan
+  below this node places it before the candidates that follow it, so they are not tried;
+* sections: over each section of time (the instants just before a lifetime ends), the unplaced
+  buffers are all alive together, so they stack above the lowest floor among them and above
+  the current offset; together they must fit under the capacity.
+
+When no unplaced buffer spans some boundary between sections, the two sides no longer interact
+and each is searched on its own (the placed buffers only leave floors behind), with a ranking
+of its own; either side failing fails the node. The ranking is MiniMalloc's: a few static orders
+(lifetime, area, the fullest section a buffer is in) tried in turn with a doubling node budget,
+so that one lucky order ends the search early; every run is complete, so a run that ends
+without hitting its budget decides the answer.
+
+Sizes are divided by their greatest common divisor first: canonical offsets are sums of sizes.
 """
 
+import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import numpy as np
-
 from memo.plan.dsa import Buffer
+
+_INF = float("inf")
+# Buffer orders tried in turn, as MiniMalloc's defaults: W lifetime, A area (size × lifetime),
+# T the most bytes alive in a section the buffer is in; each from the largest down.
+HEURISTICS = ("WAT", "TAW", "TWA")
 
 
 @dataclass(frozen=True)
@@ -35,30 +53,212 @@ class SearchResult:
     seconds: float
 
 
-class _Instance:
-    """Arrays the search reads but never changes."""
+class _Stop(Exception):
+    """The node budget or the deadline ended a run; its state is rebuilt before the next."""
 
-    def __init__(self, buffers: Sequence[Buffer]):
-        points = sorted({b.lower for b in buffers} | {b.upper for b in buffers})
-        index = {t: i for i, t in enumerate(points)}
-        self.size = np.array([b.size for b in buffers], dtype=np.int64)
-        self.first = np.array([index[b.lower] for b in buffers], dtype=np.int64)  # first section
-        self.last = np.array([index[b.upper] for b in buffers], dtype=np.int64)  # one past the last
-        self.sections = max(len(points) - 1, 0)
-        lower = np.array([b.lower for b in buffers], dtype=np.int64)
-        upper = np.array([b.upper for b in buffers], dtype=np.int64)
-        self.neighbours = [
-            np.flatnonzero((lower < upper[j]) & (lower[j] < upper) & (np.arange(len(buffers)) != j))
-            for j in range(len(buffers))
+
+class _Search:
+    """One instance under one capacity: static data, the search state, and the search."""
+
+    def __init__(self, buffers: Sequence[Buffer], capacity: int, deadline: float):
+        n = len(buffers)
+        self.n = n
+        self.capacity = capacity
+        self.deadline = deadline
+        self.size = [b.size for b in buffers]
+        self.width = [b.upper - b.lower for b in buffers]
+        self.area = [b.size * (b.upper - b.lower) for b in buffers]
+        # Sections: the instants just before each distinct end of a lifetime. A buffer is in
+        # the sections whose instant it is alive at, a contiguous range [lo, hi).
+        ends = sorted({b.upper for b in buffers})
+        index = {t: i for i, t in enumerate(ends)}
+        self.sections = len(ends)
+        self.hi = [index[b.upper] + 1 for b in buffers]
+        self.lo = [_first_end_after(ends, b.lower) for b in buffers]
+        self.members = [[] for _ in ends]
+        for k in range(n):
+            for s in range(self.lo[k], self.hi[k]):
+                self.members[s].append(k)
+        # Two buffers overlap in time exactly when they share a section.
+        by_lower = sorted(range(n), key=lambda k: buffers[k].lower)
+        self.nbrs = [[] for _ in range(n)]
+        for x, k in enumerate(by_lower):
+            upper = buffers[k].upper
+            for q in by_lower[x + 1:]:
+                if buffers[q].lower >= upper:
+                    break
+                self.nbrs[k].append(q)
+                self.nbrs[q].append(k)
+        self.span_lo = [min([self.lo[q] for q in self.nbrs[k]], default=self.lo[k]) for k in range(n)]
+        self.span_hi = [max([self.hi[q] for q in self.nbrs[k]], default=self.hi[k]) for k in range(n)]
+        self.load = [0] * self.sections
+        for k in range(n):
+            for s in range(self.lo[k], self.hi[k]):
+                self.load[s] += self.size[k]
+        self.rank = [0] * n
+        self.nodes = 0
+
+    def reset(self) -> None:
+        n, sections = self.n, self.sections
+        self.off = [-1] * n
+        self.floor_of = [0] * n  # a buffer's floor: the highest top of a placed buffer alive with it
+        self.key = [0] * n  # floor_of for unplaced buffers, infinity for placed ones
+        self.total = list(self.load)  # bytes of unplaced buffers per section
+        self.floor = [0] * sections  # the lowest floor among a section's unplaced buffers
+        self.holder = [m[0] for m in self.members]  # an unplaced buffer in it with that floor
+        self.mark = [0] * n  # the stamp of the last placement that moved the buffer
+        self.stamp = 0
+        # cuts[s]: unplaced buffers in both section s and s + 1; none: the sides are independent.
+        self.cuts = [0] * max(sections - 1, 0)
+        for k in range(n):
+            for s in range(self.lo[k], self.hi[k] - 1):
+                self.cuts[s] += 1
+        self.solution = [0] * n
+
+    def run(self, heuristic: str, node_limit: float) -> bool:
+        """Whether a plan fits (then in ``solution``); raises ``_Stop`` past the budget."""
+        self.reset()
+        self.heuristic = heuristic
+        self.node_limit = self.nodes + node_limit
+        if max(self.load) > self.capacity:
+            return False
+        cuts = [s + 1 for s, c in enumerate(self.cuts) if c == 0]
+        return self._split(list(range(self.n)), 0, self.sections, cuts)
+
+    def _split(self, unplaced: list[int], a: int, b: int, cutpoints: list[int]) -> bool:
+        """Search each side of the boundaries ``cutpoints`` in sections ``[a, b)`` on its own."""
+        bounds = [a] + sorted(cutpoints) + [b]
+        lo, rank = self.lo, self.rank
+        for c0, c1 in zip(bounds, bounds[1:]):
+            part = [k for k in unplaced if c0 <= lo[k] < c1]
+            if not part:
+                continue
+            saved = [rank[k] for k in part]
+            self._rank(part)
+            found = self._dfs(part, c0, c1, 0, -1)
+            for k, r in zip(part, saved):
+                rank[k] = r
+            if not found:
+                return False
+        return True
+
+    def _rank(self, part: list[int]) -> None:
+        """Rank the buffers of a part by the heuristic (0 first), as MiniMalloc's preordering."""
+        total, lo, hi = self.total, self.lo, self.hi
+        fullest = {k: max(total[lo[k]:hi[k]]) for k in part}
+        keys = {"W": self.width, "A": self.area, "Z": self.size, "T": fullest}
+        columns = [keys[c] for c in self.heuristic]
+        order = sorted(part, key=lambda k: tuple(-col[k] for col in columns) + (k,))
+        for r, k in enumerate(order):
+            self.rank[k] = r
+
+    def _dfs(self, unplaced: list[int], a: int, b: int, level: int, last_rank: int) -> bool:
+        """Place the buffers ``unplaced`` of sections ``[a, b)``, at offsets from ``level`` up,
+        in canonical order after the buffer ranked ``last_rank`` at ``level``."""
+        self.nodes += 1
+        if self.nodes >= self.node_limit:
+            raise _Stop
+        if not self.nodes & 255 and time.perf_counter() > self.deadline:
+            raise _Stop
+        off, floor_of, size, rank = self.off, self.floor_of, self.size, self.rank
+        unplaced = [k for k in unplaced if off[k] < 0]
+        if not unplaced:
+            return True
+        lowest_top = min([floor_of[k] + size[k] for k in unplaced])
+        candidates = [
+            k for k in unplaced
+            if level <= floor_of[k] < lowest_top and (floor_of[k] > level or rank[k] > last_rank)
         ]
-        self.length = upper - lower
-        self.cover = np.zeros((len(buffers), self.sections), dtype=bool)
-        for j in range(len(buffers)):
-            self.cover[j, self.first[j]:self.last[j]] = True
+        if not candidates:
+            return False
+        width = self.n + 1
+        candidates.sort(key=lambda k: floor_of[k] * width + rank[k])
+        nbrs, lo, hi, key, total, floor, members, cuts = (
+            self.nbrs, self.lo, self.hi, self.key, self.total, self.floor, self.members, self.cuts)
+        span_lo, span_hi, holder, mark = self.span_lo, self.span_hi, self.holder, self.mark
+        keyget = key.__getitem__
+        capacity = self.capacity
+        for j in candidates:
+            o = floor_of[j]
+            first, end = lo[j], hi[j]
+            # Every other section's unplaced bytes must fit above o, and j's own sections' too.
+            room = capacity - o
+            if (a < first and max(total[a:first]) > room) or (end < b and max(total[end:b]) > room):
+                continue
+            sz = size[j]
+            if max(total[first:end]) - sz > room:
+                continue
+            top = o + sz
+            off[j] = o
+            key[j] = _INF
+            self.stamp = stamp = self.stamp + 1
+            mark[j] = stamp
+            raised = []
+            hatless = True
+            for k in nbrs[j]:
+                if off[k] < 0:
+                    hatless = False
+                    old = floor_of[k]
+                    if old < top:
+                        raised.append((k, old))
+                        floor_of[k] = top
+                        key[k] = top
+                        mark[k] = stamp
+            for s in range(first, end):
+                total[s] -= sz
+            # A section's lowest floor moves only where the buffer holding it rose or left.
+            changed = [s for s in range(span_lo[j], span_hi[j]) if mark[holder[s]] == stamp]
+            saved = []
+            ok = True
+            for s in changed:
+                saved.append((s, floor[s], holder[s]))
+                k = min(members[s], key=keyget)
+                f = floor[s] = key[k]
+                holder[s] = k
+                if f + total[s] > capacity and total[s]:
+                    ok = False
+                    break
+            found = False
+            if ok:
+                cut = []
+                for s in range(first, end - 1):
+                    cuts[s] -= 1
+                    if not cuts[s]:
+                        cut.append(s + 1)
+                if cut:
+                    found = self._split(unplaced, a, b, cut)
+                else:
+                    found = self._dfs(unplaced, a, b, o, rank[j])
+                for s in range(first, end - 1):
+                    cuts[s] += 1
+            for s, f, k in saved:
+                floor[s] = f
+                holder[s] = k
+            for s in range(first, end):
+                total[s] += sz
+            for k, old in reversed(raised):
+                floor_of[k] = old
+                key[k] = old
+            off[j] = -1
+            key[j] = o
+            if found:
+                self.solution[j] = o
+                return True
+            if hatless:
+                break
+        return False
+
+
+def _first_end_after(ends: list[int], t: int) -> int:
+    """Index of the first instant in ``ends`` above ``t``."""
+    import bisect
+
+    return bisect.bisect_right(ends, t)
 
 
 def fits(buffers: Sequence[Buffer], capacity: int, time_limit_s: float = 60.0) -> SearchResult:
-    """Search for a plan of ``buffers`` whose peak is at most ``capacity`` bytes.
+    """Search for a plan of ``buffers`` whose peak is at most ``capacity`` bytes, for at most
+    about ``time_limit_s`` seconds.
 
     Buffers of size 0 take offset 0 and play no part.
     """
@@ -68,57 +268,31 @@ def fits(buffers: Sequence[Buffer], capacity: int, time_limit_s: float = 60.0) -
     offsets = [0] * len(buffers)
     if not live:
         return SearchResult(offsets, True, 0, 0.0)
-    inst = _Instance([buffers[i] for i in live])
-    n = len(live)
-    load = np.zeros(inst.sections, dtype=np.int64)
-    for j in range(n):
-        load[inst.first[j]:inst.last[j]] += inst.size[j]
-    # A node: which buffers are placed, their offsets, top(j) of every buffer, the top at which
-    # each was last deferred (-1: never), bytes still to place per section, the last offset.
-    root = (np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64),
-            load, 0)
-    stack = [root]
-    nodes = 0
-    while stack:
-        nodes += 1
-        if nodes % 256 == 1 and time.perf_counter() > deadline:
-            return SearchResult(None, False, nodes, time.perf_counter() - start)
-        placed, offset, top, deferred_at, load, level = stack.pop()
-        if placed.all():
-            for k, i in enumerate(live):
-                offsets[i] = int(offset[k])
-            return SearchResult(offsets, True, nodes, time.perf_counter() - start)
-        unplaced = ~placed
-        lowest = np.maximum(top, level)
-        if ((lowest + inst.size)[unplaced] > capacity).any():
-            continue
-        # Each section's unplaced buffers stack above the lowest place any of them can take.
-        waiting = unplaced & (deferred_at == top)
-        lowest = np.where(waiting, np.maximum(lowest, top + 1), lowest)
-        base = np.where(inst.cover & unplaced[:, None], lowest[:, None], capacity).min(axis=0)
-        if (base + load).max() > capacity:  # sections nobody is left in have base + 0 = capacity
-            continue
-        eligible = unplaced & (top >= level) & (deferred_at != top)
-        if not eligible.any():
-            continue  # what is left can never rest on anything: not compact
-        candidates = np.flatnonzero(eligible)
-        keys = np.lexsort((-inst.length[candidates], -inst.size[candidates], top[candidates]))
-        j = int(candidates[keys[0]])
-        p = int(top[j])
-        if unplaced[inst.neighbours[j]].any():  # something could still come under it
-            deferred = deferred_at.copy()
-            deferred[j] = p
-            stack.append((placed, offset, top, deferred, load, level))
-        stack.append(_place(inst, j, p, placed, offset, top, deferred_at, load))
-    return SearchResult(None, True, nodes, time.perf_counter() - start)
-
-
-def _place(inst: _Instance, j: int, p: int, placed, offset, top, deferred_at, load):
-    """The node after putting buffer ``j`` at offset ``p`` (arrays copied, never changed)."""
-    placed, offset, top, load = placed.copy(), offset.copy(), top.copy(), load.copy()
-    placed[j] = True
-    offset[j] = p
-    near = inst.neighbours[j]
-    top[near] = np.maximum(top[near], p + inst.size[j])
-    load[inst.first[j]:inst.last[j]] -= inst.size[j]
-    return placed, offset, top, deferred_at, load, p
+    if max(buffers[i].size for i in live) > capacity:
+        return SearchResult(None, True, 0, time.perf_counter() - start)
+    unit = 0
+    for i in live:
+        unit = math.gcd(unit, buffers[i].size)
+    scaled = [Buffer(buffers[i].id, buffers[i].lower, buffers[i].upper, buffers[i].size // unit)
+              for i in live]
+    search = _Search(scaled, capacity // unit, deadline)
+    limit = recursion = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(recursion, 4 * len(live) + 1000))
+    try:
+        limit = len(live)
+        while True:
+            limit *= 2
+            for heuristic in HEURISTICS:
+                try:
+                    found = search.run(heuristic, limit)
+                except _Stop:
+                    if time.perf_counter() > deadline:
+                        return SearchResult(None, False, search.nodes, time.perf_counter() - start)
+                    continue
+                if found:
+                    for k, i in enumerate(live):
+                        offsets[i] = search.solution[k] * unit
+                    return SearchResult(offsets, True, search.nodes, time.perf_counter() - start)
+                return SearchResult(None, True, search.nodes, time.perf_counter() - start)
+    finally:
+        sys.setrecursionlimit(recursion)
