@@ -40,7 +40,7 @@ def main() -> None:
         peak = validate(buffers, result.offsets)
         print(f"{path.parent.name[:12] + '/' + path.stem:<28} {len(buffers):>7} {max_load(buffers):>13} "
               f"{result.lower_bound:>13} {peak:>13} {100 * result.gap:>6.1f}% {str(result.optimal):>7} "
-              f"{result.solver:>16} {result.seconds:>8.2f}", flush=True)
+              f"{result.solver:>16} {result.seconds:>8.2f}  {result.mip_message}", flush=True)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,10 @@ def profile_and_plan(cfg: DictConfig, output_dir: Path, overrides=()) -> dict[st
 
 
 def _plan(cfg: DictConfig, trace: Trace, layer: int, output_dir: Path) -> dict[str, Any]:
-    memory_plan = plan_iteration(trace, cfg.planner.time_limit_s)
+    memory_plan = plan_iteration(trace, cfg.planner.time_limit_s, cfg.planner.mip)
+    levels = [*memory_plan.blocks.values(), memory_plan.iteration]
+    for message in dict.fromkeys(level.mip_message for level in levels if level.mip_message):
+        log.info("MIP: %s", message)
     write_plan(output_dir / PLAN_FILE, memory_plan)
     row: dict[str, Any] = {"plan.arena_bytes": memory_plan.arena_bytes,
                            "plan.flat_lower_bound_bytes": memory_plan.flat_lower_bound}
@@ -120,7 +123,6 @@ def _plan(cfg: DictConfig, trace: Trace, layer: int, output_dir: Path) -> dict[s
         row.update({f"plan.{name}_peak_bytes": level.peak,
                     f"plan.{name}_lower_bound_bytes": level.lower_bound, f"plan.{name}_gap": level.gap,
                     f"plan.{name}_solver": level.solver, f"plan.{name}_seconds": level.seconds})
-    levels = [*memory_plan.blocks.values(), memory_plan.iteration]
     row["plan.seconds"] = sum(level.seconds for level in levels)
     row.update(_simulated(trace, layer_phase(layer, "fwd"), "simulated.forward"))
     row.update(_simulated(trace, layer_phase(layer, "bwd"), "simulated.backward"))

@@ -132,9 +132,41 @@ def test_the_planner_beats_greedy_and_proves_it():
     worse = [(s, b) for s in seeds if greedy_portfolio(b := _random_instance(s, 8)).peak > _brute_force(b)]
     assert worse, "no instance where greedy misses the optimum"
     for _, buffers in worse[:3]:
-        result = plan(buffers, time_limit_s=30)
-        assert result.optimal and result.solver == "search"
+        result = plan(buffers, time_limit_s=30, mip="none")
+        assert result.optimal and result.solver == "search" and result.mip_message == ""
         assert validate(buffers, result.offsets) == result.peak == _brute_force(buffers)
+    # The same instances through the paper's MIP, where Gurobi runs here (its pip license takes
+    # models this small); otherwise the planner says why in one line and searches instead.
+    from memo.plan.mip import gurobi_license
+
+    usable = gurobi_license().usable
+    for _, buffers in worse[:2]:
+        result = plan(buffers, time_limit_s=30, mip="gurobi")
+        assert result.optimal and result.peak == _brute_force(buffers)
+        assert result.solver == ("gurobi" if usable else "search"), result.mip_message
+        assert result.mip_message.startswith("gurobi:") and "\n" not in result.mip_message
+
+
+def test_a_model_too_large_for_gurobis_license_is_refused_up_front_and_searched():
+    from memo.plan.mip import gurobi_license
+
+    from memo.plan.mip import mip_size
+
+    # Seventy buffers, most alive together: thousands of pairs, where greedy misses the bound.
+    def instance(seed):
+        rng = random.Random(seed)
+        return _buffers(*((lo, lo + rng.randint(4, 8), rng.randint(1, 9))
+                          for lo in (rng.randint(0, 8) for _ in range(70))))
+
+    buffers = next(b for s in range(100) if greedy_portfolio(b := instance(s)).peak > max_load(b))
+    assert min(mip_size(buffers)) > 2000
+    result = plan(buffers, time_limit_s=5, mip="gurobi")
+    limit = gurobi_license().size_limit
+    if gurobi_license().usable and limit is None:  # a full license solves it
+        assert result.mip_message.startswith("gurobi:")
+    else:
+        assert "planning with the open solvers" in result.mip_message and "\n" not in result.mip_message
+    assert validate(buffers, result.offsets) == result.peak <= greedy_portfolio(buffers).peak
 
 
 def test_a_time_out_keeps_the_greedy_plan_and_proves_nothing():

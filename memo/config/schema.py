@@ -108,6 +108,9 @@ class PlannerConfig:
     """The memory planner of ``mode=plan`` (memo.plan)."""
 
     time_limit_s: float = 60.0  # for the whole bi-level plan
+    # The paper's big-M MIP, tried where greedy placement is not proven optimal: gurobi (only
+    # where its license accepts the model's size), highs, or none.
+    mip: str = "gurobi"
 
 
 @dataclass

@@ -95,6 +95,7 @@ def validate(cfg) -> int:
             f"train.data={t.data} is neither 'synthetic' nor an existing text file"
         )
     _choice("profile.backend", cfg.profile.backend, PROFILE_BACKENDS)
+    _choice("planner.mip", cfg.planner.mip, ("gurobi", "highs", "none"))
     if not cfg.planner.time_limit_s > 0:
         raise ConfigError(f"planner.time_limit_s={cfg.planner.time_limit_s} must be positive (seconds)")
     return seq

@@ -47,6 +47,7 @@ class LevelPlan:
     lower_bound: int  # bytes
     solver: str
     seconds: float
+    mip_message: str = ""  # what the MIP solver said, if it was asked
 
     @property
     def gap(self) -> float:
@@ -70,17 +71,20 @@ class MemoryPlan:
         return self.iteration.peak
 
 
-def _solve(buffers: list[Buffer], keys: list[tuple[str, int, int]], time_limit_s: float) -> LevelPlan:
+def _solve(buffers: list[Buffer], keys: list[tuple[str, int, int]], time_limit_s: float,
+           mip: str) -> LevelPlan:
     start = time.perf_counter()
-    result: DsaPlan = plan(buffers, time_limit_s)
+    result: DsaPlan = plan(buffers, time_limit_s, mip)
     validate(buffers, result.offsets)  # independent check: a wrong plan must never leave here
     placements = [Placement(phase, rank, size, offset)
                   for (phase, rank, size), offset in zip(keys, result.offsets, strict=True)]
-    return LevelPlan(placements, result.peak, result.lower_bound, result.solver, time.perf_counter() - start)
+    return LevelPlan(placements, result.peak, result.lower_bound, result.solver, time.perf_counter() - start,
+                     result.mip_message)
 
 
-def plan_iteration(trace: Trace, time_limit_s: float = 60.0) -> MemoryPlan:
-    """Bi-level plan of ``trace`` within about ``time_limit_s`` seconds in all.
+def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi") -> MemoryPlan:
+    """Bi-level plan of ``trace`` within about ``time_limit_s`` seconds in all; ``mip`` is the
+    MIP solver each DSA solve may use (see :func:`memo.plan.solve.plan`).
 
     The level-1 blocks share a quarter of the time (they are small and usually meet their
     bound at once); level 2 gets the rest.
@@ -118,7 +122,7 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0) -> MemoryPlan:
             buffers = [Buffer(str(r.id), r.lower - first, r.upper - first, r.size) for r in members]
             keys = [(block, rank[r.id], r.size) for r in members]
             share = (deadline - time.perf_counter()) / 4 / len(trace.phases)
-            blocks[block] = _solve(buffers, keys, max(share, 0.0))
+            blocks[block] = _solve(buffers, keys, max(share, 0.0), mip)
 
     buffers, keys = [], []
     for r in requests:
@@ -131,7 +135,7 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0) -> MemoryPlan:
             lower, upper = trace.phase_span(phase)
             buffers.append(Buffer(f"pseudo:{phase}", lower, upper, peak))
             keys.append((phase, -1, peak))
-    iteration = _solve(buffers, keys, max(deadline - time.perf_counter(), 0.0))
+    iteration = _solve(buffers, keys, max(deadline - time.perf_counter(), 0.0), mip)
     meta = {**trace.meta, "format": PLAN_FORMAT}
     return MemoryPlan(blocks, phase_blocks, iteration, max_load(trace.buffers()), layers_checked, meta)
 
@@ -175,7 +179,7 @@ def _level_dict(level: LevelPlan) -> dict:
 
 def _level(data: dict) -> LevelPlan:
     return LevelPlan([Placement(*row) for row in data["placements"]], data["peak"], data["lower_bound"],
-                     data["solver"], data["seconds"])
+                     data["solver"], data["seconds"], data.get("mip_message", ""))
 
 
 def write_plan(path: Path, memory_plan: MemoryPlan) -> None:
