@@ -30,6 +30,8 @@ Sizes are divided by their greatest common divisor first: canonical offsets are 
 """
 
 import math
+from bisect import bisect_left, bisect_right
+from itertools import accumulate
 import sys
 import time
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from typing import Optional, Sequence
 
 from memo.plan.dsa import Buffer
 
-_INF = float("inf")
+_INF = 1 << 62  # an int: comparisons of ints with floats are slow
 # Buffer orders tried in turn, as MiniMalloc's defaults: W lifetime, A area (size × lifetime),
 # T the most bytes alive in a section the buffer is in; each from the largest down.
 HEURISTICS = ("WAT", "TAW", "TWA")
@@ -74,11 +76,11 @@ class _Search:
         index = {t: i for i, t in enumerate(ends)}
         self.sections = len(ends)
         self.hi = [index[b.upper] + 1 for b in buffers]
-        self.lo = [_first_end_after(ends, b.lower) for b in buffers]
-        self.members = [[] for _ in ends]
+        self.lo = [bisect_right(ends, b.lower) for b in buffers]
+        self.section_buffers = [[] for _ in ends]
         for k in range(n):
             for s in range(self.lo[k], self.hi[k]):
-                self.members[s].append(k)
+                self.section_buffers[s].append(k)
         # Two buffers overlap in time exactly when they share a section.
         by_lower = sorted(range(n), key=lambda k: buffers[k].lower)
         self.nbrs = [[] for _ in range(n)]
@@ -89,6 +91,14 @@ class _Search:
                     break
                 self.nbrs[k].append(q)
                 self.nbrs[q].append(k)
+        # Twins: buffers of one size, alive together, alive with the same others. Swapping two
+        # twins changes nothing, so a twin waits until the one before it is placed.
+        self.twin = [-1] * n
+        seen = {}
+        for k in range(n):
+            group = (self.size[k], frozenset(self.nbrs[k]) | {k})
+            self.twin[k] = seen.get(group, -1)
+            seen[group] = k
         self.span_lo = [min([self.lo[q] for q in self.nbrs[k]], default=self.lo[k]) for k in range(n)]
         self.span_hi = [max([self.hi[q] for q in self.nbrs[k]], default=self.hi[k]) for k in range(n)]
         self.load = [0] * self.sections
@@ -100,13 +110,18 @@ class _Search:
 
     def reset(self) -> None:
         n, sections = self.n, self.sections
-        self.off = [-1] * n
-        self.floor_of = [0] * n  # a buffer's floor: the highest top of a placed buffer alive with it
-        self.key = [0] * n  # floor_of for unplaced buffers, infinity for placed ones
+        # A buffer's floor: the highest top of a placed buffer alive with it; infinity once placed.
+        self.floor_of = [0] * n
         self.total = list(self.load)  # bytes of unplaced buffers per section
-        self.floor = [0] * sections  # the lowest floor among a section's unplaced buffers
-        self.holder = [m[0] for m in self.members]  # an unplaced buffer in it with that floor
-        self.mark = [0] * n  # the stamp of the last placement that moved the buffer
+        # holder[s]: an unplaced buffer of section s with the lowest floor among them, or n
+        # where that is not kept up to date (see _dfs)
+        self.holder = [m[0] for m in self.section_buffers]
+        self.members = [list(m) for m in self.section_buffers]  # the unplaced ones
+        self.where = [[0] * (self.hi[k] - self.lo[k]) for k in range(n)]  # their places there
+        for s, row in enumerate(self.members):
+            for i, k in enumerate(row):
+                self.where[k][s - self.lo[k]] = i
+        self.mark = [0] * (n + 1)  # the stamp of the last placement that moved the buffer
         self.stamp = 0
         # cuts[s]: unplaced buffers in both section s and s + 1; none: the sides are independent.
         self.cuts = [0] * max(sections - 1, 0)
@@ -160,62 +175,80 @@ class _Search:
             raise _Stop
         if not self.nodes & 255 and time.perf_counter() > self.deadline:
             raise _Stop
-        off, floor_of, size, rank = self.off, self.floor_of, self.size, self.rank
-        unplaced = [k for k in unplaced if off[k] < 0]
+        floor_of, size, rank, twin = self.floor_of, self.size, self.rank, self.twin
+        unplaced = [k for k in unplaced if floor_of[k] != _INF]
         if not unplaced:
             return True
         lowest_top = min([floor_of[k] + size[k] for k in unplaced])
         candidates = [
             k for k in unplaced
             if level <= floor_of[k] < lowest_top and (floor_of[k] > level or rank[k] > last_rank)
+            and (twin[k] < 0 or floor_of[twin[k]] == _INF)
         ]
         if not candidates:
             return False
         width = self.n + 1
         candidates.sort(key=lambda k: floor_of[k] * width + rank[k])
-        nbrs, lo, hi, key, total, floor, members, cuts = (
-            self.nbrs, self.lo, self.hi, self.key, self.total, self.floor, self.members, self.cuts)
-        span_lo, span_hi, holder, mark = self.span_lo, self.span_hi, self.holder, self.mark
-        keyget = key.__getitem__
+        nbrs, lo, hi, total, members, where, cuts = (
+            self.nbrs, self.lo, self.hi, self.total, self.members, self.where, self.cuts)
+        span_lo, span_hi, holder, mark, n = self.span_lo, self.span_hi, self.holder, self.mark, self.n
+        floor_at = floor_of.__getitem__
         capacity = self.capacity
+        most = max(total[a:b])
+        hot = None
         for j in candidates:
             o = floor_of[j]
             first, end = lo[j], hi[j]
-            # Every other section's unplaced bytes must fit above o, and j's own sections' too.
-            room = capacity - o
-            if (a < first and max(total[a:first]) > room) or (end < b and max(total[end:b]) > room):
-                continue
             sz = size[j]
-            if max(total[first:end]) - sz > room:
-                continue
+            # Every section's unplaced bytes, less j's own, must fit above o: the sections too
+            # full for that (hot) must all be j's.
+            room = capacity - o
+            if most > room:
+                if hot is None:  # the first and last hot section, for every room, by bisection
+                    order = sorted(range(a, b), key=total.__getitem__, reverse=True)
+                    hot = ([-total[s] for s in order], list(accumulate(order, min)),
+                           list(accumulate(order, max)))
+                c = bisect_left(hot[0], -room) - 1
+                if hot[1][c] < first or hot[2][c] >= end or most - sz > room:
+                    continue
             top = o + sz
-            off[j] = o
-            key[j] = _INF
+            floor_of[j] = _INF  # placed
+            raised = [k for k in nbrs[j] if floor_of[k] < top]  # placed ones are at infinity
+            below = [floor_of[k] for k in raised]
             self.stamp = stamp = self.stamp + 1
-            mark[j] = stamp
-            raised = []
-            hatless = True
-            for k in nbrs[j]:
-                if off[k] < 0:
-                    hatless = False
-                    old = floor_of[k]
-                    if old < top:
-                        raised.append((k, old))
-                        floor_of[k] = top
-                        key[k] = top
-                        mark[k] = stamp
+            mark[j] = mark[n] = stamp
+            for k in raised:
+                floor_of[k] = top
+                mark[k] = stamp
+            # Take j out of its sections' member lists: swap the last member into its place.
+            wj = where[j]
             for s in range(first, end):
                 total[s] -= sz
-            # A section's lowest floor moves only where the buffer holding it rose or left.
+                row = members[s]
+                last = row.pop()
+                if last != j:
+                    i = wj[s - first]
+                    row[i] = last
+                    where[last][s - lo[last]] = i
+            # A section's lowest floor moves only where the buffer holding it rose or left (or
+            # where nothing holds it: see below).
             changed = [s for s in range(span_lo[j], span_hi[j]) if mark[holder[s]] == stamp]
             saved = []
             ok = True
             for s in changed:
-                saved.append((s, floor[s], holder[s]))
-                k = min(members[s], key=keyget)
-                f = floor[s] = key[k]
-                holder[s] = k
-                if f + total[s] > capacity and total[s]:
+                t = total[s]
+                if not t:
+                    continue
+                if top + t <= capacity and not first <= s < end:
+                    # The floor is at most top, where everything fits: leave it unknown until
+                    # a placement with a higher top touches the section.
+                    if holder[s] != n:
+                        saved.append((s, holder[s]))
+                        holder[s] = n
+                    continue
+                saved.append((s, holder[s]))
+                k = holder[s] = min(members[s], key=floor_at)
+                if floor_of[k] + t > capacity:
                     ok = False
                     break
             found = False
@@ -231,29 +264,28 @@ class _Search:
                     found = self._dfs(unplaced, a, b, o, rank[j])
                 for s in range(first, end - 1):
                     cuts[s] += 1
-            for s, f, k in saved:
-                floor[s] = f
+            for s, k in saved:
                 holder[s] = k
-            for s in range(first, end):
+            for s in range(end - 1, first - 1, -1):
                 total[s] += sz
-            for k, old in reversed(raised):
-                floor_of[k] = old
-                key[k] = old
-            off[j] = -1
-            key[j] = o
+                row = members[s]
+                i = wj[s - first]
+                if i < len(row):
+                    last = row[i]
+                    where[last][s - lo[last]] = len(row)
+                    row.append(last)
+                    row[i] = j
+                else:
+                    row.append(j)
+            for k, f in zip(raised, below):
+                floor_of[k] = f
+            floor_of[j] = o
             if found:
                 self.solution[j] = o
                 return True
-            if hatless:
-                break
+            if not raised and not any(floor_of[k] != _INF for k in nbrs[j]):
+                break  # hatless
         return False
-
-
-def _first_end_after(ends: list[int], t: int) -> int:
-    """Index of the first instant in ``ends`` above ``t``."""
-    import bisect
-
-    return bisect.bisect_right(ends, t)
 
 
 def fits(buffers: Sequence[Buffer], capacity: int, time_limit_s: float = 60.0) -> SearchResult:
@@ -284,6 +316,8 @@ def fits(buffers: Sequence[Buffer], capacity: int, time_limit_s: float = 60.0) -
             limit *= 2
             for heuristic in HEURISTICS:
                 try:
+                    if time.perf_counter() >= deadline:
+                        raise _Stop
                     found = search.run(heuristic, limit)
                 except _Stop:
                     if time.perf_counter() > deadline:

@@ -5,6 +5,7 @@ exact search proved infeasible. A time-out proves nothing and never lowers an an
 below the greedy plan; the plan is optimal exactly when its peak meets the bound.
 """
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -17,6 +18,10 @@ from memo.plan.search import fits
 # The search keeps a buffers × sections matrix (sections ≤ 2 × buffers); past this many cells
 # the greedy plan is returned as is.
 MAX_SEARCH_CELLS = 20_000_000
+# The share of the time given to the max-load bound first, and the first budget of each try
+# of the bisection above it (seconds).
+LOW_SHARE = 0.4
+FIRST_BUDGET_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -51,37 +56,62 @@ def plan(buffers: Sequence[Buffer], time_limit_s: float = 60.0, mip: str = "guro
     bound are taken when better.
 
     First the max-load bound and the greedy portfolio; if they differ, the exact search tries
-    the bound itself (real traces usually meet it), then bisects between what it has not tried
-    and the best peak so far; each try gets half the time left. Only a search that ends proves
-    a capacity impossible (and every capacity below it) and raises the lower bound. Instances
-    too large for the search (see ``MAX_SEARCH_CELLS``) keep the greedy plan.
+    the bound itself with 40% of the time (real traces usually meet it), then bisects between the
+    lowest capacity not yet ruled out and the best peak so far. How long a search takes swings
+    widely from one capacity to the next, so the bisection gives each try a short budget and
+    treats a time-out as a hint, not a proof; when the hints close the interval, it starts over
+    from the proven bound with twice the budget. Only a search that ends proves a capacity
+    impossible (and every capacity below it) and raises the lower bound. Instances too large for
+    the search (see ``MAX_SEARCH_CELLS``) keep the greedy plan.
     """
     start = time.perf_counter()
     low = max_load(buffers)  # proven
     greedy = greedy_portfolio(buffers)
     offsets, peak, solver, nodes = greedy.offsets, greedy.peak, f"greedy:{greedy.order}", 0
+    # Peaks worth trying are multiples of the sizes' common divisor: some optimal plan has
+    # every offset a sum of sizes.
+    unit = 0
+    for b in buffers:
+        unit = math.gcd(unit, b.size)
+    unit = max(unit, 1)
     message = ""
     if mip != "none" and peak > low:
-        result = solve_mip(buffers, offsets, time_limit_s / 3, solver=mip)
-        message = result.message
-        low = max(low, result.lower_bound)
-        if result.offsets is not None and result.peak < peak:
-            offsets, peak, solver = result.offsets, result.peak, mip
+        answer = solve_mip(buffers, offsets, time_limit_s / 3, solver=mip)
+        message = answer.message
+        low = max(low, answer.lower_bound)
+        if answer.offsets is not None and answer.peak < peak:
+            offsets, peak, solver = answer.offsets, answer.peak, mip
     searchable = 2 * len(buffers) ** 2 <= MAX_SEARCH_CELLS
-    probe = low  # capacities below this are not tried again (proven impossible, or timed out)
-    first = True
-    while searchable and probe < peak:
-        left = time_limit_s - (time.perf_counter() - start)
-        if left <= 0:
-            break
-        capacity = probe if first else (probe + peak - 1) // 2
-        first = False
-        result = fits(buffers, capacity, left / 2)
+
+    def left() -> float:
+        return time_limit_s - (time.perf_counter() - start)
+
+    def attempt(capacity: int, seconds: float) -> bool:
+        """Search at ``capacity``; whether the answer is final (a plan, or a proof)."""
+        nonlocal offsets, peak, solver, nodes, low
+        result = fits(buffers, capacity, seconds)
         nodes += result.nodes
         if result.offsets is not None:
             offsets, peak, solver = result.offsets, validate(buffers, result.offsets), "search"
+        elif result.proven:
+            low = max(low, -(-(capacity + 1) // unit) * unit)
+        return result.proven
+
+    if searchable and low < peak and left() > 0:
+        attempt(low, LOW_SHARE * left())
+    budget, leap = FIRST_BUDGET_S, None
+    while searchable and low < peak and left() > 0:
+        top = (peak - 1) // unit  # in units: the highest capacity that would improve the plan
+        bottom = -(-low // unit)
+        if top < bottom:
+            break
+        half = (top - bottom) // 2 + 1
+        leap = half if leap is None else min(leap, half)
+        capacity = (top - leap + 1) * unit
+        if attempt(capacity, min(budget, left())):
+            leap *= 2  # found (or proved): aim further down next
+        elif leap > 1:
+            leap //= 2
         else:
-            probe = capacity + 1  # look higher next, where plans are easier to find
-            if result.proven and capacity + 1 > low:
-                low = capacity + 1
+            budget, leap = 2 * budget, 4  # even the top timed out: more time, and look around
     return DsaPlan(offsets, peak, low, solver, time.perf_counter() - start, nodes, message)
