@@ -27,18 +27,13 @@ from memo.config import MethodConfig, ModelConfig, ParallelConfig  # noqa: E402
 from memo.plan.bilevel import plan_iteration  # noqa: E402
 from memo.plan.caching_allocator import simulate  # noqa: E402
 from memo.profile.iteration import trace_iteration  # noqa: E402
+from memo.profile.layers import transient_events  # noqa: E402
 from memo.profile.trace import layer_phase  # noqa: E402
 
 K = 1024
 CASES = [("tiny", 4 * K, 1), ("1.3b", 64 * K, 1)] + [
     ("7b", seq * K, tp) for tp in (1, 8) for seq in (4, 64, 256, 1024)
 ] + [("65b", 1408 * K, 8)]
-
-
-def _transients(trace, phase):
-    made_here = {e.id for e in trace.events if e.op == "malloc" and e.phase == phase}
-    freed_here = {e.id for e in trace.events if e.op == "free" and e.phase == phase}
-    return [e for e in trace.events if e.id in made_here & freed_here]
 
 
 def run(name: str, seq: int, tp: int, time_limit_s: float) -> dict:
@@ -54,9 +49,9 @@ def run(name: str, seq: int, tp: int, time_limit_s: float) -> dict:
         "model": name, "seq": seq, "tp": tp, "events": len(trace.events),
         "trace_s": round(traced, 2), "plan_s": round(planned, 2),
         "fwd_peak": fwd.peak, "fwd_bound": fwd.lower_bound,
-        "fwd_reserved": simulate(_transients(trace, layer_phase(layer, "fwd"))).peak_reserved,
+        "fwd_reserved": simulate(transient_events(trace, layer_phase(layer, "fwd"))).peak_reserved,
         "bwd_peak": bwd.peak, "bwd_bound": bwd.lower_bound,
-        "bwd_reserved": simulate(_transients(trace, layer_phase(layer, "bwd"))).peak_reserved,
+        "bwd_reserved": simulate(transient_events(trace, layer_phase(layer, "bwd"))).peak_reserved,
         "iter_peak": it.peak, "iter_bound": it.lower_bound, "iter_gap": it.gap, "iter_solver": it.solver,
         "iter_reserved": simulate(trace.events).peak_reserved,
     }

@@ -22,7 +22,7 @@ from memo.model import resolve_dtype
 from memo.plan.bilevel import plan_iteration, write_plan
 from memo.plan.caching_allocator import simulate
 from memo.profile.iteration import trace_iteration
-from memo.profile.layers import LayerMismatchError, check_identical_layers, layer_bytes
+from memo.profile.layers import LayerMismatchError, check_identical_layers, layer_bytes, transient_events
 from memo.profile.trace import Trace, layer_phase, write_trace
 from memo.results import ResultWriter, flatten
 
@@ -43,12 +43,7 @@ def _backend(cfg: DictConfig) -> str:
 def _simulated(trace: Trace, phase: Optional[str], prefix: str) -> dict[str, Any]:
     """Caching-allocator figures for the transient requests of ``phase`` (the requests the
     level-1 plan places), or for the whole trace when ``phase`` is None."""
-    events = trace.events
-    if phase is not None:
-        malloc_phase = {e.id: e.phase for e in events if e.op == "malloc"}
-        freed_here = {e.id for e in events if e.op == "free" and e.phase == phase}
-        events = [e for e in events if e.id in freed_here and malloc_phase[e.id] == phase]
-    stats = simulate(events)
+    stats = simulate(trace.events if phase is None else transient_events(trace, phase))
     return {**{f"{prefix}.{k}": v for k, v in dataclasses.asdict(stats).items()},
             f"{prefix}.reserved_over_allocated": stats.reserved_over_allocated}
 

@@ -52,6 +52,26 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         raise
 
 
+def create_file_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a new file ``path`` in one step; an existing file is never replaced.
+
+    Raises:
+        FileExistsError: if ``path`` exists (also if it appears while writing).
+    """
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists and is kept; choose another path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+        os.link(tmp, path)  # unlike a rename, fails if the path appeared meanwhile
+    finally:
+        os.unlink(tmp)
+
+
 def git_revision(repo: Path) -> tuple[Optional[str], Optional[bool]]:
     """(commit, dirty) of the checkout at ``repo``, or (None, None) outside a git checkout."""
     def git(*args: str) -> str:

@@ -116,16 +116,6 @@ def _random_instance(seed: int, buffers: int = 7):
     return _buffers(*rows)
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_exact_search_fits_the_optimum_and_proves_one_byte_less_impossible(seed):
-    buffers = _random_instance(seed)
-    optimum = _brute_force(buffers)
-    found = fits(buffers, optimum)
-    assert found.proven and validate(buffers, found.offsets, capacity=optimum) <= optimum
-    refused = fits(buffers, optimum - 1)
-    assert refused.proven and refused.offsets is None
-
-
 def test_the_planner_beats_greedy_and_proves_it():
     seeds = [s for s in range(200) if greedy_portfolio(_random_instance(s, 8)).peak
              > max_load(_random_instance(s, 8))]

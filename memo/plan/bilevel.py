@@ -13,17 +13,15 @@ the runtime will recognise them; it round-trips through :func:`write_plan` / :fu
 """
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from memo.plan.dsa import Buffer, max_load, validate
 from memo.plan.solve import DsaPlan, plan
 from memo.profile.layers import check_identical_layers
 from memo.profile.trace import Trace
+from memo.results import create_file_atomic
 
 PLAN_FORMAT = 1
 
@@ -95,7 +93,7 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     deadline = time.perf_counter() + time_limit_s
     requests = trace.requests()
     layers_checked = check_identical_layers(trace, requests)
-    rank = {event.id: r for _, r, event in _ranked_mallocs(trace)}
+    rank = trace.malloc_ranks()
 
     transient = [r for r in requests if r.free_phase == r.malloc_phase]
     by_phase: dict[str, list] = {}
@@ -112,9 +110,8 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
         block = phase
         if phase.startswith("layer."):
             direction = phase.split(".")[2]
-            shared = f"layer.{direction}"
             if shape(phase) == shape(f"layer.{layers_checked[0]}.{direction}"):
-                block = shared
+                block = f"layer.{direction}"
         phase_blocks[phase] = block
         if block not in blocks:
             members = by_phase.get(phase, [])
@@ -129,15 +126,15 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
         if r.free_phase != r.malloc_phase:
             buffers.append(Buffer(str(r.id), r.lower, r.upper, r.size))
             keys.append((r.malloc_phase, rank[r.id], r.size))
-    for phase in trace.phases:
+    for phase, (lower, upper) in trace.phase_spans().items():
         peak = blocks[phase_blocks[phase]].peak
         if peak > 0:
-            lower, upper = trace.phase_span(phase)
             buffers.append(Buffer(f"pseudo:{phase}", lower, upper, peak))
             keys.append((phase, -1, peak))
     iteration = _solve(buffers, keys, max(deadline - time.perf_counter(), 0.0), mip)
     meta = {**trace.meta, "format": PLAN_FORMAT}
-    return MemoryPlan(blocks, phase_blocks, iteration, max_load(trace.buffers()), layers_checked, meta)
+    flat = max_load([Buffer(str(r.id), r.lower, r.upper, r.size) for r in requests])
+    return MemoryPlan(blocks, phase_blocks, iteration, flat, layers_checked, meta)
 
 
 def addresses(memory_plan: MemoryPlan, trace: Trace) -> dict[int, int]:
@@ -151,7 +148,11 @@ def addresses(memory_plan: MemoryPlan, trace: Trace) -> dict[int, int]:
     relative = {name: {p.rank: p.offset for p in level.placements}
                 for name, level in memory_plan.blocks.items()}
     placed = {}
-    for phase, rank, event in _ranked_mallocs(trace):
+    ranks = trace.malloc_ranks()
+    for event in trace.events:
+        if event.op != "malloc":
+            continue
+        phase, rank = event.phase, ranks[event.id]
         if (phase, rank) in crossing:
             placed[event.id] = crossing[(phase, rank)]
             continue
@@ -160,16 +161,6 @@ def addresses(memory_plan: MemoryPlan, trace: Trace) -> dict[int, int]:
             raise KeyError(f"the plan has no place for malloc number {rank} of phase {phase!r}")
         placed[event.id] = crossing[(phase, -1)] + block[rank]
     return placed
-
-
-def _ranked_mallocs(trace: Trace):
-    """(phase, rank among the phase's mallocs, event) for every malloc, in trace order."""
-    counts: dict[str, int] = {}
-    for event in trace.events:
-        if event.op == "malloc":
-            rank = counts.get(event.phase, 0)
-            counts[event.phase] = rank + 1
-            yield event.phase, rank, event
 
 
 def _level_dict(level: LevelPlan) -> dict:
@@ -188,9 +179,6 @@ def write_plan(path: Path, memory_plan: MemoryPlan) -> None:
     Raises:
         FileExistsError: if ``path`` exists.
     """
-    path = Path(path)
-    if path.exists():
-        raise FileExistsError(f"{path} exists and is kept; choose another path")
     data = {
         "format": PLAN_FORMAT,
         "arena_bytes": memory_plan.arena_bytes,
@@ -201,14 +189,7 @@ def write_plan(path: Path, memory_plan: MemoryPlan) -> None:
         "phase_blocks": memory_plan.phase_blocks,
         "iteration": _level_dict(memory_plan.iteration),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.link(tmp, path)  # fails rather than replace a file that appeared meanwhile
-    finally:
-        os.unlink(tmp)
+    create_file_atomic(path, json.dumps(data))
 
 
 def read_plan(path: Path) -> MemoryPlan:
@@ -231,11 +212,3 @@ def read_plan(path: Path) -> MemoryPlan:
         )
     except (OSError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: not a memory plan ({error})") from None
-
-
-def level_summary(level: Optional[LevelPlan]) -> dict:
-    """Peak, bound, gap and time of a level plan, for a result row."""
-    if level is None:
-        return {}
-    return {"peak_bytes": level.peak, "lower_bound_bytes": level.lower_bound, "gap": level.gap,
-            "solver": level.solver, "seconds": level.seconds}

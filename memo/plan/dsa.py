@@ -9,13 +9,14 @@ The validator here shares no code with any solver: every plan is checked against
 """
 
 import csv
-import os
-import tempfile
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from memo.results import create_file_atomic
 
 
 class PlanError(ValueError):
@@ -75,21 +76,11 @@ def write_plan(path: Path, buffers: Sequence[Buffer], offsets: Sequence[int]) ->
     Raises:
         FileExistsError: if ``path`` exists.
     """
-    path = Path(path)
-    if path.exists():
-        raise FileExistsError(f"{path} exists and is kept; choose another path")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["id", "lower", "upper", "size", "offset"])
-            writer.writerows(
-                (b.id, b.lower, b.upper, b.size, o) for b, o in zip(buffers, offsets, strict=True)
-            )
-        os.link(tmp, path)  # unlike a rename, fails if the path appeared meanwhile
-    finally:
-        os.unlink(tmp)
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["id", "lower", "upper", "size", "offset"])
+    writer.writerows((b.id, b.lower, b.upper, b.size, o) for b, o in zip(buffers, offsets, strict=True))
+    create_file_atomic(path, out.getvalue())
 
 
 def read_plan(path: Path) -> tuple[list[Buffer], list[int]]:

@@ -308,7 +308,7 @@ def fits(buffers: Sequence[Buffer], capacity: int, time_limit_s: float = 60.0) -
     scaled = [Buffer(buffers[i].id, buffers[i].lower, buffers[i].upper, buffers[i].size // unit)
               for i in live]
     search = _Search(scaled, capacity // unit, deadline)
-    limit = recursion = sys.getrecursionlimit()
+    recursion = sys.getrecursionlimit()
     sys.setrecursionlimit(max(recursion, 4 * len(live) + 1000))
     try:
         limit = len(live)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from memo.plan.dsa import Buffer, max_load
-from memo.profile.trace import Request, Trace, layer_phase, phase_layers
+from memo.profile.trace import Event, Request, Trace, layer_phase, phase_layers
 
 
 class LayerMismatchError(ValueError):
@@ -33,6 +33,13 @@ class LayerBytes:
     transient_backward: int
     transient_forward_peak: int  # most of them alive at once (the level-1 lower bound)
     transient_backward_peak: int
+
+
+def transient_events(trace: Trace, phase: str) -> list[Event]:
+    """The events of the requests made and freed within ``phase``, in trace order."""
+    made = {e.id for e in trace.events if e.op == "malloc" and e.phase == phase}
+    freed = {e.id for e in trace.events if e.op == "free" and e.phase == phase}
+    return [e for e in trace.events if e.id in made & freed]
 
 
 def transient_buffers(trace: Trace, phase: str, requests: Optional[list[Request]] = None) -> list[Buffer]:
@@ -68,20 +75,14 @@ def _relative(phase: str, layer: int) -> str:
     return f"layer.{int(parts[1]) - layer:+d}.{parts[2]}"
 
 
-def layer_signature(trace: Trace, layer: int, direction: str,
-                    requests: Optional[list[Request]] = None) -> list[tuple]:
+def layer_signature(trace: Trace, layer: int, direction: str, requests: list[Request],
+                    ranks: dict[int, int]) -> list[tuple]:
     """The events of one layer's phase with request ids replaced by where they come from:
-    (op, bytes, phase of the malloc relative to ``layer``, its rank among that phase's mallocs)."""
-    requests = trace.requests() if requests is None else requests
+    (op, bytes, phase of the malloc relative to ``layer``, its rank among that phase's mallocs);
+    ``ranks`` is :meth:`Trace.malloc_ranks`."""
     by_id = {r.id: r for r in requests}
-    rank: dict[int, int] = {}
-    counts: dict[str, int] = {}
-    for event in trace.events:
-        if event.op == "malloc":
-            rank[event.id] = counts.get(event.phase, 0)
-            counts[event.phase] = rank[event.id] + 1
     phase = layer_phase(layer, direction)
-    return [(e.op, e.size, _relative(by_id[e.id].malloc_phase, layer), rank[e.id])
+    return [(e.op, e.size, _relative(by_id[e.id].malloc_phase, layer), ranks[e.id])
             for e in trace.events if e.phase == phase]
 
 
@@ -102,10 +103,11 @@ def check_identical_layers(trace: Trace, requests: Optional[list[Request]] = Non
     if len(inner) < 2:
         raise LayerMismatchError(f"the trace has {len(layers)} layer(s); four or more are needed "
                                  "to compare two inner layers")
+    ranks = trace.malloc_ranks()
     for direction in ("fwd", "bwd"):
-        reference = layer_signature(trace, inner[0], direction, requests)
+        reference = layer_signature(trace, inner[0], direction, requests, ranks)
         for layer in inner[1:]:
-            other = layer_signature(trace, layer, direction, requests)
+            other = layer_signature(trace, layer, direction, requests, ranks)
             if other != reference:
                 at = next((k for k, (a, b) in enumerate(zip(reference, other)) if a != b),
                           min(len(reference), len(other)))

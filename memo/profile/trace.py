@@ -15,13 +15,12 @@ On disk a trace is a CSV with one row per request, ``id,lower,upper,size,malloc_
 import csv
 import io
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from memo.plan.dsa import Buffer
+from memo.results import create_file_atomic
 
 @dataclass(frozen=True)
 class Event:
@@ -85,29 +84,23 @@ class Trace:
         """The requests as a DSA instance (ids as strings)."""
         return [Buffer(str(r.id), r.lower, r.upper, r.size) for r in self.requests()]
 
-    def phase_span(self, phase: str) -> tuple[int, int]:
-        """Event positions ``[first, last + 1)`` of ``phase``.
+    def phase_spans(self) -> dict[str, tuple[int, int]]:
+        """Event positions ``[first, last + 1)`` of every phase."""
+        spans: dict[str, tuple[int, int]] = {}
+        for position, event in enumerate(self.events):
+            first = spans.get(event.phase, (position, position))[0]
+            spans[event.phase] = (first, position + 1)
+        return spans
 
-        Raises:
-            KeyError: if no event belongs to ``phase``.
-        """
-        positions = [i for i, e in enumerate(self.events) if e.phase == phase]
-        if not positions:
-            raise KeyError(f"no event of phase {phase!r} in this trace")
-        return positions[0], positions[-1] + 1
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    if path.exists():
-        raise FileExistsError(f"{path} exists and is kept; choose another path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(text)
-        os.link(tmp, path)  # fails instead of replacing a file that appeared meanwhile
-    finally:
-        os.unlink(tmp)
+    def malloc_ranks(self) -> dict[int, int]:
+        """Each request's rank among the mallocs of its phase (0 for the first), by request id:
+        how a plan names a request, and how the runtime will recognise it."""
+        ranks, counts = {}, {}
+        for event in self.events:
+            if event.op == "malloc":
+                ranks[event.id] = counts.get(event.phase, 0)
+                counts[event.phase] = ranks[event.id] + 1
+        return ranks
 
 
 def write_trace(path: Path, trace: Trace) -> None:
@@ -125,8 +118,8 @@ def write_trace(path: Path, trace: Trace) -> None:
     writer.writerow(["id", "lower", "upper", "size", "malloc_phase", "free_phase"])
     for r in trace.requests():
         writer.writerow([r.id, r.lower, r.upper, r.size, r.malloc_phase, r.free_phase or ""])
-    _atomic_write(path, out.getvalue())
-    _atomic_write(meta_path, json.dumps({**trace.meta, "events": len(trace.events)}, indent=1) + "\n")
+    create_file_atomic(path, out.getvalue())
+    create_file_atomic(meta_path, json.dumps({**trace.meta, "events": len(trace.events)}, indent=1) + "\n")
 
 
 def read_trace(path: Path) -> Trace:
