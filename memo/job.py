@@ -1,9 +1,10 @@
 """One job from configuration to result row: check, start, build, train, measure, record.
 
-Whatever happens, rank 0 leaves a ``result.json`` whose ``status`` says how the job ended:
-``ok``, ``oom`` (the device ran out of memory), ``oohm`` (host memory for offloaded activations
-ran out) or ``error`` (with the message). Out-of-memory is a result, not a crash, so a sweep goes
-on with its next job.
+However the job ends, rank 0 leaves a ``result.json`` whose ``status`` says how: ``ok``,
+``oom`` (the device ran out of memory), ``oohm`` (host memory for offloaded activations ran out)
+or ``error`` (with the message). Out-of-memory is a result, not a crash, so a sweep goes on with
+its next job. A job stopped from outside (Ctrl-C, a scheduler's timeout or preemption) has not
+ended: it leaves its step logs but no row, so that a requeued attempt runs it again.
 """
 
 import dataclasses
@@ -32,6 +33,7 @@ from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import SwapReport, prepare_swap
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
+from memo.execute.progress import StepProgress, format_seconds, step_progress
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import build_gpt, resolve_dtype, uses_transformer_engine
@@ -140,6 +142,7 @@ def run_job(
     Raises:
         ConfigError: only if ``output_dir`` already holds an earlier run's result; every
             other failure is reported in the row's ``status`` and ``error``.
+        KeyboardInterrupt, SystemExit: passed on, without a row (see the module docstring).
     """
     info = info or distributed.process_info()
     writer = ResultWriter(output_dir, enabled=info.rank == 0)
@@ -160,11 +163,18 @@ def run_job(
         "python_version": platform.python_version(),
         "start_time": _now(),
     }
+    interrupted = False
     try:
         _train(cfg, info, row, writer)
         row["status"] = "ok"
     except ConfigError as error:
         row["error"] = str(error)
+    except (KeyboardInterrupt, SystemExit):
+        # Stopped from outside (Ctrl-C, or a scheduler's timeout or preemption signal): the run
+        # did not end, so it leaves no row, and a requeued attempt runs it again.
+        interrupted = True
+        log.warning("interrupted; no result row written (the step logs so far are kept)")
+        raise
     except HostMemoryError as error:
         row["status"] = "oohm"
         row["error"] = str(error)
@@ -179,7 +189,7 @@ def run_job(
             log.error("job failed:\n%s", traceback.format_exc())
     finally:
         row["end_time"] = _now()
-        path = writer.write_result(row)
+        path = None if interrupted else writer.write_result(row)
         if path is not None:
             log.info("status %s; row written to %s", row["status"], path)
         distributed.shutdown()
@@ -256,7 +266,7 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
 
         records = []
 
-        def on_step(record: dict) -> None:
+        def on_step(record: dict, progress: StepProgress) -> None:
             record["tgs"] = tgs(global_batch * seq, record["iter_time_s"], info.world_size)
             record["mfu"] = mfu(flops_per_iter, record["iter_time_s"], info.world_size, hw.peak_flops)
             record.update(memory.read())
@@ -264,14 +274,17 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
                 record.update(_swap_accounting(swap, record["step"], writer))
             records.append(record)
             writer.append_step(record)
+            left_s = progress.step(record["iter_time_s"], record["loss"])
             if info.rank == 0:
                 log.info(
-                    "step %d/%d  loss %.4f  %.3f s/it  TGS %.1f  MFU %.2f%%%s",
+                    "step %d/%d  loss %.4f  %.3f s/it  TGS %.1f  MFU %.2f%%  %s left%s",
                     record["step"], cfg.train.steps, record["loss"], record["iter_time_s"],
-                    record["tgs"], 100 * record["mfu"], "" if record["timed"] else "  (warm-up)",
+                    record["tgs"], 100 * record["mfu"], format_seconds(left_s),
+                    "" if record["timed"] else "  (warm-up)",
                 )
 
-        run_steps(optimizer, batches, cfg.train, device_type, on_step)
+        with step_progress(cfg.train.steps, show_bar=info.rank == 0) as progress:
+            run_steps(optimizer, batches, cfg.train, device_type, lambda r: on_step(r, progress))
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone
         raise

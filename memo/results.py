@@ -20,6 +20,7 @@ from memo.config import ConfigError
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 LAYERS_FILE = "layers.jsonl"  # per step and layer: activation bytes on device, on host, recomputed
+STEP_FILES = (METRICS_FILE, LAYERS_FILE)  # appended while a run goes on
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

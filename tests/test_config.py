@@ -13,8 +13,9 @@ from conftest import CONF_DIR, compose_config
     "group, option", [(g, o) for g in GROUPS for o in options(CONF_DIR, g)]
 )
 def test_every_group_option_composes_and_validates(group, option):
-    cfg = compose_config(f"{group}={option}")
-    assert validate(cfg) == 1024
+    added = group in ("experiment", "workload")  # not in the defaults list: selected with +
+    cfg = compose_config(f"{'+' if added else ''}{group}={option}")
+    assert validate(cfg) == parse_seq(cfg.seq) == (131072 if option == "convergence" else 1024)
     if group in ("model", "method", "hardware"):
         assert cfg[group].name == option
 
@@ -122,7 +123,11 @@ def test_unknown_group_option_lists_the_choices():
     with pytest.raises(ConfigError, match="method=mem0"):
         check_group_choices(["-m", "method=none,mem0", "seq=1k,2k"], CONF_DIR)
     check_group_choices(["-m", "model=tiny,7b", "method=none", "hardware=a800", "train.steps=3"], CONF_DIR)
-    check_group_choices(["+experiment=x", "hydra/launcher=basic"], CONF_DIR)
+    with pytest.raises(ConfigError, match=r"^experiment=x is not a known experiment; choose one of: ablation, "):
+        check_group_choices(["+experiment=x"], CONF_DIR)
+    with pytest.raises(ConfigError, match=r"^workload=7b is not a known workload; .* 7b_8gpus"):
+        check_group_choices(["-m", "+workload=7b_8gpus,7b"], CONF_DIR)
+    check_group_choices(["+experiment=ablation", "hydra/launcher=basic"], CONF_DIR)
 
 
 def test_world_size_must_match_parallel_sizes():

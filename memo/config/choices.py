@@ -7,7 +7,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from memo.config.validate import ConfigError
 
-GROUPS = ("model", "method", "parallel", "hardware")
+GROUPS = ("model", "method", "parallel", "hardware", "experiment", "workload")
 
 
 def options(conf_dir: Path, group: str) -> list[str]:
@@ -21,7 +21,9 @@ def check_group_choices(args: Sequence[str], conf_dir: Path) -> None:
     ``args`` are command-line arguments; sweeps (``model=7b,13b``) are checked value by value,
     and anything that is not a plain ``group=value`` override is left to Hydra.
     """
-    candidates = [a for a in args if not a.startswith("-") and a.split("=", 1)[0] in GROUPS]
+    candidates = [
+        a for a in args if not a.startswith("-") and a.split("=", 1)[0].lstrip("+~") in GROUPS
+    ]
     if not candidates:
         return
     for override in OverridesParser.create().parse_overrides(candidates):

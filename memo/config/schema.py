@@ -118,6 +118,8 @@ class RunConfig:
     """One job: ``python run.py`` resolves to exactly one of these."""
 
     mode: str = "train"  # train; profile (write one iteration's allocation trace); plan (and plan it)
+    # The paper experiment a sweep belongs to (set by conf/experiment/*), recorded in each row.
+    experiment: Optional[str] = None
     seq: str = "1k"  # tokens: 4096, 4k or 1408k (k = 1024)
     # method=memo: the fraction of tokens whose skeletal activations are swapped to the host
     # (the rest are recomputed), a number in [0, 1], or "auto" to solve MEMO's α problem.
@@ -132,5 +134,12 @@ class RunConfig:
 
 
 def register_configs() -> None:
-    """Register :class:`RunConfig` as ``run_schema``, the base of ``conf/config.yaml``."""
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    """Register :class:`RunConfig` as ``run_schema``, the base of ``conf/config.yaml``, and the
+    bases of the launcher presets (``hydra/launcher=memo_slurm``) and sweeper (``grid``)."""
+    from hydra_plugins.memo_launch.slurm_launcher import SlurmLauncherConf
+    from hydra_plugins.memo_launch.grid_sweeper import GridSweeperConf
+
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    store.store(group="hydra/launcher", name="memo_slurm", node=SlurmLauncherConf, provider="memo")
+    store.store(group="hydra/sweeper", name="grid", node=GridSweeperConf, provider="memo")

@@ -1,0 +1,95 @@
+"""The paper's experiments as sweeps: what each one runs, and the job arrays a cluster receives."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, REPO
+
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+
+
+def dry_run(tmp_path: Path, *overrides: str, launcher: str = "slurm") -> str:
+    """What ``run.py -m`` prints for ``overrides`` through ``launcher`` without submitting."""
+    done = subprocess.run(
+        [PYTHON, str(REPO / "run.py"), "-m", f"hydra/launcher={launcher}", "hydra.launcher.dry_run=true",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (tmp_path / "sweep").exists(), "a dry run leaves nothing behind"
+    return done.stdout
+
+
+def arrays(output: str) -> list[dict]:
+    """The printed arrays: their heading, #SBATCH options and jobs (overrides, problem)."""
+    found = []
+    for block in output.split("\narray of ")[1:]:
+        lines = block.splitlines()
+        options = dict(re.findall(r"^#SBATCH --([\w-]+)=?(.*)$", block, re.M))
+        jobs = [re.match(r"  #(\d+): (.*?)(?:  <- (.*))?$", line).groups() for line in lines
+                if line.startswith("  #")]
+        found.append({"heading": lines[0], "options": options, "jobs": jobs})
+    return found
+
+
+def test_every_experiment_has_a_cpu_smoke_version_and_a_documented_command():
+    readme = (REPO / "experiments" / "README.md").read_text()
+    paper = [name for name in EXPERIMENTS if not name.endswith("_cpu_smoke")]
+    assert sorted(paper) == ["ablation", "alpha_sweep", "convergence", "end_to_end", "scalability"]
+    for name in paper:
+        assert f"{name}_cpu_smoke" in EXPERIMENTS
+        assert f"+experiment={name}" in readme and f"+experiment={name}_cpu_smoke" in readme
+
+
+@pytest.mark.slow
+def test_end_to_end_sends_each_workload_as_one_array_sized_by_its_layout(tmp_path):
+    found = arrays(dry_run(tmp_path, "+experiment=end_to_end"))
+    by_nodes = {int(a["options"]["nodes"]): a for a in found}
+    assert sorted(by_nodes) == [1, 2, 4, 8]
+    big = by_nodes[8]
+    assert big["heading"].startswith("48 job(s): 8 node(s) x 8 task(s) = 64 process(es), 64 GPU(s)")
+    assert big["options"]["ntasks-per-node"] == "8" and big["options"]["gpus-per-node"] == "8"
+    assert big["options"]["array"] == "0-47%48"
+    assert all("+workload=65b_64gpus" in overrides for _, overrides, _ in big["jobs"])
+    seqs = {re.search(r"seq=(\w+)", o).group(1) for _, o, _ in big["jobs"]}
+    assert len(seqs) == 16 and {"4k", "1408k"} <= seqs
+    for array in found:
+        assert len(array["jobs"]) == 48
+        assert all(problem is None for _, _, problem in array["jobs"]), "every job passes the checks"
+
+
+@pytest.mark.slow
+def test_convergence_is_a_union_of_grids_and_the_command_line_wins(tmp_path):
+    found = arrays(dry_run(tmp_path, "+experiment=convergence", "seq=4k", "train.steps=3"))
+    (array,) = found
+    jobs = [overrides for _, overrides, _ in array["jobs"]]
+    memo = sorted(re.search(r"alpha=(\S+)", o).group(1) for o in jobs if "method=memo" in o)
+    assert memo == ["0", "0.125", "0.25", "0.5", "1"]
+    megatron = [o for o in jobs if "method=megatron_full_recompute" in o]
+    assert len(megatron) == 1 and "alpha=" not in megatron[0], "Megatron runs once, without α"
+    assert all("seq=4k" in o for o in jobs) and not any("seq=128k" in o for o in jobs)
+
+
+@pytest.mark.slow
+def test_cpu_smoke_experiments_are_valid_cpu_jobs(tmp_path):
+    smoke = [name for name in EXPERIMENTS if name.endswith("_cpu_smoke")]
+    for name in smoke:
+        found = arrays(dry_run(tmp_path, f"+experiment={name}", launcher="slurm_local"))
+        jobs = [job for array in found for job in array["jobs"]]
+        assert jobs and all(problem is None for _, _, problem in jobs), name
+        for array in found:
+            assert "gpus-per-node" not in array["options"] and array["options"]["partition"] == "debug"
+        tasks = sorted(int(a["options"]["ntasks-per-node"]) for a in found)
+        assert tasks == ([1, 2] if name == "scalability_cpu_smoke" else [1]), name
+
+
+def test_a_dry_run_marks_a_job_that_will_fail_its_checks(tmp_path):
+    found = arrays(dry_run(tmp_path, "model=tiny", "parallel.tp=2", "seq=1001",
+                           "parallel.sequence_parallel=true,false"))
+    problems = {re.search(r"sequence_parallel=(\w+)", o).group(1).lower(): problem
+                for array in found for _, o, problem in array["jobs"]}
+    assert problems["true"].startswith("seq=1001 is not divisible by tp = 2")
+    assert problems["false"] is None

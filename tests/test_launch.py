@@ -1,0 +1,93 @@
+"""The SLURM launcher's pieces that need no cluster, and how a job behaves when it is stopped."""
+
+import json
+
+import pytest
+
+import memo.job
+from hydra_plugins.memo_launch.slurm_launcher import (
+    JobShape,
+    fallback_row,
+    job_shape,
+    set_aside_unfinished,
+)
+from memo.config import ConfigError
+
+from conftest import compose_config, run_in_process
+
+
+@pytest.mark.parametrize(
+    "overrides, per_node, gpus, shape",
+    [
+        (["+workload=7b_8gpus"], 8, True, JobShape(1, 8, 8)),
+        (["+workload=65b_64gpus"], 8, True, JobShape(8, 8, 8)),
+        (["+workload=65b_64gpus"], 4, True, JobShape(16, 4, 4)),
+        (["+workload=7b_8gpus", "parallel.dp=2"], 8, True, JobShape(2, 8, 8)),
+        (["parallel.tp=2"], 8, False, JobShape(1, 2, 0)),
+        (["+workload=65b_64gpus", "mode=plan"], 8, True, JobShape(1, 1, 0)),
+        (["+workload=65b_64gpus", "mode=profile", "profile.backend=cuda"], 8, True, JobShape(1, 1, 1)),
+    ],
+)
+def test_a_job_asks_for_the_nodes_tasks_and_gpus_of_its_layout(overrides, per_node, gpus, shape):
+    # Hydra's plugin scan re-executes plugin modules, so compare fields, not classes.
+    assert vars(job_shape(compose_config(*overrides), per_node, gpus)) == vars(shape)
+
+
+def test_a_layout_that_does_not_fill_whole_nodes_is_refused_with_what_to_change():
+    with pytest.raises(ConfigError, match=r"^parallel.tp·cp·pp·dp = 12 processes do not fill whole nodes of "
+                                          r"hydra.launcher.devices_per_node=8; change parallel.dp"):
+        job_shape(compose_config("parallel.tp=4", "parallel.dp=3"), 8, True)
+
+
+def test_an_interrupted_attempt_is_set_aside_and_a_second_one_does_not_overwrite_it(tmp_path):
+    assert set_aside_unfinished(tmp_path) is None
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "layers.jsonl").write_text('{"step": 1, "layer": 0}\n')
+    (tmp_path / "run.log").write_text("kept in place\n")
+    assert set_aside_unfinished(tmp_path) == tmp_path / "interrupted" / "1"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2}\n')
+    assert set_aside_unfinished(tmp_path) == tmp_path / "interrupted" / "2"
+    assert (tmp_path / "interrupted" / "1" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (tmp_path / "interrupted" / "1" / "layers.jsonl").exists()
+    assert (tmp_path / "interrupted" / "2" / "metrics.jsonl").read_text() == '{"step": 2}\n'
+    assert not (tmp_path / "metrics.jsonl").exists() and (tmp_path / "run.log").exists()
+
+
+class _DeadJob:
+    job_id = "17_3"
+    state = "OUT_OF_MEMORY"
+
+
+def test_a_job_that_died_gets_a_row_of_its_configuration_and_slurm_state(tmp_path):
+    cfg = compose_config("+workload=7b_8gpus", "seq=128k", "method=memo", "+experiment=ablation")
+    row = fallback_row(cfg, ["seq=128k", "method=memo", "hydra.launcher.partition=x"], tmp_path, _DeadJob(),
+                       "job 17_3 (task: 0) with path ... has not produced any output (state: OUT_OF_MEMORY)")
+    assert row["status"] == "oom" and row["slurm.state"] == "OUT_OF_MEMORY" and row["slurm.job_id"] == "17_3"
+    assert (row["model.name"], row["seq"], row["method.name"], row["experiment"]) == ("7b", 131072, "memo",
+                                                                                     "ablation")
+    assert (row["parallel.tp"], row["parallel.cp"]) == (4, 2)
+    assert row["overrides"] == "seq=128k method=memo"
+    assert row["error"].startswith("the job ended without a result (SLURM state OUT_OF_MEMORY): job 17_3")
+    assert not any(key.startswith("hydra") for key in row)
+    _DeadJob.state = "NODE_FAIL"
+    assert fallback_row(cfg, [], tmp_path, _DeadJob(), "lost")["status"] == "error"
+
+
+def test_a_run_stopped_from_outside_keeps_its_steps_and_leaves_no_row(tmp_path, monkeypatch):
+    """A scheduler's timeout signal ends in SystemExit: no row, so that the requeued attempt runs."""
+    real_run_steps = memo.job.run_steps
+
+    def stopped_after_two_steps(optimizer, batches, train, device_type, on_step):
+        def record(step):
+            on_step(step)
+            if step["step"] == 2:
+                raise SystemExit(-1)
+
+        real_run_steps(optimizer, batches, train, device_type, record)
+
+    monkeypatch.setattr(memo.job, "run_steps", stopped_after_two_steps)
+    with pytest.raises(SystemExit):
+        run_in_process(tmp_path, "train.steps=4", "train.warmup_steps=1", "seq=128")
+    assert not (tmp_path / "result.json").exists()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
