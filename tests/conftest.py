@@ -19,6 +19,9 @@ PYTHON = sys.executable
 
 register_configs()
 
+# The session's local SLURM cluster (fixture ``slurm_cluster``), started only by tests that ask.
+pytest_plugins = ("slurm_cluster",)
+
 
 def compose_config(*overrides: str):
     """The configuration ``python run.py OVERRIDES`` would run."""

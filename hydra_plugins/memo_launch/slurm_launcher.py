@@ -23,13 +23,13 @@ import math
 import os
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from hydra.errors import HydraException
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -113,9 +113,11 @@ def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
 def fallback_row(cfg: DictConfig, overrides: Sequence[str], output_dir: Path, job: Any, error: str) -> dict:
     """The row of a job that ended without writing one: its configuration and SLURM's verdict."""
     state = getattr(job, "state", "UNKNOWN")
-    values = OmegaConf.to_container(cfg, resolve=True)
-    values.pop("hydra", None)
-    row = flatten(values)
+    # Not the hydra node: its runtime fields exist only inside a running job.
+    row = flatten({
+        key: OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
+        for key in cfg if key != "hydra"
+    })
     try:
         row["seq"] = parse_seq(cfg.seq)
     except ConfigError:
@@ -220,7 +222,15 @@ class SlurmLauncher(BaseSubmititLauncher):
             )
             submitted.update({num: handle for (num, *_), handle in zip(members, handles)})
         _wait(list(submitted.values()))
-        return [self._collect(num, o, cfg, submitted[num]) for num, o, cfg, _ in jobs]
+        returns = [self._collect(num, o, cfg, submitted[num]) for num, o, cfg, _ in jobs]
+        crashed = [f"#{num} ({submitted[num].state})" for (num, *_), r in zip(jobs, returns)
+                   if r.status == JobStatus.FAILED]
+        if crashed:  # after every row is written: the sweep's exit status tells of the crash
+            raise HydraException(
+                f"{len(crashed)} of {len(jobs)} job(s) ended without a result: {', '.join(crashed)}; "
+                f"their rows say so, and their logs are under {self.params['submitit_folder']}"
+            )
+        return returns
 
     def _parameters(self, shape: JobShape) -> dict[str, Any]:
         """submitit's ``slurm_*`` parameters for jobs of ``shape`` (the preset's fields, resized)."""
@@ -313,14 +323,14 @@ def _wait(handles: list) -> None:
     last = None
     while True:
         done = [h for h in handles if h.done()]
-        states = Counter("failed" if h.state not in ("COMPLETED",) else "ok" for h in done)
+        failed = sum(h.exception() is not None for h in done)  # crashed; an error row is a result
         elapsed = time.monotonic() - start
-        progress = (len(done), states["failed"])
+        progress = (len(done), failed)
         if progress != last:
             eta = elapsed / len(done) * (len(handles) - len(done)) if done else math.nan
             log.info(
-                "%d/%d job(s) ended (%d failed), %.0f s elapsed%s", len(done), len(handles),
-                states["failed"], elapsed, "" if math.isnan(eta) or not done else f", about {eta:.0f} s left",
+                "%d/%d job(s) ended (%d crashed), %.0f s elapsed%s", len(done), len(handles),
+                failed, elapsed, "" if math.isnan(eta) or not done else f", about {eta:.0f} s left",
             )
             last = progress
         if len(done) == len(handles):

@@ -1,0 +1,109 @@
+"""Sweeps through a real SLURM scheduler (the local cluster of slurm/cluster.sh), as a user runs
+them: ``python run.py -m hydra/launcher=slurm_local +experiment=...``. Every job leaves its row:
+a job that fails its checks, a job killed by the scheduler, and a preempted job that is requeued."""
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from analysis.rows import load_results
+
+from conftest import PYTHON, REPO
+
+pytestmark = pytest.mark.slow
+QUICK = ["train.steps=2", "train.warmup_steps=1"]
+
+
+def sweep_command(sweep_dir: Path, *overrides: str) -> list[str]:
+    return [PYTHON, str(REPO / "run.py"), "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep_dir}",
+            *overrides]
+
+
+def wait_for_steps(path: Path, steps: int, process: subprocess.Popen, deadline_s: float = 120) -> None:
+    """Wait until the step log at ``path`` has ``steps`` lines (the job is running)."""
+    deadline = time.monotonic() + deadline_s
+    while not (path.exists() and len(path.read_text().splitlines()) >= steps):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no {steps} step(s) in {path} after {deadline_s} s"
+        time.sleep(0.5)
+
+
+def slurm_job_id(cluster, sweep_dir: Path) -> str:
+    (folder,) = [p.name for p in (sweep_dir / ".submitit").iterdir() if p.is_dir()]
+    return folder
+
+
+@pytest.mark.timeout(300)
+def test_an_experiment_runs_as_one_array_and_every_job_leaves_its_row(slurm_cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    done = subprocess.run(
+        sweep_command(sweep, "+experiment=alpha_sweep_cpu_smoke", "seq=1k", "alpha=0,0.5,1,2", *QUICK),
+        cwd=tmp_path, env=slurm_cluster.env, capture_output=True, text=True, timeout=280,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stdout  # Hydra's log
+    assert "array " in log and ": 4 job(s), 1 node(s) x 1 task(s), 0 GPU(s) per node" in log
+    assert "4/4 job(s) ended (0 crashed)" in log
+    array_id = log.split("] array ")[1].split(":")[0]
+    tasks = sorted(p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and "_" in p.name)
+    assert tasks == [f"{array_id}_{i}" for i in range(4)], "one array of four tasks"
+
+    rows = load_results(sweep).set_index("alpha").sort_index()
+    assert list(rows.index) == ["0", "0.5", "1", "2"]
+    assert list(rows["status"]) == ["ok", "ok", "ok", "error"]
+    assert rows.loc["2", "error"] == "alpha=2 must be a number in [0, 1] or auto"
+    assert set(rows["experiment"]) == {"alpha_sweep_cpu_smoke"} and set(rows["world_size"]) == {1}
+    ok = rows[rows["status"] == "ok"]
+    assert list(ok["swap.alpha"]) == [0.0, 0.5, 1.0] and (ok["steps_timed"] == 1).all()
+    assert (ok["mfu"] > 0).all()
+
+
+@pytest.mark.timeout(300)
+def test_a_job_the_scheduler_kills_gets_a_row_and_the_sweep_says_so(slurm_cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    process = subprocess.Popen(
+        sweep_command(sweep, "seq=1k", "train.steps=500", "+experiment=ablation_cpu_smoke", "method=none"),
+        cwd=tmp_path, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    wait_for_steps(sweep / "0" / "metrics.jsonl", 1, process)
+    job = slurm_job_id(slurm_cluster, sweep)
+    subprocess.run(["scancel", job], env=slurm_cluster.env, check=True, timeout=30)
+    _, stderr = process.communicate(timeout=240)
+
+    assert process.returncode == 2
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 1 of 1 job(s) ended without a result: #0 (CANCELLED")
+    row = json.loads((sweep / "0" / "result.json").read_text())
+    assert row["status"] == "error" and row["slurm.state"].startswith("CANCELLED")
+    assert row["slurm.job_id"] == job and row["experiment"] == "ablation_cpu_smoke"
+    assert (row["method.name"], row["seq"], row["train.steps"]) == ("none", 1024, 500)
+    assert (sweep / "0" / "metrics.jsonl").read_text(), "the steps it made are kept"
+
+
+@pytest.mark.timeout(300)
+def test_a_preempted_job_is_requeued_and_its_first_attempt_kept(slurm_cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    process = subprocess.Popen(
+        sweep_command(sweep, "seq=1k", "train.steps=6", "train.warmup_steps=1"),
+        cwd=tmp_path, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    job_dir = sweep / "0"
+    wait_for_steps(job_dir / "metrics.jsonl", 1, process)
+    job = slurm_job_id(slurm_cluster, sweep)
+    # What SLURM sends before a time limit or a preemption (submitit's --signal=USR2@...).
+    subprocess.run(["scancel", "--signal=USR2", job], env=slurm_cluster.env, check=True, timeout=30)
+    _, stderr = process.communicate(timeout=240)
+
+    assert process.returncode == 0, stderr[-3000:]
+    row = json.loads((job_dir / "result.json").read_text())
+    assert row["status"] == "ok" and row["steps_timed"] == 5
+    steps = [json.loads(line)["step"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6], "the requeued attempt ran the job from the start"
+    first = (job_dir / "interrupted" / "1" / "metrics.jsonl").read_text().splitlines()
+    assert 1 <= len(first) < 6 and json.loads(first[0])["step"] == 1
+    logs = "".join(p.read_text() for p in (sweep / ".submitit" / job).glob("*_log.*"))
+    assert "this job is preempted" in logs and f"Requeued job {job}" in logs
+    assert "an earlier attempt of this job was interrupted" in logs
