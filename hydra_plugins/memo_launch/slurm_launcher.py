@@ -19,7 +19,6 @@ lines and submits nothing.
 
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -318,21 +317,21 @@ def _remove_if_only_sweep_config(sweep_dir: Path) -> None:
 
 
 def _wait(handles: list) -> None:
-    """Block until every job ended, logging progress (finished, failed, elapsed, ETA)."""
+    """Block until every job ended, logging progress (ended, crashed, elapsed, time left)."""
     start = time.monotonic()
+    crashed: dict[int, bool] = {}  # by position; asked once, as submitit may wait for a result file
     last = None
     while True:
-        done = [h for h in handles if h.done()]
-        failed = sum(h.exception() is not None for h in done)  # crashed; an error row is a result
+        for i, handle in enumerate(handles):
+            if i not in crashed and handle.done():
+                crashed[i] = handle.exception() is not None  # an error row is a result, not a crash
         elapsed = time.monotonic() - start
-        progress = (len(done), failed)
-        if progress != last:
-            eta = elapsed / len(done) * (len(handles) - len(done)) if done else math.nan
-            log.info(
-                "%d/%d job(s) ended (%d crashed), %.0f s elapsed%s", len(done), len(handles),
-                failed, elapsed, "" if math.isnan(eta) or not done else f", about {eta:.0f} s left",
-            )
-            last = progress
-        if len(done) == len(handles):
+        ended, failed = len(crashed), sum(crashed.values())
+        if (ended, failed) != last:
+            left = f", about {elapsed / ended * (len(handles) - ended):.0f} s left" if ended else ""
+            log.info("%d/%d job(s) ended (%d crashed), %.0f s elapsed%s", ended, len(handles), failed,
+                     elapsed, left)
+            last = (ended, failed)
+        if len(crashed) == len(handles):
             return
         time.sleep(POLL_S)
