@@ -73,7 +73,7 @@ def alpha_sweep(df: pd.DataFrame) -> Figure:
 
 
 def loss_curves(steps: pd.DataFrame) -> Figure:
-    """Loss against step, one line per run (rows of :func:`analysis.rows.load_steps`) labelled
+    """Loss against step, one line per run (rows of :func:`analysis.rows.read_steps`) labelled
     by variant and α, one panel per sequence length."""
     steps = _steps_with(steps, "loss")
     fig, panels = _step_panels(steps, "loss")
@@ -85,7 +85,7 @@ def loss_curves(steps: pd.DataFrame) -> Figure:
 
 
 def step_times(steps: pd.DataFrame) -> Figure:
-    """Iteration time against step, one line per run (rows of :func:`analysis.rows.load_steps`),
+    """Iteration time against step, one line per run (rows of :func:`analysis.rows.read_steps`),
     one panel per sequence length; warm-up steps, left out of the timing metrics, are drawn as
     open circles."""
     steps = _steps_with(steps, "iter_time_s")

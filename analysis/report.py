@@ -23,18 +23,18 @@ and OUT may not be, or be inside, a run's directory.
 """
 
 import argparse
+import io
 import os
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 
 import pandas as pd
 from matplotlib.figure import Figure
 
 from analysis import figures, rows, tables
+from memo.results import replace_file_atomic
 
 FORMATS = ("png", "svg", "pdf")
 
@@ -75,12 +75,13 @@ FIGURES: dict[str, dict[str, Plot]] = {
 def write_report(results: pd.DataFrame, steps: pd.DataFrame, out: Path,
                  formats: Sequence[str] = ("png", "svg")) -> list[Path]:
     """Write the tables and figures of ``results`` (:func:`analysis.rows.load_results`) and their
-    ``steps`` (:func:`analysis.rows.load_steps`) into ``out``; returns the paths written.
+    ``steps`` (:func:`analysis.rows.read_steps`) into ``out``; returns the paths written.
 
     Raises:
         ValueError: if ``out`` is, or is inside, the directory of one of the runs.
     """
     _check_outside_runs(Path(out), results["result_path"])
+    Path(out).mkdir(parents=True, exist_ok=True)
     written = []
     for name, group in rows.experiment_groups(results).items():
         runs = rows.training_runs(group)
@@ -102,8 +103,7 @@ def write_report(results: pd.DataFrame, steps: pd.DataFrame, out: Path,
             except figures.NothingToPlot:
                 continue
             for fmt in formats:
-                path = Path(out) / f"{name}{suffix}.{fmt}"
-                written.append(_write(path, partial(figure.savefig, format=fmt)))
+                written.append(_write_figure(Path(out) / f"{name}{suffix}.{fmt}", figure, fmt))
     return written
 
 
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--out is required: the sweep directories share no directory but the root")
     try:
         results = rows.load_results(*args.dirs)
-        for path in write_report(results, rows.load_steps(*args.dirs), out, formats):
+        for path in write_report(results, rows.read_steps(results), out, formats):
             print(path)
     except ValueError as error:
         print(f"analysis.report: {error}", file=sys.stderr)
@@ -165,21 +165,14 @@ def _check_outside_runs(out: Path, result_paths: pd.Series) -> None:
 
 
 def _write_text(path: Path, text: str) -> Path:
-    return _write(path, lambda f: f.write(text.encode()))
+    replace_file_atomic(path, text.encode())
+    return path
 
 
-def _write(path: Path, fill: Callable) -> Path:
-    """Create or replace ``path`` in one step: a reader sees the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the report from the rest of a team
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _write_figure(path: Path, figure: Figure, fmt: str) -> Path:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=fmt)
+    replace_file_atomic(path, buffer.getvalue())
     return path
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-RESULT_FILE = "result.json"
-METRICS_FILE = "metrics.jsonl"
+from memo.results import METRICS_FILE, RESULT_FILE
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Rows without an ``experiment`` (older rows, plain sweeps) are read as this one: its tables fit
@@ -29,7 +29,7 @@ SMOKE_SUFFIX = "_cpu_smoke"
 CONFIG_COLUMNS = ("experiment", "mode", "hardware.name", "seq", "alpha", "plan", "world_size")
 CONFIG_PREFIXES = ("model.", "method.", "parallel.", "train.")
 
-# Columns of a run repeated on each of its steps in :func:`load_steps`.
+# Columns of a run repeated on each of its steps in :func:`read_steps`.
 RUN_COLUMNS = (
     "result_path", "run_dir", "experiment", "model.name", "method.name", "plan", "variant",
     "alpha", "swap.alpha", "alpha_used", "seq", "world_size", "gpus", "status",
@@ -50,16 +50,26 @@ def load_results(*dirs: str | Path) -> pd.DataFrame:
 
 
 def load_steps(*dirs: str | Path) -> pd.DataFrame:
-    """One row per training step of every run under ``dirs`` that has a result.
+    """One row per training step of every run under ``dirs`` that has a result: the steps
+    (:func:`read_steps`) of :func:`load_results`.
+
+    Raises:
+        ValueError: as :func:`load_results` and :func:`read_steps`.
+    """
+    return read_steps(load_results(*dirs))
+
+
+def read_steps(results: pd.DataFrame) -> pd.DataFrame:
+    """One row per training step of the runs ``results`` (:func:`load_results`) lists.
 
     Each row has the step's record from ``metrics.jsonl`` (``step``, ``loss``, ``iter_time_s``,
     ``timed``, ...) and its run's :data:`RUN_COLUMNS`; ``run_dir`` identifies the run. Runs that
     logged no step (failed before it, or profiling modes) contribute nothing.
 
     Raises:
-        ValueError: as :func:`load_results`, or for a line of ``metrics.jsonl`` that is not JSON.
+        ValueError: for a line of ``metrics.jsonl`` that is not a JSON object.
     """
-    runs = add_derived(load_results(*dirs))
+    runs = add_derived(results)
     runs["run_dir"] = runs["result_path"].map(lambda p: str(Path(p).parent))
     frames = []
     for run in runs[list(RUN_COLUMNS)].to_dict("records"):
@@ -107,7 +117,7 @@ def training_runs(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def steps_of(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
-    """The rows of ``steps`` (:func:`load_steps`) of the training runs in ``runs``, repeats
+    """The rows of ``steps`` (:func:`read_steps`) of the training runs in ``runs``, repeats
     resolved as in the tables (:func:`training_runs`)."""
     return steps[steps["result_path"].isin(training_runs(runs)["result_path"])]
 

@@ -33,7 +33,7 @@ from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import SwapReport, prepare_swap
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
-from memo.execute.progress import StepProgress, format_seconds, step_progress
+from memo.execute.progress import format_seconds, step_progress
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import build_gpt, resolve_dtype, uses_transformer_engine
@@ -266,7 +266,7 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
 
         records = []
 
-        def on_step(record: dict, progress: StepProgress) -> None:
+        def on_step(record: dict) -> None:  # runs inside the `with` below, where progress is set
             record["tgs"] = tgs(global_batch * seq, record["iter_time_s"], info.world_size)
             record["mfu"] = mfu(flops_per_iter, record["iter_time_s"], info.world_size, hw.peak_flops)
             record.update(memory.read())
@@ -284,7 +284,7 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
                 )
 
         with step_progress(cfg.train.steps, show_bar=info.rank == 0) as progress:
-            run_steps(optimizer, batches, cfg.train, device_type, lambda r: on_step(r, progress))
+            run_steps(optimizer, batches, cfg.train, device_type, on_step)
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone
         raise

@@ -37,20 +37,41 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` so that ``path`` holds either nothing or all of it."""
+def json_text(obj: Any) -> str:
+    """``obj`` as the JSON that result files hold: indented, keys sorted, a final newline."""
+    return json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n"
+
+
+def _write_beside(path: Path, data: bytes) -> str:
+    """A temporary file in ``path``'s directory holding ``data``, on disk; returns its name."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide results from the rest of a team
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True, default=str)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def replace_file_atomic(path: Path, data: bytes) -> None:
+    """Create or replace ``path`` with ``data`` so that a reader sees the old file or all of
+    the new one, never a part."""
+    path = Path(path)
+    tmp = _write_beside(path, data)
+    try:
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` so that ``path`` holds either nothing or all of it."""
+    replace_file_atomic(path, json_text(obj).encode())
 
 
 def create_file_atomic(path: Path, text: str) -> None:
@@ -63,11 +84,8 @@ def create_file_atomic(path: Path, text: str) -> None:
     if path.exists():
         raise FileExistsError(f"{path} exists and is kept; choose another path")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = _write_beside(path, text.encode())
     try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(text)
         os.link(tmp, path)  # unlike a rename, fails if the path appeared meanwhile
     finally:
         os.unlink(tmp)

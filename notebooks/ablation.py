@@ -37,7 +37,7 @@ from analysis import figures, report, rows, tables
 
 dirs = rows.dirs_from_env()
 results = rows.load_results(*dirs)
-steps = rows.load_steps(*dirs)
+steps = rows.read_steps(results)
 print(f"Runs under {', '.join(map(str, dirs))}:", report.summary(results), sep="\n")
 
 # %% [markdown]

@@ -1,7 +1,7 @@
 """Hand-written result rows and step logs, laid out as a Hydra sweep leaves them.
 
 Numbers are chosen so that tables can be checked by hand: MFU 0.1 per K of sequence length and
-so on. Used by the analysis tests and, as a small complete sweep, by the notebook tests.
+so on. Used by the analysis tests (the notebook tests run real smoke sweeps instead).
 """
 
 import json

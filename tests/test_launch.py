@@ -54,13 +54,14 @@ def test_an_interrupted_attempt_is_set_aside_and_a_second_one_does_not_overwrite
 
 
 class _DeadJob:
-    job_id = "17_3"
-    state = "OUT_OF_MEMORY"
+    def __init__(self, state: str):
+        self.job_id, self.state = "17_3", state
 
 
 def test_a_job_that_died_gets_a_row_of_its_configuration_and_slurm_state(tmp_path):
     cfg = compose_config("+workload=7b_8gpus", "seq=128k", "method=memo", "+experiment=ablation")
-    row = fallback_row(cfg, ["seq=128k", "method=memo", "hydra.launcher.partition=x"], tmp_path, _DeadJob(),
+    overrides = ["seq=128k", "method=memo", "hydra.launcher.partition=x"]
+    row = fallback_row(cfg, overrides, tmp_path, _DeadJob("OUT_OF_MEMORY"),
                        "job 17_3 (task: 0) with path ... has not produced any output (state: OUT_OF_MEMORY)")
     assert row["status"] == "oom" and row["slurm.state"] == "OUT_OF_MEMORY" and row["slurm.job_id"] == "17_3"
     assert (row["model.name"], row["seq"], row["method.name"], row["experiment"]) == ("7b", 131072, "memo",
@@ -69,8 +70,7 @@ def test_a_job_that_died_gets_a_row_of_its_configuration_and_slurm_state(tmp_pat
     assert row["overrides"] == "seq=128k method=memo"
     assert row["error"].startswith("the job ended without a result (SLURM state OUT_OF_MEMORY): job 17_3")
     assert not any(key.startswith("hydra") for key in row)
-    _DeadJob.state = "NODE_FAIL"
-    assert fallback_row(cfg, [], tmp_path, _DeadJob(), "lost")["status"] == "error"
+    assert fallback_row(cfg, [], tmp_path, _DeadJob("NODE_FAIL"), "lost")["status"] == "error"
 
 
 def test_a_run_stopped_from_outside_keeps_its_steps_and_leaves_no_row(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ def wait_for_steps(path: Path, steps: int, process: subprocess.Popen, deadline_s
         time.sleep(0.5)
 
 
-def slurm_job_id(cluster, sweep_dir: Path) -> str:
+def slurm_job_id(sweep_dir: Path) -> str:
     (folder,) = [p.name for p in (sweep_dir / ".submitit").iterdir() if p.is_dir()]
     return folder
 
@@ -69,7 +69,7 @@ def test_a_job_the_scheduler_kills_gets_a_row_and_the_sweep_says_so(slurm_cluste
         cwd=tmp_path, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     wait_for_steps(sweep / "0" / "metrics.jsonl", 1, process)
-    job = slurm_job_id(slurm_cluster, sweep)
+    job = slurm_job_id(sweep)
     subprocess.run(["scancel", job], env=slurm_cluster.env, check=True, timeout=30)
     _, stderr = process.communicate(timeout=240)
 
@@ -92,7 +92,7 @@ def test_a_preempted_job_is_requeued_and_its_first_attempt_kept(slurm_cluster, t
     )
     job_dir = sweep / "0"
     wait_for_steps(job_dir / "metrics.jsonl", 1, process)
-    job = slurm_job_id(slurm_cluster, sweep)
+    job = slurm_job_id(sweep)
     # What SLURM sends before a time limit or a preemption (submitit's --signal=USR2@...).
     subprocess.run(["scancel", "--signal=USR2", job], env=slurm_cluster.env, check=True, timeout=30)
     _, stderr = process.communicate(timeout=240)

@@ -34,7 +34,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from memo.config import ConfigError, parse_seq, validate
-from memo.results import RESULT_FILE, STEP_FILES, create_file_atomic, flatten
+from memo.results import RESULT_FILE, STEP_FILES, create_file_atomic, flatten, json_text
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,7 @@ def job_shape(cfg: DictConfig, devices_per_node: int, gpus: bool) -> JobShape:
             f"parallel.tp·cp·pp·dp = {world} processes do not fill whole nodes of "
             f"hydra.launcher.devices_per_node={devices_per_node}; change parallel.dp or the preset"
         )
-    per_node = devices_per_node
-    return JobShape(world // devices_per_node, per_node, per_node if needs_gpu else 0)
+    return JobShape(world // devices_per_node, devices_per_node, devices_per_node if needs_gpu else 0)
 
 
 def job_output_dir(sweep_config: DictConfig) -> Path:
@@ -288,8 +287,7 @@ class SlurmLauncher(BaseSubmititLauncher):
             if not (output_dir / RESULT_FILE).exists():
                 row = fallback_row(cfg, overrides, output_dir, handle, message)
                 try:
-                    create_file_atomic(output_dir / RESULT_FILE, json.dumps(row, indent=1, sort_keys=True,
-                                                                            default=str) + "\n")
+                    create_file_atomic(output_dir / RESULT_FILE, json_text(row))
                     log.warning("job #%d ended without a row (%s); wrote one with status %s",
                                 num, handle.state, row["status"])
                 except FileExistsError:
