@@ -1,7 +1,9 @@
 """Train one configuration, or sweep many with ``-m``: ``python run.py model=7b seq=64k,128k -m``.
 
 ``mode=profile`` traces one iteration's allocations instead, and ``mode=plan`` also plans them
-(see :mod:`memo.planning`); both run anywhere, for any model size.
+(see :mod:`memo.planning`); ``mode=fit`` predicts memory, α, the longest sequence and the time per
+iteration, and searches layouts (see :mod:`memo.fitting`). All three run anywhere, for any model
+size.
 
 Each job writes ``result.json`` and ``metrics.jsonl`` into its Hydra output directory. A
 mistake in the configuration ends the run with one line on stderr (exit status 2); in a sweep
@@ -48,6 +50,10 @@ def main(cfg: DictConfig) -> None:
             from memo.job import run_job
 
             row = run_job(cfg, output_dir, hydra_cfg.overrides.task)
+        elif cfg.mode == "fit":
+            from memo.fitting import fit_job
+
+            row = fit_job(cfg, output_dir, hydra_cfg.overrides.task)
         else:
             from memo.planning import profile_and_plan
 

@@ -109,16 +109,17 @@ def write_report(results: pd.DataFrame, steps: pd.DataFrame, out: Path,
 
 def summary(results: pd.DataFrame) -> str:
     """One line per experiment: its runs by status (repeats included), e.g.
-    ``ablation: 12 runs (ok 10, oom 2)``; non-training rows (profile, plan) are counted apart."""
+    ``ablation: 12 runs (ok 10, oom 2)``; predictions (mode=fit) count as runs, profile and plan
+    rows are counted apart."""
     lines = []
     for name, group in rows.experiment_groups(results).items():
-        training = rows.is_training(group)
+        training = rows.is_training(group) | rows.is_prediction(group)
         counts = Counter(group.loc[training, "status"].fillna("none"))
         order = sorted(counts, key=lambda s: (tables.STATUS_RANK.get(s, len(tables.STATUS_RANK)), s))
         by_status = ", ".join(f"{status} {counts[status]}" for status in order)
         parts = [f"{training.sum()} runs" + (f" ({by_status})" if counts else "")]
         if (~training).any():
-            parts.append(f"{(~training).sum()} other rows (profile, plan, fit)")
+            parts.append(f"{(~training).sum()} other rows (profile, plan)")
         lines.append(f"{name}: {'; '.join(parts)}")
     return "\n".join(lines)
 

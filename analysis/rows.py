@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Rows without an ``experiment`` (older rows, plain sweeps) are read as this one: its tables fit
 # any sweep of methods over sequence lengths.
 UNTAGGED = "end_to_end"
+PREDICTED_SUFFIX = " (predicted)"  # appended to the variant of mode=fit rows
 SMOKE_SUFFIX = "_cpu_smoke"
 
 # What makes two runs the same configuration: these columns and every column of the config
@@ -92,7 +93,18 @@ def add_derived(df: pd.DataFrame) -> pd.DataFrame:
     df["experiment"] = df["experiment"].where(df["experiment"].notna(), UNTAGGED)
     df["plan"] = df["plan"].fillna(False).astype(bool) if "plan" in df else False
     method = df["method.name"].fillna("unknown").astype(str)
-    df["variant"] = method + df["plan"].map({True: "+plan", False: ""})
+    predicted = is_prediction(df)
+    df["variant"] = method + df["plan"].map({True: "+plan", False: ""}) \
+        + predicted.map({True: PREDICTED_SUFFIX, False: ""})
+    # A prediction's figures stand where a measurement's would, so tables treat both alike.
+    for metric in ("mfu", "tgs", "iter_time_s"):
+        guess = f"predicted_{metric}"
+        if guess in df:
+            measured = df[metric] if metric in df else pd.Series(None, index=df.index, dtype=float)
+            df[metric] = measured.where(~predicted, df[guess])
+    if all(f"parallel.{k}" in df for k in ("tp", "cp", "pp", "dp")):
+        df["layout"] = ("tp" + df["parallel.tp"].astype(str) + " cp" + df["parallel.cp"].astype(str)
+                        + " pp" + df["parallel.pp"].astype(str) + " dp" + df["parallel.dp"].astype(str))
     requested = pd.to_numeric(df["alpha"], errors="coerce")  # "auto" becomes NaN
     df["alpha_used"] = pd.to_numeric(df["swap.alpha"], errors="coerce").fillna(requested)
     df["gpus"] = pd.to_numeric(df["world_size"], errors="coerce").astype("Int64")
@@ -110,10 +122,18 @@ def is_training(df: pd.DataFrame) -> pd.Series:
     return df["mode"].isna() | (df["mode"] == "train")
 
 
+def is_prediction(df: pd.DataFrame) -> pd.Series:
+    """Whether each row is a ``mode=fit`` prediction (its figures are ``predicted_*``)."""
+    if "mode" not in df:
+        return pd.Series(False, index=df.index)
+    return df["mode"] == "fit"
+
+
 def training_runs(df: pd.DataFrame) -> pd.DataFrame:
-    """The rows tables are made of: training runs only (:func:`is_training`), derived columns
-    added, repeats resolved by :func:`latest_runs`."""
-    return latest_runs(df[is_training(df)])
+    """The rows tables are made of: training runs (:func:`is_training`) and predictions
+    (:func:`is_prediction`, their variant marked " (predicted)"), derived columns added, repeats
+    resolved by :func:`latest_runs`."""
+    return latest_runs(df[is_training(df) | is_prediction(df)])
 
 
 def steps_of(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:

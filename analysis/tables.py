@@ -54,6 +54,8 @@ def format_value(metric: str, value: float) -> str:
     """One number of column ``metric`` for reading; NaN is the empty string."""
     if pd.isna(value):
         return ""
+    if isinstance(value, str):
+        return value
     if metric == "mfu":
         return f"{100 * value:.1f}%"
     if metric == "tgs":
@@ -123,11 +125,12 @@ def end_to_end_table(df: pd.DataFrame, metric: str = "mfu", display: bool = Fals
 
 
 def longest_sequence(df: pd.DataFrame, display: bool = False) -> pd.DataFrame:
-    """Per (``model.name``, ``gpus``, ``variant``): the longest ``seq`` that ran ``ok``, with
-    that run's ``mfu``, ``tgs`` and ``iter_time_s``; NaN where no sequence length ran ``ok``."""
+    """Per (``model.name``, ``gpus``, ``variant``): the longest ``seq`` that ran ``ok`` (or was
+    predicted to fit), with that run's ``mfu``, ``tgs``, ``iter_time_s`` and parallel ``layout``;
+    NaN where no sequence length ran ``ok``."""
     index = ["model.name", "gpus", "variant"]
-    metrics = [m for m in ("mfu", "tgs", "iter_time_s") if m in df]
     cells = best_cells(df, index + ["seq"])
+    metrics = [m for m in ("mfu", "tgs", "iter_time_s", "layout") if m in cells]
     ok = cells[cells["status"] == "ok"].sort_values("seq")
     longest = ok.drop_duplicates(subset=index, keep="last").set_index(index)[["seq", *metrics]]
     table = longest.reindex(ordered_keys(cells, index)).astype({"seq": "Int64"})

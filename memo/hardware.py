@@ -32,18 +32,21 @@ class Hardware:
     host_memory_bytes: Optional[int]  # per node
     devices_per_node: Optional[int]
     host_link_bytes_per_s: Optional[float]
+    intra_node_bytes_per_s: Optional[float] = None  # per device, within a node (NVLink)
+    inter_node_bytes_per_s: Optional[float] = None  # per node, all its network adapters
     peak_flops_source: str = "table"  # "table", "config" or "measured"
 
 
 HARDWARE: dict[str, Hardware] = {
-    # MEMO paper §5.1: 8× A800 80 GB per node, 2 TB host memory, 32 GB/s GPU-host.
-    "a800": Hardware("a800", "cuda", 312e12, 80 * GiB, 2048 * GiB, 8, 32e9),
-    # DGX A100: 1 TB host memory, PCIe 4.0 x16 per GPU.
-    "a100": Hardware("a100", "cuda", 312e12, 80 * GiB, 1024 * GiB, 8, 32e9),
-    # DGX H100 (SXM5): 2 TB host memory, PCIe 5.0 x16 per GPU.
-    "h100": Hardware("h100", "cuda", 989e12, 80 * GiB, 2048 * GiB, 8, 64e9),
-    # DGX H200: 141 GB HBM3e (about 140 GiB visible), 2 TB host memory, PCIe 5.0 x16.
-    "h200": Hardware("h200", "cuda", 989e12, 140 * GiB, 2048 * GiB, 8, 64e9),
+    # MEMO paper §5.1: 8× A800 80 GB per node, 2 TB host memory, 32 GB/s GPU-host, NVLink
+    # 400 GB/s, InfiniBand 200 GB/s between nodes.
+    "a800": Hardware("a800", "cuda", 312e12, 80 * GiB, 2048 * GiB, 8, 32e9, 400e9, 200e9),
+    # DGX A100: 1 TB host memory, PCIe 4.0 x16 per GPU, NVLink 3 600 GB/s, 8× HDR 200 Gb/s.
+    "a100": Hardware("a100", "cuda", 312e12, 80 * GiB, 1024 * GiB, 8, 32e9, 600e9, 200e9),
+    # DGX H100 (SXM5): 2 TB host memory, PCIe 5.0 x16 per GPU, NVLink 4 900 GB/s, 8× NDR 400 Gb/s.
+    "h100": Hardware("h100", "cuda", 989e12, 80 * GiB, 2048 * GiB, 8, 64e9, 900e9, 400e9),
+    # DGX H200: 141 GB HBM3e (about 140 GiB visible), otherwise as the H100 system.
+    "h200": Hardware("h200", "cuda", 989e12, 140 * GiB, 2048 * GiB, 8, 64e9, 900e9, 400e9),
     # The host itself: memory detected, peak measured.
     "cpu": Hardware("cpu", "cpu", None, None, None, 1, None),
 }
@@ -111,6 +114,8 @@ def resolve(cfg: HardwareConfig) -> Hardware:
         "host_memory_bytes": _bytes(cfg.host_memory_gib, GiB),
         "devices_per_node": cfg.devices_per_node,
         "host_link_bytes_per_s": _bytes(cfg.host_link_gbps, 10**9),
+        "intra_node_bytes_per_s": _bytes(cfg.intra_node_gbps, 10**9),
+        "inter_node_bytes_per_s": _bytes(cfg.inter_node_gbps, 10**9),
     }
     given = {key: value for key, value in given.items() if value is not None}
     if cfg.name == "auto":

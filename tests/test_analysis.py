@@ -109,13 +109,18 @@ def test_repeats_keep_an_ok_run_then_the_latest(tmp_path):
     assert sorted(kept["result_path"].str.split("/").str[-2]) == ["b", "other_seq"]
 
 
-def test_training_runs_leave_out_other_modes(tmp_path):
+def test_training_runs_keep_predictions_apart_and_leave_out_other_modes(tmp_path):
     write_run(tmp_path, "train")
     write_run(tmp_path, "older", mode=None)
     write_run(tmp_path, "plan", mode="plan", mfu=None)
-    write_run(tmp_path, "fit", mode="fit", mfu=None, predicted_peak_bytes=2**33)
+    write_run(tmp_path, "fit", mode="fit", mfu=None, predicted_mfu=0.25, predicted_device_bytes=2**33)
     kept = rows.training_runs(load_results(tmp_path))
-    assert sorted(kept["result_path"].str.split("/").str[-2]) == ["older", "train"]
+    names = kept["result_path"].str.split("/").str[-2]
+    assert sorted(names) == ["fit", "older", "train"]
+    fit = kept[names == "fit"].iloc[0]
+    # A prediction stands in the measured columns, under a variant of its own.
+    assert fit["mfu"] == 0.25 and fit["variant"].endswith(" (predicted)")
+    assert not kept.loc[names != "fit", "variant"].str.contains("predicted").any()
 
 
 def test_steps_carry_their_run(sweep):

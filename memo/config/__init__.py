@@ -1,6 +1,8 @@
 """Typed run configuration: the schema Hydra validates against, and the checks it cannot express."""
 
 from memo.config.schema import (
+    ClusterConfig,
+    FitConfig,
     HardwareConfig,
     MethodConfig,
     ModelConfig,
@@ -14,6 +16,8 @@ from memo.config.schema import (
 from memo.config.validate import ConfigError, parse_alpha, parse_seq, validate
 
 __all__ = [
+    "ClusterConfig",
+    "FitConfig",
     "ConfigError",
     "HardwareConfig",
     "MethodConfig",

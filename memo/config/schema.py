@@ -55,6 +55,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel
     dp: int = 1  # data parallel
     sequence_parallel: bool = False  # shard norms and dropout regions along the sequence (tp > 1)
+    # mode=fit only (conf/parallel/search.yaml): try every valid layout of cluster.gpus instead
+    # of the sizes above, and report the one that fits the longest sequence.
+    search: bool = False
 
 
 @dataclass
@@ -71,6 +74,15 @@ class HardwareConfig:
     host_memory_gib: Optional[float] = None  # per node
     devices_per_node: Optional[int] = None
     host_link_gbps: Optional[float] = None  # device <-> host copy bandwidth, GB/s (1e9 B/s)
+    intra_node_gbps: Optional[float] = None  # device <-> device within a node (NVLink), GB/s
+    inter_node_gbps: Optional[float] = None  # network per node (all its NICs together), GB/s
+
+
+@dataclass
+class ClusterConfig:
+    """The devices a job runs on (mode=fit sizes layouts for it)."""
+
+    gpus: Optional[int] = None  # None: tp·cp·pp·dp of ``parallel``
 
 
 @dataclass
@@ -114,23 +126,57 @@ class PlannerConfig:
 
 
 @dataclass
+class FitConfig:
+    """``mode=fit``: how the longest sequence is searched, and every assumption of the predicted
+    iteration time (memo.fit). Calibrate the efficiencies from measured rows of your cluster."""
+
+    seq_step: str = "64k"  # seq=max searches multiples of this (tokens, 64k = 65536)
+    seq_limit: str = "8192k"  # and none longer
+    runners_up: int = 3  # parallel=search: layouts reported after the best one
+    # Memory the activations cannot use: CUDA context, NCCL and cuBLAS workspaces (per device).
+    device_reserved_gib: float = 2.0
+    # Share of a node's host memory that can be pinned for swapped activations (the rest is the
+    # OS, the data loader, checkpoints).
+    host_usable_fraction: float = 0.9
+    # Fractions of the device's peak FLOP/s reached by the weight GEMMs and by the attention
+    # kernel (forward, backward); the attention backward does 2.5× its forward's FLOPs
+    # (FlashAttention recomputes the scores), counted here, not in the model FLOPs.
+    gemm_efficiency: float = 0.7
+    attention_forward_efficiency: float = 0.6
+    attention_backward_efficiency: float = 0.5
+    # Fraction of collective time hidden behind compute: tensor-parallel gathers and reductions
+    # (Megatron runs them in line by default) and the data-parallel gradient reduction.
+    tp_comm_overlap: float = 0.0
+    dp_comm_overlap: float = 0.0
+    # Fraction of a link's nominal bandwidth a collective reaches.
+    link_efficiency: float = 0.8
+
+
+@dataclass
 class RunConfig:
     """One job: ``python run.py`` resolves to exactly one of these."""
 
-    mode: str = "train"  # train; profile (write one iteration's allocation trace); plan (and plan it)
+    # train; profile (write one iteration's allocation trace); plan (and plan it); fit (predict
+    # memory, α and time per iteration, without running; seq=max and parallel=search search).
+    mode: str = "train"
     # The paper experiment a sweep belongs to (set by conf/experiment/*), recorded in each row.
     experiment: Optional[str] = None
-    seq: str = "1k"  # tokens: 4096, 4k or 1408k (k = 1024)
+    seq: str = "1k"  # tokens: 4096, 4k or 1408k (k = 1024); mode=fit also takes max
     # method=memo: the fraction of tokens whose skeletal activations are swapped to the host
     # (the rest are recomputed), a number in [0, 1], or "auto" to solve MEMO's α problem.
     alpha: str = "auto"
+    # Serve transient tensors from the bi-level memory plan instead of the caching allocator
+    # (mode=fit predicts both; training does not execute the plan yet).
+    plan: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    fit: FitConfig = field(default_factory=FitConfig)
 
 
 def register_configs() -> None:

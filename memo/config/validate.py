@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
-MODES = ("train", "profile", "plan")
+MODES = ("train", "profile", "plan", "fit")
+SEARCH_SEQ = "max"  # seq=max: mode=fit searches the longest sequence that fits
 PROFILE_BACKENDS = ("auto", "fake", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("auto", "te", "cudnn", "flash", "efficient", "math")
@@ -54,14 +55,18 @@ def _positive(key: str, value, minimum: int = 1) -> None:
         raise ConfigError(f"{key}={value} must be at least {minimum}")
 
 
-def validate(cfg) -> int:
-    """Check ``cfg`` (a composed :class:`memo.config.RunConfig`) and return its length in tokens.
+def validate(cfg) -> Optional[int]:
+    """Check ``cfg`` (a composed :class:`memo.config.RunConfig`) and return its length in tokens
+    (``None`` for ``seq=max``, which ``mode=fit`` searches).
 
     Raises:
         ConfigError: on the first problem found.
     """
-    seq = parse_seq(cfg.seq)
     _choice("mode", cfg.mode, MODES)
+    search_seq = str(cfg.seq).strip() == SEARCH_SEQ
+    if search_seq and cfg.mode != "fit":
+        raise ConfigError(f"seq=max is searched by mode=fit only; give mode={cfg.mode} a length such as 64k")
+    seq = None if search_seq else parse_seq(cfg.seq)
 
     m = cfg.model
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
@@ -75,6 +80,10 @@ def validate(cfg) -> int:
     _check_method(cfg.method)
     _check_alpha(cfg)
     _check_parallel(cfg.parallel, m, seq)
+    _check_cluster(cfg)
+    if cfg.plan and cfg.mode == "train":
+        raise ConfigError("plan=true: training does not serve tensors from the memory plan yet; "
+                          "use plan=false (mode=fit and mode=plan predict it)")
 
     t = cfg.train
     _positive("train.steps", t.steps)
@@ -98,7 +107,45 @@ def validate(cfg) -> int:
     _choice("planner.mip", cfg.planner.mip, ("gurobi", "highs", "none"))
     if not cfg.planner.time_limit_s > 0:
         raise ConfigError(f"planner.time_limit_s={cfg.planner.time_limit_s} must be positive (seconds)")
+    if cfg.mode == "fit":
+        _check_fit(cfg.fit)
     return seq
+
+
+def _check_cluster(cfg) -> None:
+    p, gpus = cfg.parallel, cfg.cluster.gpus
+    if gpus is not None:
+        _positive("cluster.gpus", gpus)
+    if p.search:
+        if cfg.mode != "fit":
+            raise ConfigError(f"parallel=search is done by mode=fit only; give mode={cfg.mode} a layout "
+                              "such as parallel.tp=4 parallel.cp=2")
+        if gpus is None:
+            raise ConfigError("parallel=search needs the number of devices: set cluster.gpus, "
+                              "e.g. cluster.gpus=8")
+        return
+    world = p.tp * p.cp * p.pp * p.dp
+    if gpus is not None and gpus != world:
+        raise ConfigError(f"cluster.gpus={gpus} but parallel.tp·cp·pp·dp = {world}; make them equal "
+                          "or use parallel=search")
+
+
+def _check_fit(fit) -> None:
+    step, limit = parse_seq(fit.seq_step), parse_seq(fit.seq_limit)
+    if limit < step:
+        raise ConfigError(f"fit.seq_limit={fit.seq_limit} is below fit.seq_step={fit.seq_step}")
+    _positive("fit.runners_up", fit.runners_up, minimum=0)
+    if fit.device_reserved_gib < 0:
+        raise ConfigError(f"fit.device_reserved_gib={fit.device_reserved_gib} must be at least 0 (GiB)")
+    for key in ("host_usable_fraction", "gemm_efficiency", "attention_forward_efficiency",
+                "attention_backward_efficiency", "link_efficiency"):
+        value = getattr(fit, key)
+        if not 0 < value <= 1:
+            raise ConfigError(f"fit.{key}={value} must be a fraction in (0, 1]")
+    for key in ("tp_comm_overlap", "dp_comm_overlap"):
+        value = getattr(fit, key)
+        if not 0 <= value <= 1:
+            raise ConfigError(f"fit.{key}={value} must be a fraction in [0, 1]")
 
 
 def parse_alpha(value: object) -> Optional[float]:
@@ -150,7 +197,14 @@ def _check_method(method) -> None:
             )
 
 
-def _check_parallel(p, model, seq: int) -> None:
+def sequence_divisor(tp: int, cp: int, sequence_parallel: bool) -> int:
+    """What every sequence length must be a multiple of under this layout (tokens)."""
+    return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+
+
+def _check_parallel(p, model, seq: Optional[int]) -> None:
+    if p.search:
+        return  # every layout tried is checked by memo.fit.layouts
     for key in ("tp", "cp", "pp", "dp"):
         _positive(f"parallel.{key}", getattr(p, key))
     for size_key, size in (
@@ -167,8 +221,8 @@ def _check_parallel(p, model, seq: int) -> None:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     # Megatron splits the sequence into 2·cp chunks (load balance of the causal mask), and
     # sequence parallelism splits each rank's part again over tp.
-    divisor = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel else 1)
-    if seq % divisor:
+    divisor = sequence_divisor(p.tp, p.cp, p.sequence_parallel)
+    if seq is not None and seq % divisor:
         parts = " × ".join(
             part
             for part, used in (("2·cp", p.cp > 1), ("tp", p.sequence_parallel))

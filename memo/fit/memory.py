@@ -1,0 +1,225 @@
+"""Per-device and per-node memory of one training configuration, term by term, without running it.
+
+* Model states (Megatron mixed precision): 16-bit weights, fp32 gradient buffer, and Adam's fp32
+  main weights, first and second moments (sharded over data and context parallelism by the
+  distributed optimizer). In fp32 there is no separate main copy.
+* Activations: the iteration's requests from the fake-tensor trace of the real model
+  (:mod:`memo.fit.template`), replayed through the caching-allocator simulator (``plan=false``),
+  or placed by the bi-level planner (``plan=true``). At the instant of most bytes in use they
+  split into skeletal tensors (kept for a layer's backward), transient tensors (made and freed
+  within one phase), embedding/logits/loss buffers, and others (gradients handed between layers).
+* MEMO and full swapping: two rounding buffers of one layer's skeletal tensors each; the last two
+  layers keep theirs; every other layer's input, attention output and first α of its other
+  skeletal tensors go to the host, so host memory per node is ``(n − 2)·(S_input + S_attn +
+  α·S_other)`` per device times the devices of a node.
+* Context parallelism exchanges key/value blocks in a ring: four blocks of ``b·(s/cp)·h/tp``
+  elements (this step's and the next, and in the backward their gradients) are added; the trace
+  itself is of one context-parallel rank's tokens.
+
+Pipeline parallelism is predicted for its first stage holding ``pp`` micro-batches in flight
+(1F1B), with the embedding, the head and the loss on the same stage: an upper bound.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from memo.config import ModelConfig, ParallelConfig
+from memo.fit.template import IterationTemplate
+from memo.hardware import GiB
+from memo.model.gpt import padded_vocab_size
+from memo.plan.alpha import AlphaSolution, SkeletalBytes, check_host, solve_alpha
+from memo.plan.caching_allocator import simulate
+from memo.profile.trace import Trace
+
+_ALIGN = 256  # bytes: each tensor in a rounding buffer starts at a multiple
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per device of what lives for the whole run."""
+
+    params: int  # parameters on this device (count)
+    weights: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def local_parameters(model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Parameters held by one device of the first pipeline stage (count).
+
+    Per layer: the QKV, FC1 and FC2/projection weights and the QKV and FC1 biases are split over
+    tp; the projection and FC2 biases and both LayerNorms are replicated. The tied embedding
+    (padded vocabulary) is split over tp; the final LayerNorm lives on the last stage.
+    """
+    h, f, tp = model.hidden_size, model.ffn_hidden_size, parallel.tp
+    per_layer = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 2 * h + 4 * h
+    embedding = padded_vocab_size(model, tp) * h // tp
+    final_norm = 2 * h if parallel.pp == 1 else 0
+    return model.num_layers // parallel.pp * per_layer + embedding + final_norm
+
+
+def model_states(
+    model: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, distributed_optimizer: bool
+) -> ModelStates:
+    """Weights, gradients and Adam states of one device, bytes."""
+    params = local_parameters(model, parallel)
+    element = dtype.itemsize
+    # 16-bit training keeps fp32 main weights next to Adam's two fp32 moments.
+    optimizer_per_param = 12 if element < 4 else 8
+    shards = parallel.dp * parallel.cp if distributed_optimizer else 1
+    return ModelStates(params, params * element, params * 4, math.ceil(params * optimizer_per_param / shards))
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes per device of the activations at their peak, and the allocator's view of them."""
+
+    skeletal: int  # kept for a layer's backward, at the peak (the rounding buffers not included)
+    transient: int  # made and freed within one phase, at the peak
+    head: int  # embedding, logits and loss buffers, at the peak
+    other: int  # the rest at the peak: gradients handed between layers
+    allocated_peak: int  # the sum of the four
+    held: int  # what the allocator holds for them: caching reserved, or the planned arena
+    alloc_retries: int  # caching allocator: cache flushes to serve a request within capacity
+
+
+def _phase_kind(phase: Optional[str]) -> str:
+    return "head" if phase is not None and phase.split(".")[0] in ("embedding", "head", "loss") else "layer"
+
+
+def split_peak(trace: Trace) -> tuple[int, dict[str, int]]:
+    """The instant of most bytes in use, and those bytes by kind (see :class:`Activations`)."""
+    live, best, at = 0, -1, 0
+    for position, event in enumerate(trace.events):
+        live += event.size if event.op == "malloc" else -event.size
+        if live > best:
+            best, at = live, position
+    kinds = dict.fromkeys(("skeletal", "transient", "head", "other"), 0)
+    for r in trace.requests():
+        if not r.lower <= at < r.upper:
+            continue
+        if r.malloc_phase == r.free_phase:
+            kind = "transient"
+        elif r.malloc_phase.endswith(".fwd") and (r.free_phase or "").startswith("layer."):
+            kind = "skeletal"
+        elif "head" in (_phase_kind(r.malloc_phase), _phase_kind(r.free_phase)):
+            kind = "head"
+        else:
+            kind = "other"
+        kinds[kind] += r.size
+    return max(best, 0), kinds
+
+
+def activations(trace: Trace, capacity: Optional[int], plan: bool, time_limit_s: float = 10.0) -> Activations:
+    """The activation memory of ``trace`` within ``capacity`` bytes (None: no limit).
+
+    Raises:
+        OutOfMemoryError: if the caching allocator cannot serve every request within ``capacity``
+            (``plan=false``); with ``plan=true`` the caller compares ``held`` with it.
+    """
+    peak, kinds = split_peak(trace)
+    if plan:
+        from memo.plan.bilevel import plan_iteration
+
+        held, retries = plan_iteration(trace, time_limit_s, mip="none").arena_bytes, 0
+    else:
+        stats = simulate(trace.events, capacity_bytes=capacity)
+        held, retries = stats.peak_reserved, stats.num_alloc_retries
+    return Activations(**kinds, allocated_peak=peak, held=held, alloc_retries=retries)
+
+
+def fused_qk_bytes(
+    model: ModelConfig, parallel: ParallelConfig, tokens: int, micro_batch_size: int, dtype: torch.dtype
+) -> int:
+    """Bytes of the q and k thirds of a layer's fused QKV output on one device.
+
+    A plain layer keeps the whole fused output alive, because the v it saves is a view of it,
+    next to RoPE's rotated q and k; MEMO's runtime copies what autograd saves (q, k and v) into
+    its rounding buffer, so those two thirds are not kept there.
+    """
+    return 2 * micro_batch_size * tokens * (model.hidden_size // parallel.tp) * dtype.itemsize
+
+
+def swapped_sizes(
+    template: IterationTemplate,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    tokens: int,
+    micro_batch_size: int,
+    dtype: torch.dtype,
+) -> SkeletalBytes:
+    """One layer's skeletal bytes on one device as MEMO's runtime keeps them, split as its α
+    problem needs them: the layer input (as traced), what attention produced (its output,
+    ``b·s·h/tp`` elements, and its fp32 log-sum-exp per head and token), and the rest."""
+    layer = min(2, template.layers - 1)
+    total = template.kept_bytes(layer, tokens) - fused_qk_bytes(
+        model, parallel, tokens, micro_batch_size, dtype
+    )
+    layer_input = template.input_bytes(tokens)
+    heads = model.num_attention_heads // parallel.tp
+    attention = micro_batch_size * tokens * (model.hidden_size // parallel.tp * dtype.itemsize + heads * 4)
+    return SkeletalBytes(layer_input, attention, total - layer_input - attention)
+
+
+def rounding_buffer_bytes(sizes: SkeletalBytes) -> int:
+    """Two rounding buffers, each one layer's skeletal tensors (``sizes``), 256-byte aligned."""
+    return 2 * -(-(sizes.input + sizes.attention + sizes.other) // _ALIGN) * _ALIGN
+
+
+def context_parallel_buffers(
+    model: ModelConfig, parallel: ParallelConfig, tokens: int, micro_batch_size: int, dtype: torch.dtype
+) -> int:
+    """Key/value blocks in flight in ring attention (bytes); 0 without context parallelism."""
+    if parallel.cp == 1:
+        return 0
+    return 4 * micro_batch_size * tokens * (model.hidden_size // parallel.tp) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """MEMO's swap on one device: α, why, and the host bytes it needs."""
+
+    solution: AlphaSolution
+    per_device: int  # bytes
+    budget: float  # bytes of host memory one device may fill
+
+
+def host_plan(
+    sizes: SkeletalBytes,
+    layers: int,
+    alpha: Optional[float],
+    layer_time_s: float,
+    bandwidth: float,
+    budget: float,
+) -> HostPlan:
+    """α (given, or solved from the layer's predicted forward time) and the host bytes per device.
+
+    Raises:
+        HostMemoryError: if even α = 0 does not fit ``budget`` (status ``oohm``).
+    """
+    if alpha is None:
+        solution = solve_alpha(sizes, layers, layer_time_s, bandwidth, budget)
+    else:
+        check_host(sizes, layers, budget, alpha)
+        solution = AlphaSolution(
+            alpha,
+            "fixed",
+            (bandwidth * layer_time_s - sizes.input - sizes.attention) / sizes.other
+            if sizes.other
+            else math.inf,
+            math.inf,
+        )
+    per_device = max(layers - 2, 0) * math.ceil(sizes.swapped(solution.alpha))
+    return HostPlan(solution, per_device, budget)
+
+
+def device_room(capacity: int, reserved_gib: float, *fixed: int) -> int:
+    """Bytes left for activations on a device of ``capacity`` after ``reserved_gib`` and ``fixed``."""
+    return capacity - int(reserved_gib * GiB) - sum(fixed)

@@ -1,0 +1,245 @@
+"""One configuration's prediction: memory per device and per node, α, verdict and time."""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig
+from memo.fit import memory
+from memo.fit.template import iteration_template
+from memo.fit.timing import TimePrediction, predict_time
+from memo.hardware import GiB, Hardware
+from memo.plan.alpha import HostMemoryError
+from memo.plan.caching_allocator import OutOfMemoryError
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What stays fixed while layouts and lengths vary."""
+
+    model: ModelConfig
+    method: MethodConfig
+    hardware: Hardware
+    fit: FitConfig
+    dtype: torch.dtype
+    micro_batch_size: int = 1
+    micro_batches: int = 1
+    distributed_optimizer: bool = False
+    plan: bool = False  # transient tensors from the memory plan instead of the caching allocator
+    alpha: Optional[float] = None  # swapping methods: fixed α, or None to solve it
+    plan_time_limit_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Bytes per device unless named per node; ``status`` is ok, oom or oohm, ``reason`` why."""
+
+    seq: int
+    parallel: ParallelConfig
+    status: str
+    reason: str
+    states: memory.ModelStates
+    acts: Optional[memory.Activations]
+    rounding_buffers: int
+    cp_buffers: int
+    reserved: int  # fit.device_reserved_gib
+    device_total: int  # what the verdict compares with the capacity (0 when oohm)
+    device_capacity: int
+    host_per_device: int
+    host_per_node: int
+    host_capacity_per_node: int
+    alpha: Optional[float]
+    alpha_binding: Optional[str]
+    alpha_bandwidth: Optional[float]
+    alpha_host: Optional[float]
+    time: TimePrediction
+
+    @property
+    def fits(self) -> bool:
+        return self.status == "ok"
+
+    def row(self) -> dict:
+        """The result-row columns of this prediction (``predicted_*``; bytes, seconds)."""
+        a = self.acts
+        row = {
+            "status": self.status,
+            "predicted_reason": self.reason,
+            "predicted_params_per_device": self.states.params,
+            "predicted_weights_bytes": self.states.weights,
+            "predicted_gradients_bytes": self.states.gradients,
+            "predicted_optimizer_bytes": self.states.optimizer,
+            "predicted_skeletal_device_bytes": (a.skeletal if a else 0) + self.rounding_buffers,
+            "predicted_rounding_buffer_bytes": self.rounding_buffers,
+            "predicted_transient_bytes": a.transient if a else None,
+            "predicted_head_bytes": a.head if a else None,
+            "predicted_other_activation_bytes": a.other if a else None,
+            "predicted_cp_buffer_bytes": self.cp_buffers,
+            "predicted_activation_peak_bytes": a.allocated_peak if a else None,
+            "predicted_activation_held_bytes": a.held if a else None,
+            "predicted_allocator_overhead_bytes": a.held - a.allocated_peak if a else None,
+            "predicted_alloc_retries": a.alloc_retries if a else None,
+            "predicted_reserved_bytes": self.reserved,
+            "predicted_device_bytes": self.device_total,
+            "predicted_device_capacity_bytes": self.device_capacity,
+            "predicted_host_bytes_per_device": self.host_per_device,
+            "predicted_host_bytes_per_node": self.host_per_node,
+            "predicted_host_capacity_per_node_bytes": self.host_capacity_per_node,
+            "predicted_alpha": self.alpha,
+            "predicted_alpha_binding": self.alpha_binding,
+            "predicted_alpha_bandwidth": _finite(self.alpha_bandwidth),
+            "predicted_alpha_host": _finite(self.alpha_host),
+        }
+        t = self.time
+        row.update({f"predicted_{f.name}": getattr(t, f.name) for f in dataclasses.fields(t)})
+        row["predicted_iter_time_s"] = row.pop("predicted_iteration_s")
+        return row
+
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    return None if value is None or math.isinf(value) else value
+
+
+def devices_per_node(hw: Hardware, devices: int) -> int:
+    """Devices of the job on one node."""
+    return min(devices, hw.devices_per_node or 1)
+
+
+def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
+    """Predict ``problem`` under ``parallel`` at ``seq`` tokens (see :mod:`memo.fit.memory` and
+    :mod:`memo.fit.timing`)."""
+    model, method, hw, fit, dtype = (
+        problem.model,
+        problem.method,
+        problem.hardware,
+        problem.fit,
+        problem.dtype,
+    )
+    b = problem.micro_batch_size
+    tokens = seq // parallel.cp
+    layers = model.num_layers // parallel.pp
+    in_flight = min(parallel.pp, problem.micro_batches)
+    template = iteration_template(
+        model, method, parallel.tp, parallel.sequence_parallel, layers * in_flight, b, dtype
+    )
+    states = memory.model_states(model, parallel, dtype, problem.distributed_optimizer)
+    devices = parallel.tp * parallel.cp * parallel.pp * parallel.dp
+    local = devices_per_node(hw, devices)
+    host_capacity = int(hw.host_memory_bytes * fit.host_usable_fraction)
+    swap = method.layer_activations == "swap"
+
+    def timed(alpha: float = 1.0, swapped: float = 0.0) -> TimePrediction:
+        return predict_time(
+            model,
+            method,
+            parallel,
+            seq,
+            b,
+            problem.micro_batches,
+            dtype.itemsize,
+            hw,
+            fit,
+            alpha,
+            swapped,
+            states.params,
+        )
+
+    common = dict(
+        seq=seq,
+        parallel=parallel,
+        states=states,
+        cp_buffers=0,
+        reserved=int(fit.device_reserved_gib * GiB),
+        device_capacity=hw.device_memory_bytes,
+        host_capacity_per_node=host_capacity,
+    )
+    alpha = solution = None
+    host = rounding = recompute = 0
+    if swap:
+        sizes = memory.swapped_sizes(template, model, parallel, tokens, b, dtype)
+        rounding = memory.rounding_buffer_bytes(sizes)
+        fixed = method.alpha if method.alpha is not None else problem.alpha
+        try:
+            plan = memory.host_plan(
+                sizes,
+                layers,
+                fixed,
+                timed().layer_forward_s,
+                hw.host_link_bytes_per_s,
+                host_capacity / (hw.devices_per_node or 1),
+            )
+        except HostMemoryError as error:
+            need = max(layers - 2, 0) * math.ceil(sizes.swapped(fixed or 0.0))
+            return Prediction(
+                **common,
+                status="oohm",
+                reason=str(error),
+                acts=None,
+                rounding_buffers=rounding,
+                device_total=0,
+                host_per_device=need,
+                host_per_node=need * local,
+                alpha=fixed,
+                alpha_binding=None,
+                alpha_bandwidth=None,
+                alpha_host=None,
+                time=timed(),
+            )
+        solution, host = plan.solution, plan.per_device
+        alpha = solution.alpha
+        recompute = math.ceil((1 - alpha) * sizes.other)
+    cp_buffers = memory.context_parallel_buffers(model, parallel, tokens, b, dtype)
+    room = memory.device_room(
+        hw.device_memory_bytes, fit.device_reserved_gib, states.total, rounding, cp_buffers
+    )
+    trace = template.instance(tokens, layers * in_flight, swap=swap, recompute_bytes=recompute)
+    time = timed(alpha if swap else 1.0, sizes.swapped(alpha) if swap else 0.0)
+    fixed_part = common["reserved"] + states.total + rounding + cp_buffers
+    if room <= 0:  # no allocator needed to say so
+        peak, kinds = memory.split_peak(trace)
+        acts = memory.Activations(**kinds, allocated_peak=peak, held=peak, alloc_retries=0)
+        status = "oom"
+        reason = (
+            f"model states and buffers take {fixed_part / GiB:.1f} GiB of {hw.device_memory_bytes / GiB:.1f}"
+        )
+    else:
+        try:
+            acts = memory.activations(trace, room, problem.plan, problem.plan_time_limit_s)
+            status, reason = (
+                ("ok", "")
+                if acts.held <= room
+                else (
+                    "oom",
+                    f"the memory plan needs {acts.held / GiB:.1f} GiB, {room / GiB:.1f} GiB are left",
+                )
+            )
+        except OutOfMemoryError as error:
+            peak, kinds = memory.split_peak(trace)
+            acts = memory.Activations(
+                **kinds,
+                allocated_peak=peak,
+                held=error.stats.peak_reserved,
+                alloc_retries=error.stats.num_alloc_retries,
+            )
+            status = "oom"
+            reason = (
+                f"the caching allocator cannot serve {error.size / GiB:.2f} GiB within {room / GiB:.1f} GiB"
+            )
+    total = fixed_part + acts.held
+    return Prediction(
+        **{**common, "cp_buffers": cp_buffers},
+        status=status,
+        reason=reason,
+        acts=acts,
+        rounding_buffers=rounding,
+        device_total=total,
+        host_per_device=host,
+        host_per_node=host * local,
+        alpha=alpha,
+        alpha_binding=solution.binding if solution else None,
+        alpha_bandwidth=solution.alpha_bandwidth if solution else None,
+        alpha_host=solution.alpha_host if solution else None,
+        time=time,
+    )

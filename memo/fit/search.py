@@ -1,0 +1,95 @@
+"""``parallel=search`` and ``seq=max``: every valid layout of a cluster, and the longest sequence
+that fits one.
+
+A layout is valid when ``tp·cp·pp·dp`` is the number of devices, tensor parallelism stays within
+a node and divides the attention heads and the FFN width, and pipeline parallelism divides the
+layers. Whether a length fits is monotone in the length (every activation grows with it), so the
+longest one is found by binary search over multiples of ``fit.seq_step`` that every layout can
+split (``2·cp``, and ``tp`` under sequence parallelism).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from memo.config import ModelConfig, ParallelConfig
+from memo.config.validate import sequence_divisor
+from memo.fit.predict import Prediction
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(
+    model: ModelConfig, devices: int, devices_per_node: int, sequence_parallel: bool = True
+) -> list[ParallelConfig]:
+    """Every valid ``(tp, cp, pp, dp)`` for ``devices`` (see the module docstring), tp first."""
+    found = []
+    for tp in _divisors(devices):
+        if tp > devices_per_node or model.num_attention_heads % tp or model.ffn_hidden_size % tp:
+            continue
+        for cp in _divisors(devices // tp):
+            for pp in _divisors(devices // (tp * cp)):
+                if model.num_layers % pp:
+                    continue
+                found.append(
+                    ParallelConfig(
+                        tp=tp,
+                        cp=cp,
+                        pp=pp,
+                        dp=devices // (tp * cp * pp),
+                        sequence_parallel=sequence_parallel and tp > 1,
+                    )
+                )
+    return found
+
+
+def seq_grid_step(step: int, parallel: ParallelConfig) -> int:
+    """The smallest multiple of ``step`` that ``parallel`` can split (tokens)."""
+    return math.lcm(step, sequence_divisor(parallel.tp, parallel.cp, parallel.sequence_parallel))
+
+
+def longest(
+    predict: Callable[[int], Prediction], step: int, limit: int
+) -> tuple[Optional[Prediction], Prediction]:
+    """The prediction at the longest multiple of ``step`` up to ``limit`` that fits, or None, and
+    the prediction that stopped the search (the shortest that does not fit, or the longest tried).
+    """
+    low, high = 0, limit // step  # fits at low·step (none at 0), unknown up to high
+    best: Optional[Prediction] = None
+    stop: Optional[Prediction] = None
+    while low < high:
+        middle = (low + high + 1) // 2
+        prediction = predict(middle * step)
+        if prediction.fits:
+            low, best = middle, prediction
+        else:
+            high, stop = middle - 1, prediction
+    return best, stop or best
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    """One layout's outcome: its longest sequence (``best``; None if none fits), or the first
+    prediction that did not fit."""
+
+    parallel: ParallelConfig
+    best: Optional[Prediction]
+    failed: Optional[Prediction]
+
+    @property
+    def shown(self) -> Prediction:
+        return self.best or self.failed
+
+    def rank(self) -> tuple:
+        """Sort key: longest sequence first, then highest predicted MFU, then fewest pipeline stages."""
+        if self.best is None:
+            return (1, 0, 0.0, self.parallel.pp)
+        return (0, -self.best.seq, -self.best.time.mfu, self.parallel.pp)
+
+
+def layout_label(parallel: ParallelConfig) -> str:
+    """``tp4 cp2 pp1 dp1`` (``+sp`` with sequence parallelism)."""
+    p = parallel
+    return f"tp{p.tp} cp{p.cp} pp{p.pp} dp{p.dp}" + (" +sp" if p.sequence_parallel else "")

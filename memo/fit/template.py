@@ -1,0 +1,213 @@
+"""One iteration's allocation requests for any sequence length and number of layers, from two
+small fake-tensor traces.
+
+A layout search predicts thousands of iterations (every layout, a binary search over lengths);
+tracing each would take seconds. Two facts make them cheap and exact:
+
+* Every request's size is affine in the tokens a rank holds (attention keeps no s×s tensor), and
+  the order of requests does not depend on it: two traces at two lengths give every size as
+  ``base + slope·tokens``. The structure of the two traces is compared, so a model for which this
+  fails is refused rather than mispredicted.
+* All transformer layers allocate alike (:mod:`memo.profile.layers`): a trace of five layers has
+  the first two and the last two layers as the real model has them, and its layer 2 stands for
+  every layer in between. Each of those ``n − 5`` extra layers holds, from its forward to its
+  backward, the requests layer 2 makes in its forward and frees only in a backward phase; they are
+  added as live over exactly that span of layer 2, which gives the same peak of live bytes as the
+  ``n``-layer iteration.
+
+Gradients (requests alive at the end of the iteration) are left out: Megatron keeps them in one
+buffer allocated before training, which :mod:`memo.fit.memory` counts with the model states.
+"""
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+from fractions import Fraction
+import torch
+
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
+from memo.profile.iteration import trace_iteration
+from memo.profile.trace import Event, Trace, layer_phase
+
+TEMPLATE_LAYERS = 5
+MIDDLE = 2  # the template layer that stands for every inner layer
+_TRACED_TOKENS = (2048, 4096)  # per sequence-parallel chunk
+
+
+@dataclass(frozen=True)
+class _Affine:
+    base: Fraction
+    slope: Fraction
+
+    def at(self, tokens: int) -> int:
+        return int(self.base + self.slope * tokens)
+
+
+def _affine(events_a: list[Event], events_b: list[Event], tokens: tuple[int, int]) -> list[_Affine]:
+    if len(events_a) != len(events_b) or any(
+        (a.op, a.id, a.phase) != (b.op, b.id, b.phase) for a, b in zip(events_a, events_b)
+    ):
+        raise ConfigError(
+            "the traced iteration allocates in a different order at different lengths, "
+            "so it cannot be scaled; use mode=plan at the length you need"
+        )
+    dt = tokens[1] - tokens[0]
+    sizes = []
+    for a, b in zip(events_a, events_b):
+        slope = Fraction(b.size - a.size, dt)
+        sizes.append(_Affine(a.size - slope * tokens[0], slope))
+    return sizes
+
+
+class IterationTemplate:
+    """The requests of one iteration of rank 0, as functions of its tokens and layer count.
+
+    Built by :func:`iteration_template`; ``tokens`` are the tokens of one sequence on one
+    context-parallel rank (``seq / cp``), all tensor-parallel ranks together.
+    """
+
+    def __init__(self, small: Trace, large: Trace, tokens: tuple[int, int], layers: int):
+        self.layers = layers  # layers traced: TEMPLATE_LAYERS, or the model's own if fewer
+        self.meta = small.meta
+        self.events = small.events
+        self.sizes = _affine(small.events, large.events, tokens)
+        requests = small.requests()
+        self.gradients = {r.id for r in requests if r.free_phase is None}
+        # Kept for a layer's backward: made in a forward phase, freed in that layer's backward.
+        self.kept = {
+            layer: {
+                r.id
+                for r in requests
+                if r.free_phase == layer_phase(layer, "bwd") and r.malloc_phase.endswith(".fwd")
+            }
+            for layer in range(layers)
+        }
+        self.carried = (
+            self._made_in(layer_phase(MIDDLE, "fwd"), requests) if layers == TEMPLATE_LAYERS else []
+        )
+        self._size_of = {e.id: s for e, s in zip(self.events, self.sizes) if e.op == "malloc"}
+        self._phase_of = {r.id: (r.malloc_phase, r.free_phase) for r in requests}
+
+    @staticmethod
+    def _made_in(phase: str, requests) -> list[int]:
+        """Requests made in ``phase`` that live on into a backward phase."""
+        return [
+            r.id
+            for r in requests
+            if r.malloc_phase == phase and r.free_phase is not None and r.free_phase.endswith(".bwd")
+        ]
+
+    def size(self, request_id: int, tokens: int) -> int:
+        """Bytes of one request of the template at ``tokens``."""
+        return self._size_of[request_id].at(tokens)
+
+    def kept_bytes(self, layer: int, tokens: int) -> int:
+        """Bytes ``layer`` keeps for its backward (its skeletal activations), input included."""
+        return sum(self.size(i, tokens) for i in self.kept[layer])
+
+    def input_bytes(self, tokens: int) -> int:
+        """Bytes of a layer's input as kept for its backward (made by the layer before)."""
+        layer = min(MIDDLE, self.layers - 1)
+        before = layer_phase(layer - 1, "fwd") if layer else "embedding.fwd"
+        return sum(self.size(i, tokens) for i in self.kept[layer] if self._phase_of[i][0] == before)
+
+    def instance(self, tokens: int, num_layers: int, swap: bool = False, recompute_bytes: int = 0) -> Trace:
+        """The iteration of ``num_layers`` layers at ``tokens``, gradients left out.
+
+        Args:
+            swap: MEMO's rounding buffers hold the kept tensors of every layer but the last two,
+                so those leave the allocator (and so do the extra layers, all of them inner).
+            recompute_bytes: with ``swap``, bytes a swapped layer allocates at the start of its
+                backward pass to recompute its dropped tokens.
+        """
+        if num_layers < self.layers or (num_layers > self.layers and self.layers < TEMPLATE_LAYERS):
+            raise ValueError(f"a template of {self.layers} layers cannot stand for {num_layers}")
+        swapped = range(self.layers - 2) if swap else range(0)
+        dropped = self.gradients.union(*(self.kept[layer] for layer in swapped))
+        extra = num_layers - self.layers
+        carried = [] if swap else [self.size(i, tokens) for i in self.carried] * extra
+        start, end = layer_phase(MIDDLE, "fwd"), layer_phase(MIDDLE, "bwd")
+        recompute = {layer_phase(layer, "bwd") for layer in swapped} if recompute_bytes else set()
+        fresh = itertools.count(max(self._size_of, default=0) + 1)
+        carried_ids = [next(fresh) for _ in carried]
+        events: list[Event] = []
+        phase = None
+        for event, size in zip(self.events, self.sizes):
+            if event.phase != phase:
+                if phase == end:  # leaving the middle layer's backward
+                    events.extend(Event("free", i, s, end) for i, s in zip(carried_ids, carried))
+                phase = event.phase
+                if phase == start:
+                    events.extend(Event("malloc", i, s, start) for i, s in zip(carried_ids, carried))
+                if phase in recompute:
+                    rid = next(fresh)
+                    events += [
+                        Event("malloc", rid, recompute_bytes, phase),
+                        Event("free", rid, recompute_bytes, phase),
+                    ]
+            if event.id not in dropped:
+                events.append(Event(event.op, event.id, size.at(tokens), event.phase))
+        return Trace(
+            events, {**self.meta, "seq": tokens, "model": {**self.meta["model"], "num_layers": num_layers}}
+        )
+
+
+def iteration_template(
+    model: ModelConfig,
+    method: MethodConfig,
+    tp: int,
+    sequence_parallel: bool,
+    num_layers: int,
+    micro_batch_size: int,
+    dtype: torch.dtype,
+) -> IterationTemplate:
+    """The template of ``num_layers`` layers (``model``'s shape) on one rank of ``tp``.
+
+    Swapping methods are traced as ``method=none`` (the same layer, everything kept): the
+    instance then takes their kept tensors out (:meth:`IterationTemplate.instance`).
+    Templates are cached per process, so a sweep traces each shape once.
+    """
+    traced_method = MethodConfig(name="none") if method.layer_activations == "swap" else method
+    return _template(
+        _frozen(model),
+        _frozen(traced_method),
+        tp,
+        sequence_parallel,
+        min(num_layers, TEMPLATE_LAYERS),
+        micro_batch_size,
+        dtype,
+    )
+
+
+def _frozen(config) -> tuple:
+    """A config as a hashable value for the cache (lists become tuples)."""
+    values = (
+        config
+        if isinstance(config, dict)
+        else dataclasses.asdict(config)
+        if dataclasses.is_dataclass(config)
+        else dict(config)
+    )
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(values.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _template(
+    model: tuple,
+    method: tuple,
+    tp: int,
+    sequence_parallel: bool,
+    layers: int,
+    micro_batch_size: int,
+    dtype: torch.dtype,
+) -> IterationTemplate:
+    shape = ModelConfig(**{**dict(model), "num_layers": layers})
+    method_config = MethodConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in method})
+    parallel = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel)
+    chunk = tp if sequence_parallel else 1
+    tokens = tuple(t * chunk for t in _TRACED_TOKENS)
+    small, large = (
+        trace_iteration(shape, method_config, parallel, t, micro_batch_size, dtype) for t in tokens
+    )
+    return IterationTemplate(small, large, tokens, layers)

@@ -1,0 +1,164 @@
+"""Predicted time per iteration, and so MFU and TGS, from FLOPs, bandwidths and the efficiencies
+of :class:`memo.config.FitConfig`.
+
+Per micro-batch and pipeline stage, each layer costs:
+
+* forward: the weight GEMMs ``2·b·t·(4h² + 2h·f)/tp`` FLOPs at ``gemm_efficiency`` of the peak, and
+  causal attention ``2·b·t·s·h/tp`` FLOPs (``t = s/cp`` tokens on this rank) at
+  ``attention_forward_efficiency``; backward: twice the GEMMs, and 2.5 times the attention FLOPs
+  (FlashAttention recomputes the scores) at ``attention_backward_efficiency``;
+* tensor parallelism: with sequence parallelism two all-gathers and two reduce-scatters of the
+  layer's ``b·t·h`` activations per pass, otherwise two all-reductions, over NVLink, a share
+  ``tp_comm_overlap`` hidden;
+* context parallelism: the ring passes ``cp − 1`` key/value blocks in the forward and blocks and
+  their gradients in the backward, hidden behind attention where attention takes longer;
+* recomputation: a whole extra forward (full recomputation), the attention forward (selective),
+  or for MEMO the token-wise layers' GEMMs (QKV, projection, FC1) on the ``1 − α`` dropped tokens;
+* swapping: a layer's copy to the host beyond the next layer's compute (zero when α solves the
+  bandwidth constraint).
+
+The head adds the logits GEMM (three times its forward FLOPs). The pipeline runs
+``micro_batches + pp − 1`` stage slots; data parallelism then reduces the fp32 gradients in a ring
+over ``dp·cp`` ranks (NVLink within a node, otherwise the node's network shared by its devices),
+a share ``dp_comm_overlap`` hidden. The optimizer step is not counted.
+"""
+
+import math
+from dataclasses import dataclass
+
+from memo.config import ConfigError, FitConfig, MethodConfig, ModelConfig, ParallelConfig
+from memo.hardware import Hardware
+from memo.metrics import mfu, model_flops_per_sample, tgs
+from memo.model.gpt import padded_vocab_size, parameter_count
+
+ATTENTION_BACKWARD_FLOPS = 2.5  # FlashAttention's backward over its forward
+
+
+@dataclass(frozen=True)
+class TimePrediction:
+    """Seconds of one iteration and its parts (per micro-batch and layer where named so)."""
+
+    layer_forward_s: float  # T_layer of MEMO's α problem: one layer's forward, communication included
+    layer_backward_s: float
+    layer_recompute_s: float
+    layer_swap_exposed_s: float  # copies to or from the host not hidden behind compute
+    layer_tp_comm_s: float  # forward and backward together
+    layer_cp_comm_exposed_s: float
+    head_s: float
+    bubble_fraction: float  # pipeline slots spent idle
+    dp_comm_s: float  # per iteration
+    iteration_s: float
+    flops_per_iteration: float
+    mfu: float
+    tgs: float
+
+
+def _ring_seconds(bytes_: float, ranks: int, bandwidth: float) -> float:
+    """A ring all-gather or reduce-scatter of ``bytes_`` (the full tensor) over ``ranks``."""
+    return 0.0 if ranks == 1 else (ranks - 1) / ranks * bytes_ / bandwidth
+
+
+def _link(ranks_spanned: int, hw: Hardware, efficiency: float) -> float:
+    """Bytes/s per device of a collective over ``ranks_spanned`` consecutive devices."""
+    if ranks_spanned == 1:
+        return math.inf  # nothing to send
+    per_node = hw.devices_per_node or 1
+    within = ranks_spanned <= per_node
+    bandwidth = hw.intra_node_bytes_per_s if within else hw.inter_node_bytes_per_s
+    if bandwidth is None:
+        key = "intra_node_gbps" if within else "inter_node_gbps"
+        raise ConfigError(
+            f"hardware={hw.name} has no hardware.{key}, which a layout over "
+            f"{ranks_spanned} devices needs; set it (GB/s)"
+        )
+    return bandwidth * efficiency / (1 if within else per_node)
+
+
+def predict_time(
+    model: ModelConfig,
+    method: MethodConfig,
+    parallel: ParallelConfig,
+    seq: int,
+    micro_batch_size: int,
+    micro_batches: int,
+    element_bytes: int,
+    hw: Hardware,
+    fit: FitConfig,
+    alpha: float = 1.0,
+    swapped_bytes_per_layer: float = 0.0,
+    local_params: int = 0,
+) -> TimePrediction:
+    """Predict one iteration (see the module docstring).
+
+    Args:
+        seq: tokens per sequence; ``micro_batch_size`` sequences per micro-batch, ``micro_batches``
+            per data-parallel rank and iteration.
+        element_bytes: bytes per activation element (2 for bf16).
+        alpha: swapping methods: the fraction of tokens swapped (the rest is recomputed).
+        swapped_bytes_per_layer: swapping methods: bytes one layer sends to the host.
+        local_params: parameters on one device (for the gradient reduction).
+    """
+    h, f, n = model.hidden_size, model.ffn_hidden_size, model.num_layers
+    tp, cp, pp, dp = parallel.tp, parallel.cp, parallel.pp, parallel.dp
+    b, t = micro_batch_size, seq / cp
+    peak = hw.peak_flops
+
+    gemm = 2 * b * t * (4 * h * h + 2 * h * f) / tp / (peak * fit.gemm_efficiency)
+    attention_flops = 2 * b * t * seq * h / tp  # QKᵀ and PV, 4·b·t·s·h/tp, halved by the causal mask
+    attention = attention_flops / (peak * fit.attention_forward_efficiency)
+    attention_bwd = ATTENTION_BACKWARD_FLOPS * attention_flops / (peak * fit.attention_backward_efficiency)
+
+    activation = b * t * h * element_bytes
+    tp_link = _link(tp, hw, fit.link_efficiency)
+    # Two all-gathers and two reduce-scatters, or two all-reductions (each is both): four rings.
+    tp_pass = 4 * _ring_seconds(activation, tp, tp_link) * (1 - fit.tp_comm_overlap)
+
+    block = 2 * b * t * h / tp * element_bytes  # one key and one value block
+    cp_link = _link(tp * cp, hw, fit.link_efficiency)
+    cp_fwd = max(0.0, (cp - 1) * block / cp_link - attention) if cp > 1 else 0.0
+    cp_bwd = max(0.0, (cp - 1) * 2 * block / cp_link - attention_bwd) if cp > 1 else 0.0
+
+    forward = gemm + attention + tp_pass + cp_fwd
+    backward = 2 * gemm + attention_bwd + tp_pass + cp_bwd
+    if method.layer_activations == "recompute" or method.recompute_granularity == "full":
+        recompute = forward
+    elif method.recompute_granularity == "selective":
+        recompute = attention
+    elif method.layer_activations == "swap":
+        token_wise = 2 * b * t * (4 * h * h + h * f) / tp / (peak * fit.gemm_efficiency)
+        recompute = (1 - alpha) * token_wise
+    else:
+        recompute = 0.0
+    swap = 0.0
+    if method.layer_activations == "swap" and swapped_bytes_per_layer:
+        copy = swapped_bytes_per_layer / hw.host_link_bytes_per_s
+        swap = max(0.0, copy - forward) + max(0.0, copy - backward)
+        swap *= max(n // pp - 2, 0) / (n // pp)
+
+    vocab = padded_vocab_size(model, tp)
+    head = 3 * 2 * b * t * h * vocab / tp / (peak * fit.gemm_efficiency)
+    stage = n // pp * (forward + backward + recompute + swap) + head
+    slots = micro_batches + pp - 1
+    grad_ranks = dp * cp
+    dp_link = _link(tp * cp * pp * dp, hw, fit.link_efficiency)
+    dp_comm = 2 * _ring_seconds(local_params * 4, grad_ranks, dp_link) * (1 - fit.dp_comm_overlap)
+    iteration = slots * stage + dp_comm
+
+    devices = tp * cp * pp * dp
+    global_batch = micro_batch_size * micro_batches * dp
+    flops = global_batch * model_flops_per_sample(seq, parameter_count(model), n, h)
+    return TimePrediction(
+        layer_forward_s=forward,
+        layer_backward_s=backward,
+        layer_recompute_s=recompute,
+        layer_swap_exposed_s=swap,
+        layer_tp_comm_s=2 * tp_pass,
+        layer_cp_comm_exposed_s=cp_fwd + cp_bwd,
+        head_s=head,
+        bubble_fraction=(pp - 1) / slots,
+        dp_comm_s=dp_comm,
+        iteration_s=iteration,
+        flops_per_iteration=flops,
+        mfu=mfu(flops, iteration, devices, peak),
+        tgs=tgs(global_batch * seq, iteration, devices),
+    )

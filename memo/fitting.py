@@ -1,0 +1,278 @@
+"""``mode=fit``: will this configuration fit, with which layout, how long a sequence, how fast?
+
+    python run.py mode=fit model=7b seq=1024k method=memo hardware=a800 parallel.tp=4 parallel.cp=2
+    python run.py mode=fit model=65b cluster.gpus=64 seq=max parallel=search hardware=a800
+
+Nothing is trained and no GPU is needed: the prediction comes from fake-tensor traces of the real
+model (:mod:`memo.fit`). The job logs every memory term per device and per node, α and its binding
+constraint, the verdict and the predicted time, and writes the training row format
+(``result.json``) with ``status`` and ``predicted_*`` columns; ``layouts.csv`` beside it has one
+line per layout tried.
+"""
+
+import csv
+import dataclasses
+import io
+import logging
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from memo import hardware
+from memo.config import ConfigError, ParallelConfig, parse_alpha, parse_seq, validate
+from memo.fit.predict import Prediction, Problem, predict
+from memo.fit.search import LayoutResult, layout_label, layouts, longest, seq_grid_step
+from memo.hardware import GiB
+from memo.job import METRIC_FIELDS
+from memo.model import resolve_dtype
+from memo.model.gpt import parameter_count
+from memo.results import ResultWriter, create_file_atomic, flatten
+
+log = logging.getLogger("memo")
+
+LAYOUTS_FILE = "layouts.csv"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _gib(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / GiB:,.2f} GiB"
+
+
+def _hardware(cfg: DictConfig) -> hardware.Hardware:
+    hw = hardware.resolve(cfg.hardware)
+    hw = dataclasses.replace(hw, host_link_bytes_per_s=hw.host_link_bytes_per_s or float("inf"))
+    missing = [name for name in ("device_memory_bytes", "host_memory_bytes") if getattr(hw, name) is None]
+    if missing:
+        raise ConfigError(
+            f"hardware={hw.name} has no {', '.join(missing)}; set hardware.device_memory_gib "
+            "and hardware.host_memory_gib"
+        )
+    return hw
+
+
+def problem_of(cfg: DictConfig, hw: hardware.Hardware) -> Problem:
+    """The fixed part of ``cfg``'s prediction (model, method, hardware, assumptions)."""
+    dtype = resolve_dtype(cfg.train.dtype, hw.device_type)
+    return Problem(
+        model=OmegaConf.to_object(cfg.model),
+        method=OmegaConf.to_object(cfg.method),
+        hardware=hardware.with_measured_peak(hw, dtype),
+        fit=OmegaConf.to_object(cfg.fit),
+        dtype=dtype,
+        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batches=cfg.train.micro_batches,
+        distributed_optimizer=cfg.train.distributed_optimizer,
+        plan=cfg.plan,
+        alpha=parse_alpha(cfg.alpha),
+        plan_time_limit_s=cfg.planner.time_limit_s,
+    )
+
+
+def evaluate(
+    problem: Problem, parallel: ParallelConfig, seq: Optional[int], step: int, limit: int
+) -> LayoutResult:
+    """One layout at ``seq`` tokens, or at the longest multiple of ``step`` up to ``limit`` if None."""
+    if seq is not None:
+        prediction = predict(problem, parallel, seq)
+        return LayoutResult(
+            parallel, prediction if prediction.fits else None, None if prediction.fits else prediction
+        )
+    grid = seq_grid_step(step, parallel)
+    if grid > limit:
+        raise ConfigError(
+            f"fit.seq_limit={limit} is below the first length this layout can split ({grid}); "
+            "raise fit.seq_limit"
+        )
+    best, stop = longest(lambda s: predict(problem, parallel, s), grid, limit)
+    return LayoutResult(parallel, best, None if best is not None and stop is best else stop)
+
+
+def _candidates(cfg: DictConfig, problem: Problem) -> list[ParallelConfig]:
+    if not cfg.parallel.search:
+        return [OmegaConf.to_object(cfg.parallel)]
+    found = layouts(
+        problem.model,
+        cfg.cluster.gpus,
+        problem.hardware.devices_per_node or 1,
+        cfg.parallel.sequence_parallel,
+    )
+    if not found:
+        raise ConfigError(
+            f"no valid layout of cluster.gpus={cfg.cluster.gpus} for model={problem.model.name}"
+        )
+    return found
+
+
+def fit_job(cfg: DictConfig, output_dir: Path, overrides=()) -> dict[str, Any]:
+    """Run ``mode=fit`` for ``cfg``; write ``result.json`` and ``layouts.csv`` into ``output_dir``.
+
+    Like a training job, a failure is the row's ``status`` ("error") and ``error``.
+
+    Raises:
+        ConfigError: only if ``output_dir`` already holds an earlier run's files.
+    """
+    writer = ResultWriter(output_dir)
+    if (output_dir / LAYOUTS_FILE).exists():
+        raise ConfigError(
+            f"{output_dir / LAYOUTS_FILE} exists from an earlier run and is kept; "
+            "give this run another hydra.run.dir"
+        )
+    row: dict[str, Any] = {
+        **flatten(OmegaConf.to_container(cfg, resolve=True)),
+        **dict.fromkeys(METRIC_FIELDS),  # measured figures: none, in the same columns
+        "overrides": " ".join(overrides),
+        "output_dir": str(output_dir),
+        "status": "error",
+        "error": None,
+        "start_time": _now(),
+    }
+    try:
+        seq = validate(cfg)
+        hw = _hardware(cfg)
+        problem = problem_of(cfg, hw)
+        step, limit = parse_seq(cfg.fit.seq_step), parse_seq(cfg.fit.seq_limit)
+        candidates = _candidates(cfg, problem)
+        start = time.perf_counter()
+        results = []
+        for k, parallel in enumerate(candidates, 1):
+            result = evaluate(problem, parallel, seq, step, limit)
+            results.append(result)
+            shown = result.shown
+            log.info(
+                "[%d/%d] %s: %s at %d tokens, %s per device, MFU %.1f%%",
+                k,
+                len(candidates),
+                layout_label(parallel),
+                "fits" if result.best else shown.status,
+                shown.seq,
+                _gib(shown.device_total),
+                100 * shown.time.mfu,
+            )
+        results.sort(key=LayoutResult.rank)
+        row["fit.seconds"] = time.perf_counter() - start
+        row["fit.layouts_tried"] = len(results)
+        row["fit.runners_up"] = "; ".join(
+            f"{layout_label(r.parallel)}: {r.best.seq if r.best else r.failed.status}"
+            for r in results[1 : 1 + cfg.fit.runners_up]
+        )
+        chosen = results[0].shown
+        row.update(_row(chosen, problem))
+        _write_layouts(output_dir / LAYOUTS_FILE, results)
+        log.info("%s", report(chosen, problem))
+    except ConfigError as error:
+        row["error"] = str(error)
+    except Exception as error:  # noqa: BLE001 - every failure must leave its row
+        row["error"] = f"{type(error).__name__}: {error}"
+        log.error("fit failed:\n%s", traceback.format_exc())
+    finally:
+        row["end_time"] = _now()
+        writer.write_result(row)
+    return row
+
+
+def _row(p: Prediction, problem: Problem) -> dict[str, Any]:
+    """Training-row columns for prediction ``p``: its layout and length, sizes, ``predicted_*``."""
+    devices = p.parallel.tp * p.parallel.cp * p.parallel.pp * p.parallel.dp
+    global_batch = problem.micro_batch_size * problem.micro_batches * p.parallel.dp
+    return {
+        **{f"parallel.{k}": v for k, v in dataclasses.asdict(p.parallel).items() if k != "search"},
+        "seq": p.seq,
+        "world_size": devices,
+        "dtype": str(problem.dtype).removeprefix("torch."),
+        **{f"hardware.{k}": v for k, v in dataclasses.asdict(problem.hardware).items()},
+        "params": parameter_count(problem.model),
+        "global_batch_size": global_batch,
+        "tokens_per_iter": global_batch * p.seq,
+        "flops_per_iter": p.time.flops_per_iteration,
+        **p.row(),
+    }
+
+
+def _write_layouts(path: Path, results: list[LayoutResult]) -> None:
+    columns = [
+        "layout",
+        "tp",
+        "cp",
+        "pp",
+        "dp",
+        "sequence_parallel",
+        "status",
+        "seq",
+        "device_bytes",
+        "host_bytes_per_node",
+        "alpha",
+        "iter_time_s",
+        "mfu",
+        "reason",
+    ]
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(columns)
+    for r in results:
+        p, shown = r.parallel, r.shown
+        writer.writerow(
+            [
+                layout_label(p),
+                p.tp,
+                p.cp,
+                p.pp,
+                p.dp,
+                p.sequence_parallel,
+                shown.status,
+                shown.seq,
+                shown.device_total,
+                shown.host_per_node,
+                shown.alpha,
+                shown.time.iteration_s,
+                shown.time.mfu,
+                shown.reason,
+            ]
+        )
+    create_file_atomic(path, out.getvalue())
+
+
+def report(p: Prediction, problem: Problem) -> str:
+    """The prediction as the lines a user reads: terms per device and per node, α, verdict, time."""
+    a, s, t = p.acts, p.states, p.time
+    lines = [
+        f"{problem.model.name}, {problem.method.name}{' + plan' if problem.plan else ''}, "
+        f"{p.seq} tokens, {layout_label(p.parallel)} on {problem.hardware.name}: {p.status.upper()}"
+        + (f" ({p.reason})" if p.reason else ""),
+        "per device:",
+        f"  weights                    {_gib(s.weights)}  ({s.params:,} parameters)",
+        f"  gradients                  {_gib(s.gradients)}",
+        f"  optimizer states           {_gib(s.optimizer)}",
+        f"  skeletal activations       {_gib((a.skeletal if a else 0) + p.rounding_buffers)}"
+        + (f"  (rounding buffers {_gib(p.rounding_buffers)})" if p.rounding_buffers else ""),
+        f"  transient activations      {_gib(a.transient if a else None)}",
+        f"  embedding/logits/loss      {_gib(a.head if a else None)}",
+        f"  other activations          {_gib(a.other if a else None)}",
+        f"  context-parallel buffers   {_gib(p.cp_buffers)}",
+        f"  allocator overhead         {_gib(a.held - a.allocated_peak if a else None)}"
+        + (
+            " (memory plan)"
+            if problem.plan
+            else f" (caching allocator, {a.alloc_retries if a else 0} retries)"
+        ),
+        f"  reserved (CUDA, NCCL)      {_gib(p.reserved)}",
+        f"  total                      {_gib(p.device_total)} of {_gib(p.device_capacity)}",
+    ]
+    if problem.method.layer_activations == "swap":
+        lines += [
+            "per node:",
+            f"  swapped activations        {_gib(p.host_per_node)} of {_gib(p.host_capacity_per_node)}",
+            f"alpha {p.alpha if p.alpha is None else round(p.alpha, 4)}, bound by {p.alpha_binding}",
+        ]
+    lines.append(
+        f"time per iteration {t.iteration_s:.3f} s (layer forward {t.layer_forward_s * 1e3:.1f} ms, "
+        f"backward {t.layer_backward_s * 1e3:.1f} ms, recompute {t.layer_recompute_s * 1e3:.1f} ms), "
+        f"MFU {100 * t.mfu:.1f}%, TGS {t.tgs:,.0f}"
+    )
+    return "\n".join(lines)

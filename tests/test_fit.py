@@ -1,0 +1,394 @@
+"""``mode=fit``: each memory term against hand-computed formulas, the scaled trace against a direct
+one, predictions for ``model=tiny`` against what a CPU run allocates, the searches, the rows."""
+
+import dataclasses
+import json
+import math
+import subprocess
+
+import pandas as pd
+import pytest
+import torch
+from conftest import PYTHON, REPO
+
+from analysis import tables
+from analysis.rows import load_results
+from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig
+from memo.fit import memory
+from memo.fit.predict import Problem, predict
+from memo.fit.search import layouts, longest
+from memo.fit.template import iteration_template
+from memo.fit.timing import predict_time
+from memo.hardware import HARDWARE, GiB
+from memo.model.gpt import padded_vocab_size
+from memo.plan.alpha import HostMemoryError
+from memo.plan.dsa import max_load
+from memo.profile.iteration import trace_iteration
+from memo.profile.trace import Trace
+
+SEVEN_B = ModelConfig(
+    name="7b", num_layers=32, hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32
+)
+TINY = ModelConfig(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4)
+NONE = MethodConfig(name="none")
+MEMO = MethodConfig(name="memo", layer_activations="swap")
+FULL_RECOMPUTE = MethodConfig(name="full_recompute", layer_activations="recompute")
+MEGATRON_FULL = MethodConfig(
+    name="megatron_full_recompute",
+    recompute_granularity="full",
+    recompute_method="uniform",
+    recompute_num_layers=1,
+)
+A800 = HARDWARE["a800"]
+S = 1 << 20  # 1M tokens
+LAYOUT = ParallelConfig(tp=4, cp=2, sequence_parallel=True)  # the paper's 7B layout
+
+
+def problem(method=NONE, model=SEVEN_B, hw=A800, **kwargs) -> Problem:
+    return Problem(model=model, method=method, hardware=hw, fit=FitConfig(), dtype=torch.bfloat16, **kwargs)
+
+
+def without_gradients(trace: Trace) -> Trace:
+    gradients = {r.id for r in trace.requests() if r.free_phase is None}
+    return Trace([e for e in trace.events if e.id not in gradients], trace.meta)
+
+
+# ---------------------------------------------------------------- the scaled, synthesized trace
+
+
+@pytest.mark.parametrize("method", [NONE, MEGATRON_FULL, FULL_RECOMPUTE], ids=lambda m: m.name)
+def test_a_template_instance_has_the_peak_of_the_real_iteration(method):
+    """Five traced layers at 2k and 4k tokens stand for nine layers at 6k: the same bytes in use at
+    every instant's maximum as a direct trace of the nine-layer model at 6k tokens."""
+    model = dataclasses.replace(
+        TINY, num_layers=9, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8
+    )
+    template = iteration_template(model, method, 2, True, 9, 1, torch.bfloat16)
+    assert template.layers == 5
+    real = without_gradients(
+        trace_iteration(model, method, ParallelConfig(tp=2, sequence_parallel=True), 6144, 1, torch.bfloat16)
+    )
+    instance = template.instance(6144, 9)
+    assert max_load(instance.buffers()) == max_load(real.buffers())
+    assert memory.split_peak(instance) == memory.split_peak(real)
+
+
+# ---------------------------------------------------------------- hand formulas, 7b at 1M tokens
+
+
+def per_layer_kept_bytes(s: int, tp: int, cp: int) -> int:
+    """One 7B layer's skeletal bytes per device at s tokens, by hand: the spec's 16·b·s·h
+    elements plus RoPE's rotated q and k (2·b·s·h), divided by tp·cp, in bf16; plus LayerNorm
+    mean and rstd (2 norms × 2 per token of this rank, in bf16 as the CPU kernels keep them),
+    attention's fp32 log-sum-exp per head of this rank and token, and RoPE's cos and sin tables
+    for q and k (t × 128, bf16)."""
+    h, heads, d = 4096, 32, 128
+    t = s // cp
+    return (16 + 2) * t * h // tp * 2 + 4 * (t // tp) * 2 + heads // tp * t * 4 + 4 * t * d * 2
+
+
+def test_model_states_are_megatrons_mixed_precision_bytes():
+    h, f, tp = 4096, 16384, 4
+    params = 32 * ((4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h) + 50304 * h // tp + 2 * h
+    states = memory.model_states(SEVEN_B, LAYOUT, torch.bfloat16, distributed_optimizer=False)
+    assert (states.params, states.weights, states.gradients, states.optimizer) == (
+        params,
+        2 * params,
+        4 * params,
+        12 * params,
+    )
+    # The distributed optimizer shards main weights and moments over dp·cp = 2 ranks.
+    sharded = memory.model_states(SEVEN_B, LAYOUT, torch.bfloat16, distributed_optimizer=True)
+    assert sharded.optimizer == 6 * params and sharded.weights == 2 * params
+    # All devices together hold the model once per dp·cp replica.
+    whole = memory.local_parameters(SEVEN_B, ParallelConfig(tp=1))
+    assert whole == 32 * (4 * h * h + 2 * h * f + 9 * h + f) + padded_vocab_size(SEVEN_B, 1) * h + 2 * h
+
+
+def test_skeletal_activations_of_every_layer_at_one_million_tokens():
+    prediction = predict(problem(NONE), LAYOUT, S)
+    kept = per_layer_kept_bytes(S, 4, 2)
+    assert kept == pytest.approx((16 + 2) * S * 4096 / (4 * 2) * 2, rel=0.03)  # statistics are small
+    # At the peak (the loss) every one of the 32 layers still keeps its tensors.
+    assert prediction.acts.skeletal == 32 * kept
+    assert prediction.status == "oom"  # 32 × 18.5 GiB on an 80 GiB device
+
+
+def test_recomputation_keeps_each_layers_input_only():
+    for method in (FULL_RECOMPUTE, MEGATRON_FULL):
+        prediction = predict(problem(method), LAYOUT, S)
+        layer_input = (S // 2) * 4096 // 4 * 2  # b·s·h/(tp·cp) elements, bf16
+        assert prediction.acts.skeletal == 32 * layer_input, method.name
+
+
+def test_memo_buffers_host_bytes_and_alpha_at_one_million_tokens():
+    prediction = predict(problem(MEMO, alpha=0.25), LAYOUT, S)
+    t, h, tp = S // 2, 4096, 4
+    # MEMO keeps the q, k and v autograd saves, not the whole fused QKV output behind them.
+    runtime_kept = per_layer_kept_bytes(S, 4, 2) - 2 * t * h // tp * 2
+    layer_input = t * h // tp * 2
+    attention = t * h // tp * 2 + 32 // tp * t * 4  # output and fp32 log-sum-exp
+    other = runtime_kept - layer_input - attention
+    assert prediction.rounding_buffers == 2 * runtime_kept
+    # The last two layers run plainly and keep theirs on the device; the other 30 swap input,
+    # attention and α·other.
+    assert prediction.acts.skeletal == 2 * per_layer_kept_bytes(S, 4, 2)
+    assert prediction.host_per_device == 30 * math.ceil(layer_input + attention + 0.25 * other)
+    assert prediction.host_per_node == 8 * prediction.host_per_device
+    assert prediction.alpha == 0.25 and prediction.alpha_binding == "fixed"
+    # Half the tokens would need more than the node's 2 TiB × 0.9: out of host memory.
+    oohm = predict(problem(MEMO, alpha=0.5), LAYOUT, S)
+    assert oohm.status == "oohm" and oohm.host_per_node == 8 * 30 * math.ceil(
+        layer_input + attention + other / 2
+    )
+    assert oohm.host_per_node > oohm.host_capacity_per_node == int(2048 * GiB * 0.9)
+    assert prediction.cp_buffers == 4 * t * h // tp * 2
+
+
+def test_memo_alpha_is_solved_against_bandwidth_and_host_memory():
+    sizes = memory.SkeletalBytes(input=100, attention=100, other=1000)
+    # The copy of one layer (200 + α·1000 bytes at 1000 B/s) must hide behind 0.7 s: α = 0.5.
+    plan = memory.host_plan(sizes, 12, None, 0.7, 1000.0, budget=1e9)
+    assert plan.solution.alpha == pytest.approx(0.5) and plan.solution.binding == "bandwidth"
+    assert plan.per_device == 10 * 700
+    # Ten swapped layers in 4000 bytes: 400 per layer, α = 0.2.
+    plan = memory.host_plan(sizes, 12, None, 0.7, 1000.0, budget=4000)
+    assert plan.solution.alpha == pytest.approx(0.2) and plan.solution.binding == "host"
+    with pytest.raises(HostMemoryError, match="out of host memory"):
+        memory.host_plan(sizes, 12, None, 0.7, 1000.0, budget=1000)
+
+
+def test_verdicts_ok_oom_and_oohm():
+    small_host = dataclasses.replace(A800, host_memory_bytes=64 * GiB)
+    assert predict(problem(MEMO), LAYOUT, 128 * 1024).status == "ok"
+    assert predict(problem(NONE), LAYOUT, S).status == "oom"
+    oohm = predict(problem(MEMO, hw=small_host), LAYOUT, S)
+    assert oohm.status == "oohm" and "out of host memory" in oohm.reason
+
+
+def test_predicted_time_is_the_flop_count_over_the_assumed_rates():
+    fit = FitConfig()
+    h, f, n, s, peak = 4096, 16384, 32, 64 * 1024, A800.peak_flops
+    t = predict_time(SEVEN_B, NONE, ParallelConfig(), s, 1, 1, 2, A800, fit, local_params=0)
+    gemm = 2 * s * (4 * h * h + 2 * h * f) / (peak * fit.gemm_efficiency)
+    attention_flops = 2 * s * s * h
+    forward = gemm + attention_flops / (peak * fit.attention_forward_efficiency)
+    backward = 2 * gemm + 2.5 * attention_flops / (peak * fit.attention_backward_efficiency)
+    head = 3 * 2 * s * h * 50304 / (peak * fit.gemm_efficiency)
+    assert t.layer_forward_s == pytest.approx(forward)
+    assert t.iteration_s == pytest.approx(n * (forward + backward) + head)
+    params = n * (4 * h * h + 2 * h * f + 9 * h + f) + 50304 * h + 2 * h
+    flops = 6 * s * params + 6 * n * h * s * s  # the paper's model FLOPs
+    assert t.mfu == pytest.approx(flops / (t.iteration_s * peak))
+    # Full recomputation runs every layer's forward once more; the model FLOPs stay the same.
+    again = predict_time(SEVEN_B, FULL_RECOMPUTE, ParallelConfig(), s, 1, 1, 2, A800, fit)
+    assert again.iteration_s == pytest.approx(t.iteration_s + n * forward)
+    assert again.mfu < t.mfu
+
+
+# ---------------------------------------------------------------- tiny: predicted against a CPU run
+
+
+def test_tiny_activation_peak_matches_a_real_cpu_iteration():
+    """The prediction (five traced layers scaled to eight layers at 4k tokens) against one real
+    iteration of the eight-layer model on the CPU, every tensor allocated: within 10%."""
+    model = dataclasses.replace(TINY, num_layers=8)
+    cpu = dataclasses.replace(
+        HARDWARE["cpu"],
+        peak_flops=1e11,
+        device_memory_bytes=16 * GiB,
+        host_memory_bytes=16 * GiB,
+        host_link_bytes_per_s=1e10,
+    )
+    tiny = Problem(
+        model=model, method=NONE, hardware=cpu, fit=FitConfig(device_reserved_gib=0), dtype=torch.float32
+    )
+    prediction = predict(tiny, ParallelConfig(), 4096)
+    real = without_gradients(trace_iteration(model, NONE, ParallelConfig(), 4096, 1, torch.float32, "cpu"))
+    measured = max_load(real.buffers())
+    assert prediction.acts.allocated_peak == pytest.approx(measured, rel=0.10)
+    assert prediction.states.weights == 4 * prediction.states.params  # fp32, no main copy
+    assert prediction.states.optimizer == 8 * prediction.states.params
+
+
+def test_tiny_memo_prediction_matches_a_cpu_training_run(tmp_path):
+    """MEMO's buffers, host slab and resident layers as ``python run.py method=memo alpha=0.5``
+    allocates them on the CPU, against the prediction: within 10%."""
+    out = tmp_path / "train"
+    done = subprocess.run(
+        [
+            PYTHON,
+            str(REPO / "run.py"),
+            "method=memo",
+            "alpha=0.5",
+            "seq=2k",
+            "train.steps=2",
+            "train.warmup_steps=1",
+            f"hydra.run.dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    row = json.loads((out / "result.json").read_text())
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    cpu = dataclasses.replace(
+        HARDWARE["cpu"],
+        peak_flops=1e11,
+        device_memory_bytes=16 * GiB,
+        host_memory_bytes=16 * GiB,
+        host_link_bytes_per_s=1e10,
+    )
+    tiny = Problem(model=TINY, method=MEMO, hardware=cpu, fit=FitConfig(), dtype=torch.float32, alpha=0.5)
+    prediction = predict(tiny, ParallelConfig(), 2048)
+    assert prediction.rounding_buffers == pytest.approx(row["swap.rounding_buffer_bytes"], rel=0.10)
+    assert prediction.host_per_device == pytest.approx(row["swap.host_bytes"], rel=0.10)
+    predicted_device = prediction.rounding_buffers + prediction.acts.skeletal
+    assert predicted_device == pytest.approx(step["skeletal_device_bytes"], rel=0.10)
+
+
+# ---------------------------------------------------------------- searches
+
+
+def test_layouts_of_eight_devices_keep_tensor_parallelism_in_a_node():
+    found = layouts(SEVEN_B, 16, 8)
+    assert all(p.tp * p.cp * p.pp * p.dp == 16 and p.tp <= 8 and 32 % p.pp == 0 for p in found)
+    assert not any(p.tp == 16 for p in found)
+    # By hand: tp ∈ {1, 2, 4, 8}; for each, ordered (cp, pp, dp) with product 16/tp: 15 + 10 + 6 + 3.
+    assert len(found) == 15 + 10 + 6 + 3
+    assert all(p.sequence_parallel == (p.tp > 1) for p in found)
+
+
+def test_binary_search_finds_the_longest_length_that_fits():
+    calls = []
+
+    @dataclasses.dataclass
+    class Fake:
+        seq: int
+
+        @property
+        def fits(self):
+            return self.seq <= 700
+
+    def fake(seq):
+        calls.append(seq)
+        return Fake(seq)
+
+    best, stop = longest(fake, 64, 64 * 100)
+    assert best.seq == 640 and stop.seq == 704 and len(calls) <= 8
+    none, first = longest(lambda seq: Fake(seq + 10_000), 64, 640)
+    assert none is None and first.seq == 64 + 10_000
+
+
+def test_seq_max_agrees_with_predictions_around_it():
+    p = problem(MEMO)
+    best, stop = longest(lambda seq: predict(p, LAYOUT, seq), 64 * 1024, 2048 * 1024)
+    assert best.fits and predict(p, LAYOUT, best.seq + 64 * 1024).status != "ok"
+
+
+# ---------------------------------------------------------------- as a user runs it
+
+
+def run(*args, cwd):
+    return subprocess.run(
+        [PYTHON, str(REPO / "run.py"), *args], capture_output=True, text=True, timeout=600, cwd=cwd
+    )
+
+
+def test_fit_mode_prints_every_term_and_writes_a_training_row(tmp_path):
+    out = tmp_path / "fit"
+    done = run(
+        "mode=fit",
+        "model=7b",
+        "seq=1024k",
+        "method=memo",
+        "hardware=a800",
+        "cluster.gpus=8",
+        "parallel.tp=4",
+        "parallel.cp=2",
+        "parallel.sequence_parallel=true",
+        "train.distributed_optimizer=true",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    log = (out / "run.log").read_text()
+    for term in (
+        "weights",
+        "gradients",
+        "optimizer states",
+        "skeletal activations",
+        "rounding buffers",
+        "transient activations",
+        "embedding/logits/loss",
+        "swapped activations",
+        "alpha",
+        "bound by",
+        "time per iteration",
+    ):
+        assert term in log, term
+    row = json.loads((out / "result.json").read_text())
+    assert row["mode"] == "fit" and row["seq"] == S and row["world_size"] == 8
+    assert row["status"] in ("ok", "oom", "oohm")
+    assert row["predicted_rounding_buffer_bytes"] == 2 * (
+        per_layer_kept_bytes(S, 4, 2) - 2 * (S // 2) * 4096 // 4 * 2
+    )
+    assert row["predicted_mfu"] > 0 and row["mfu"] is None  # nothing was measured
+    assert (out / "layouts.csv").read_text().count("\n") == 2
+
+
+def test_layout_and_length_search_rows_feed_the_longest_sequence_table(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = run(
+        "-m",
+        "mode=fit",
+        "model=tiny",
+        "seq=max",
+        "parallel=search",
+        "cluster.gpus=4",
+        "hardware=a800",
+        "hardware.device_memory_gib=8",
+        "fit.device_reserved_gib=0",
+        "fit.seq_step=16k",
+        "fit.seq_limit=1024k",
+        "method=memo,full_recompute",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    results = load_results(sweep)
+    assert set(results["status"]) == {"ok"} and (results["seq"] % (16 * 1024) == 0).all()
+    for job in ("0", "1"):
+        tried = pd.read_csv(sweep / job / "layouts.csv")
+        assert len(tried) == len(layouts(TINY, 4, 8))
+        row = results[results["output_dir"].str.endswith(f"/{job}")].iloc[0]
+        # The row is the layout that fits the longest sequence, listed first.
+        assert row["seq"] == tried.loc[tried["status"] == "ok", "seq"].max() == tried["seq"].iloc[0]
+        assert tried["layout"].iloc[0].startswith(f"tp{row['parallel.tp']} cp{row['parallel.cp']}")
+    assert results["fit.runners_up"].str.count(";").min() == 2  # three runners-up
+    table = tables.longest_sequence(results)
+    assert sorted(table.index.get_level_values("variant")) == [
+        "full_recompute (predicted)",
+        "memo (predicted)",
+    ]
+    assert sorted(table["seq"]) == sorted(results["seq"])
+    assert table["layout"].str.startswith("tp").all()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["seq=max"], "seq=max is searched by mode=fit only"),
+        (["mode=fit", "parallel=search"], "parallel=search needs the number of devices"),
+        (["mode=fit", "cluster.gpus=8"], "cluster.gpus=8 but parallel.tp·cp·pp·dp = 1"),
+        (["plan=true"], "plan=true: training does not serve"),
+        (["mode=fit", "fit.gemm_efficiency=0"], "fit.gemm_efficiency=0.0 must be a fraction"),
+        (["parallel=search"], "parallel=search is done by mode=fit only"),
+    ],
+)
+def test_mistakes_get_one_line(tmp_path, args, message):
+    done = run(*args, f"hydra.run.dir={tmp_path / 'x'}", cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
