@@ -187,7 +187,7 @@ def test_longest_sequence(end_to_end):
     assert table.loc[("7b", 8, "none"), "seq"] == 65536
     assert pd.isna(table.loc[("7b", 8, "megatron_selective"), "seq"])  # never ran ok
     shown = tables.longest_sequence(load_results(end_to_end), display=True)
-    assert shown.loc[("7b", 8, "memo")].tolist() == ["128K", "60.0%", "300", "1.25 s"]
+    assert shown.loc[("7b", 8, "memo")].tolist() == ["128K", "60.0%", "300", "1.25 s", "tp1 cp1 pp1 dp1"]
     assert shown.loc[("7b", 8, "megatron_selective"), "seq"] == ""
 
 
@@ -363,8 +363,8 @@ def test_report_of_untagged_rows_is_end_to_end(tmp_path, capsys):
     write_run(tmp_path / "sweep", "plan", mode="plan", mfu=None, experiment="planning")
     assert report.main([str(tmp_path / "sweep"), "--format", "png"]) == 0
     printed = capsys.readouterr().out
-    assert "end_to_end: 2 runs (ok 1, oom 1); 1 other rows (profile, plan, fit)" in printed
-    assert "planning: 0 runs; 1 other rows (profile, plan, fit)" in printed
+    assert "end_to_end: 2 runs (ok 1, oom 1); 1 other rows (profile, plan)" in printed
+    assert "planning: 0 runs; 1 other rows (profile, plan)" in printed
     names = sorted(p.name for p in (tmp_path / "sweep" / "report").iterdir())
     assert names == [
         "end_to_end_longest_sequence.csv", "end_to_end_longest_sequence.md", "end_to_end_mfu.csv",
