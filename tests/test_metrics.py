@@ -1,5 +1,7 @@
 """MFU, TGS, parameter counts and hardware figures against hand-computed values."""
 
+import mmap
+
 import pytest
 import torch
 
@@ -93,10 +95,13 @@ def test_peak_rss_tracks_a_large_allocation_and_resets():
     memory = PeakMemory("cpu")
     memory.reset()
     before = memory.read()["peak_rss_bytes"]
-    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    # Fresh pages from the kernel, touched: an allocator could serve 64 MiB from memory an earlier
+    # test freed but the process still holds, which would not raise the peak.
+    block = mmap.mmap(-1, 64 * 2**20)
+    block.write(b"\1" * len(block))
     grown = memory.read()["peak_rss_bytes"]
     assert grown - before >= 60 * 2**20
-    del block
+    block.close()
     memory.reset()
     assert memory.read()["peak_rss_bytes"] < grown - 32 * 2**20
 
