@@ -81,17 +81,14 @@ def evaluate(
     """One layout at ``seq`` tokens, or at the longest multiple of ``step`` up to ``limit`` if None."""
     if seq is not None:
         prediction = predict(problem, parallel, seq)
-        return LayoutResult(
-            parallel, prediction if prediction.fits else None, None if prediction.fits else prediction
-        )
+        return LayoutResult(parallel, *((prediction, None) if prediction.fits else (None, prediction)))
     grid = seq_grid_step(step, parallel)
     if grid > limit:
         raise ConfigError(
             f"fit.seq_limit={limit} is below the first length this layout can split ({grid}); "
             "raise fit.seq_limit"
         )
-    best, stop = longest(lambda s: predict(problem, parallel, s), grid, limit)
-    return LayoutResult(parallel, best, None if best is not None and stop is best else stop)
+    return LayoutResult(parallel, *longest(lambda s: predict(problem, parallel, s), grid, limit))
 
 
 def _candidates(cfg: DictConfig, problem: Problem) -> list[ParallelConfig]:

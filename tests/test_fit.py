@@ -20,7 +20,7 @@ from memo.fit.search import layouts, longest
 from memo.fit.template import iteration_template
 from memo.fit.timing import predict_time
 from memo.hardware import HARDWARE, GiB
-from memo.model.gpt import padded_vocab_size
+from memo.model.gpt import padded_vocab_size, parameter_count
 from memo.plan.alpha import HostMemoryError
 from memo.plan.dsa import max_load
 from memo.profile.iteration import trace_iteration
@@ -101,7 +101,7 @@ def test_model_states_are_megatrons_mixed_precision_bytes():
     sharded = memory.model_states(SEVEN_B, LAYOUT, torch.bfloat16, distributed_optimizer=True)
     assert sharded.optimizer == 6 * params and sharded.weights == 2 * params
     # All devices together hold the model once per dp·cp replica.
-    whole = memory.local_parameters(SEVEN_B, ParallelConfig(tp=1))
+    whole = parameter_count(SEVEN_B)
     assert whole == 32 * (4 * h * h + 2 * h * f + 9 * h + f) + padded_vocab_size(SEVEN_B, 1) * h + 2 * h
 
 

@@ -28,10 +28,10 @@ import torch
 
 from memo.config import ModelConfig, ParallelConfig
 from memo.fit.template import IterationTemplate
-from memo.hardware import GiB
-from memo.model.gpt import padded_vocab_size
+from memo.model.gpt import parameter_count
 from memo.plan.alpha import AlphaSolution, SkeletalBytes, check_host, solve_alpha
-from memo.plan.caching_allocator import simulate
+from memo.plan.bilevel import plan_iteration
+from memo.plan.caching_allocator import OutOfMemoryError, simulate
 from memo.profile.trace import Trace
 
 _ALIGN = 256  # bytes: each tensor in a rounding buffer starts at a multiple
@@ -51,25 +51,11 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
-def local_parameters(model: ModelConfig, parallel: ParallelConfig) -> int:
-    """Parameters held by one device of the first pipeline stage (count).
-
-    Per layer: the QKV, FC1 and FC2/projection weights and the QKV and FC1 biases are split over
-    tp; the projection and FC2 biases and both LayerNorms are replicated. The tied embedding
-    (padded vocabulary) is split over tp; the final LayerNorm lives on the last stage.
-    """
-    h, f, tp = model.hidden_size, model.ffn_hidden_size, parallel.tp
-    per_layer = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 2 * h + 4 * h
-    embedding = padded_vocab_size(model, tp) * h // tp
-    final_norm = 2 * h if parallel.pp == 1 else 0
-    return model.num_layers // parallel.pp * per_layer + embedding + final_norm
-
-
 def model_states(
     model: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, distributed_optimizer: bool
 ) -> ModelStates:
     """Weights, gradients and Adam states of one device, bytes."""
-    params = local_parameters(model, parallel)
+    params = parameter_count(model, parallel.tp, parallel.pp)
     element = dtype.itemsize
     # 16-bit training keeps fp32 main weights next to Adam's two fp32 moments.
     optimizer_per_param = 12 if element < 4 else 8
@@ -88,6 +74,7 @@ class Activations:
     allocated_peak: int  # the sum of the four
     held: int  # what the allocator holds for them: caching reserved, or the planned arena
     alloc_retries: int  # caching allocator: cache flushes to serve a request within capacity
+    refused_bytes: Optional[int] = None  # caching allocator: the request it could not serve
 
 
 def _phase_kind(phase: Optional[str]) -> str:
@@ -120,19 +107,30 @@ def split_peak(trace: Trace) -> tuple[int, dict[str, int]]:
 def activations(trace: Trace, capacity: Optional[int], plan: bool, time_limit_s: float = 10.0) -> Activations:
     """The activation memory of ``trace`` within ``capacity`` bytes (None: no limit).
 
-    Raises:
-        OutOfMemoryError: if the caching allocator cannot serve every request within ``capacity``
-            (``plan=false``); with ``plan=true`` the caller compares ``held`` with it.
+    With ``capacity`` at most 0 no allocator is asked (``held`` is the peak). The caching
+    allocator (``plan=false``) may refuse a request within ``capacity``: ``refused_bytes`` then
+    says which size and ``held`` is what it had reserved; a plan (``plan=true``) is never
+    refused, the caller compares ``held`` with ``capacity``.
     """
     peak, kinds = split_peak(trace)
+    if capacity is not None and capacity <= 0:
+        return Activations(**kinds, allocated_peak=peak, held=peak, alloc_retries=0)
     if plan:
-        from memo.plan.bilevel import plan_iteration
-
-        held, retries = plan_iteration(trace, time_limit_s, mip="none").arena_bytes, 0
-    else:
+        held = plan_iteration(trace, time_limit_s, mip="none").arena_bytes
+        return Activations(**kinds, allocated_peak=peak, held=held, alloc_retries=0)
+    try:
         stats = simulate(trace.events, capacity_bytes=capacity)
-        held, retries = stats.peak_reserved, stats.num_alloc_retries
-    return Activations(**kinds, allocated_peak=peak, held=held, alloc_retries=retries)
+    except OutOfMemoryError as error:
+        return Activations(
+            **kinds,
+            allocated_peak=peak,
+            held=error.stats.peak_reserved,
+            alloc_retries=error.stats.num_alloc_retries,
+            refused_bytes=error.size,
+        )
+    return Activations(
+        **kinds, allocated_peak=peak, held=stats.peak_reserved, alloc_retries=stats.num_alloc_retries
+    )
 
 
 def fused_qk_bytes(
@@ -188,7 +186,6 @@ class HostPlan:
 
     solution: AlphaSolution
     per_device: int  # bytes
-    budget: float  # bytes of host memory one device may fill
 
 
 def host_plan(
@@ -217,9 +214,4 @@ def host_plan(
             math.inf,
         )
     per_device = max(layers - 2, 0) * math.ceil(sizes.swapped(solution.alpha))
-    return HostPlan(solution, per_device, budget)
-
-
-def device_room(capacity: int, reserved_gib: float, *fixed: int) -> int:
-    """Bytes left for activations on a device of ``capacity`` after ``reserved_gib`` and ``fixed``."""
-    return capacity - int(reserved_gib * GiB) - sum(fixed)
+    return HostPlan(solution, per_device)

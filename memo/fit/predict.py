@@ -13,7 +13,6 @@ from memo.fit.template import iteration_template
 from memo.fit.timing import TimePrediction, predict_time
 from memo.hardware import GiB, Hardware
 from memo.plan.alpha import HostMemoryError
-from memo.plan.caching_allocator import OutOfMemoryError
 
 
 @dataclass(frozen=True)
@@ -102,11 +101,6 @@ def _finite(value: Optional[float]) -> Optional[float]:
     return None if value is None or math.isinf(value) else value
 
 
-def devices_per_node(hw: Hardware, devices: int) -> int:
-    """Devices of the job on one node."""
-    return min(devices, hw.devices_per_node or 1)
-
-
 def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
     """Predict ``problem`` under ``parallel`` at ``seq`` tokens (see :mod:`memo.fit.memory` and
     :mod:`memo.fit.timing`)."""
@@ -126,7 +120,7 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
     )
     states = memory.model_states(model, parallel, dtype, problem.distributed_optimizer)
     devices = parallel.tp * parallel.cp * parallel.pp * parallel.dp
-    local = devices_per_node(hw, devices)
+    local = min(devices, hw.devices_per_node or 1)  # the job's devices on one node
     host_capacity = int(hw.host_memory_bytes * fit.host_usable_fraction)
     swap = method.layer_activations == "swap"
 
@@ -150,7 +144,7 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
         seq=seq,
         parallel=parallel,
         states=states,
-        cp_buffers=0,
+        cp_buffers=memory.context_parallel_buffers(model, parallel, tokens, b, dtype),
         reserved=int(fit.device_reserved_gib * GiB),
         device_capacity=hw.device_memory_bytes,
         host_capacity_per_node=host_capacity,
@@ -190,56 +184,36 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
         solution, host = plan.solution, plan.per_device
         alpha = solution.alpha
         recompute = math.ceil((1 - alpha) * sizes.other)
-    cp_buffers = memory.context_parallel_buffers(model, parallel, tokens, b, dtype)
-    room = memory.device_room(
-        hw.device_memory_bytes, fit.device_reserved_gib, states.total, rounding, cp_buffers
-    )
+    fixed_part = common["reserved"] + states.total + rounding + common["cp_buffers"]
+    room = hw.device_memory_bytes - fixed_part
     trace = template.instance(tokens, layers * in_flight, swap=swap, recompute_bytes=recompute)
-    time = timed(alpha if swap else 1.0, sizes.swapped(alpha) if swap else 0.0)
-    fixed_part = common["reserved"] + states.total + rounding + cp_buffers
-    if room <= 0:  # no allocator needed to say so
-        peak, kinds = memory.split_peak(trace)
-        acts = memory.Activations(**kinds, allocated_peak=peak, held=peak, alloc_retries=0)
-        status = "oom"
+    acts = memory.activations(trace, room, problem.plan, problem.plan_time_limit_s)
+    status = "oom"
+    if room <= 0:
         reason = (
             f"model states and buffers take {fixed_part / GiB:.1f} GiB of {hw.device_memory_bytes / GiB:.1f}"
         )
+    elif acts.refused_bytes is not None:
+        reason = (
+            f"the caching allocator cannot serve {acts.refused_bytes / GiB:.2f} GiB "
+            f"within {room / GiB:.1f} GiB"
+        )
+    elif acts.held > room:
+        reason = f"the memory plan needs {acts.held / GiB:.1f} GiB, {room / GiB:.1f} GiB are left"
     else:
-        try:
-            acts = memory.activations(trace, room, problem.plan, problem.plan_time_limit_s)
-            status, reason = (
-                ("ok", "")
-                if acts.held <= room
-                else (
-                    "oom",
-                    f"the memory plan needs {acts.held / GiB:.1f} GiB, {room / GiB:.1f} GiB are left",
-                )
-            )
-        except OutOfMemoryError as error:
-            peak, kinds = memory.split_peak(trace)
-            acts = memory.Activations(
-                **kinds,
-                allocated_peak=peak,
-                held=error.stats.peak_reserved,
-                alloc_retries=error.stats.num_alloc_retries,
-            )
-            status = "oom"
-            reason = (
-                f"the caching allocator cannot serve {error.size / GiB:.2f} GiB within {room / GiB:.1f} GiB"
-            )
-    total = fixed_part + acts.held
+        status, reason = "ok", ""
     return Prediction(
-        **{**common, "cp_buffers": cp_buffers},
+        **common,
         status=status,
         reason=reason,
         acts=acts,
         rounding_buffers=rounding,
-        device_total=total,
+        device_total=fixed_part + acts.held,
         host_per_device=host,
         host_per_node=host * local,
         alpha=alpha,
         alpha_binding=solution.binding if solution else None,
         alpha_bandwidth=solution.alpha_bandwidth if solution else None,
         alpha_host=solution.alpha_host if solution else None,
-        time=time,
+        time=timed(alpha if swap else 1.0, sizes.swapped(alpha) if swap else 0.0),
     )

@@ -52,21 +52,20 @@ def seq_grid_step(step: int, parallel: ParallelConfig) -> int:
 
 def longest(
     predict: Callable[[int], Prediction], step: int, limit: int
-) -> tuple[Optional[Prediction], Prediction]:
-    """The prediction at the longest multiple of ``step`` up to ``limit`` that fits, or None, and
-    the prediction that stopped the search (the shortest that does not fit, or the longest tried).
-    """
+) -> tuple[Optional[Prediction], Optional[Prediction]]:
+    """The prediction at the longest multiple of ``step`` up to ``limit`` that fits (None if none
+    does), and the shortest prediction tried that did not fit (None if every one did)."""
     low, high = 0, limit // step  # fits at low·step (none at 0), unknown up to high
     best: Optional[Prediction] = None
-    stop: Optional[Prediction] = None
+    failed: Optional[Prediction] = None
     while low < high:
         middle = (low + high + 1) // 2
         prediction = predict(middle * step)
         if prediction.fits:
             low, best = middle, prediction
         else:
-            high, stop = middle - 1, prediction
-    return best, stop or best
+            high, failed = middle - 1, prediction
+    return best, failed
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import functools
 import itertools
 from dataclasses import dataclass
 from fractions import Fraction
+
 import torch
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
@@ -83,20 +84,20 @@ class IterationTemplate:
             }
             for layer in range(layers)
         }
+        # What each extra layer holds from its forward to its backward: the middle layer's
+        # requests made in its forward that live on into a backward phase.
+        middle = layer_phase(MIDDLE, "fwd")
         self.carried = (
-            self._made_in(layer_phase(MIDDLE, "fwd"), requests) if layers == TEMPLATE_LAYERS else []
+            [
+                r.id
+                for r in requests
+                if r.malloc_phase == middle and r.free_phase is not None and r.free_phase.endswith(".bwd")
+            ]
+            if layers == TEMPLATE_LAYERS
+            else []
         )
         self._size_of = {e.id: s for e, s in zip(self.events, self.sizes) if e.op == "malloc"}
-        self._phase_of = {r.id: (r.malloc_phase, r.free_phase) for r in requests}
-
-    @staticmethod
-    def _made_in(phase: str, requests) -> list[int]:
-        """Requests made in ``phase`` that live on into a backward phase."""
-        return [
-            r.id
-            for r in requests
-            if r.malloc_phase == phase and r.free_phase is not None and r.free_phase.endswith(".bwd")
-        ]
+        self._made_in = {r.id: r.malloc_phase for r in requests}
 
     def size(self, request_id: int, tokens: int) -> int:
         """Bytes of one request of the template at ``tokens``."""
@@ -110,7 +111,7 @@ class IterationTemplate:
         """Bytes of a layer's input as kept for its backward (made by the layer before)."""
         layer = min(MIDDLE, self.layers - 1)
         before = layer_phase(layer - 1, "fwd") if layer else "embedding.fwd"
-        return sum(self.size(i, tokens) for i in self.kept[layer] if self._phase_of[i][0] == before)
+        return sum(self.size(i, tokens) for i in self.kept[layer] if self._made_in[i] == before)
 
     def instance(self, tokens: int, num_layers: int, swap: bool = False, recompute_bytes: int = 0) -> Trace:
         """The iteration of ``num_layers`` layers at ``tokens``, gradients left out.
@@ -181,15 +182,10 @@ def iteration_template(
 
 
 def _frozen(config) -> tuple:
-    """A config as a hashable value for the cache (lists become tuples)."""
-    values = (
-        config
-        if isinstance(config, dict)
-        else dataclasses.asdict(config)
-        if dataclasses.is_dataclass(config)
-        else dict(config)
+    """A config dataclass as a hashable value for the cache (lists become tuples)."""
+    return tuple(
+        (k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(dataclasses.asdict(config).items())
     )
-    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(values.items()))
 
 
 @functools.lru_cache(maxsize=64)

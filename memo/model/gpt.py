@@ -61,15 +61,19 @@ def padded_vocab_size(model: ModelConfig, tp: int) -> int:
     return -(-model.vocab_size // multiple) * multiple
 
 
-def parameter_count(model: ModelConfig) -> int:
-    """Parameters of the whole GPT, counted from its shape (P of the MFU formula).
+def parameter_count(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
+    """Parameters counted from the GPT's shape: with ``tp = pp = 1`` the whole model (P of the MFU
+    formula), otherwise those one device of the first pipeline stage holds.
 
-    Per layer: QKV 3h²+3h, projection h²+h, FC1 h·f+f, FC2 f·h+h, two LayerNorms 4h; then the
-    tied embedding V·h (V padded) and the final LayerNorm 2h.
+    Per layer: QKV 3h²+3h, projection h²+h, FC1 h·f+f, FC2 f·h+h, two LayerNorms 4h; tp splits the
+    QKV, FC1 and FC2/projection weights and the QKV and FC1 biases, and replicates the projection
+    and FC2 biases and the norms. Then the tied embedding V·h (V padded, split over tp) and the
+    final LayerNorm 2h (on the last stage).
     """
     h, f = model.hidden_size, model.ffn_hidden_size
-    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
-    return model.num_layers * per_layer + padded_vocab_size(model, 1) * h + 2 * h
+    per_layer = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
+    final_norm = 2 * h if pp == 1 else 0
+    return model.num_layers // pp * per_layer + padded_vocab_size(model, tp) * h // tp + final_norm
 
 
 def count_parameters(module: torch.nn.Module) -> int:
