@@ -158,6 +158,17 @@ def test_memo_alpha_is_solved_against_bandwidth_and_host_memory():
         memory.host_plan(sizes, 12, None, 0.7, 1000.0, budget=1000)
 
 
+def test_a_planned_prediction_places_every_request_of_the_scaled_iteration():
+    """plan=true plans the synthesized 32-layer iteration (its extra layers' requests apart from the
+    traced layers, which still allocate alike): no less than the most bytes in use at once, no
+    more than the caching allocator holds."""
+    planned = predict(problem(MEGATRON_FULL, plan=True), LAYOUT, 256 * 1024)
+    cached = predict(problem(MEGATRON_FULL), LAYOUT, 256 * 1024)
+    assert planned.status == cached.status == "ok"
+    assert planned.acts.allocated_peak == cached.acts.allocated_peak
+    assert planned.acts.allocated_peak <= planned.acts.held <= cached.acts.held
+
+
 def test_verdicts_ok_oom_and_oohm():
     small_host = dataclasses.replace(A800, host_memory_bytes=64 * GiB)
     assert predict(problem(MEMO), LAYOUT, 128 * 1024).status == "ok"

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from memo.config import ModelConfig, ParallelConfig
-from memo.fit.template import IterationTemplate
+from memo.fit.template import INNER_LAYERS, IterationTemplate
 from memo.model.gpt import parameter_count
 from memo.plan.alpha import AlphaSolution, SkeletalBytes, check_host, solve_alpha
 from memo.plan.bilevel import plan_iteration
@@ -94,7 +94,10 @@ def split_peak(trace: Trace) -> tuple[int, dict[str, int]]:
             continue
         if r.malloc_phase == r.free_phase:
             kind = "transient"
-        elif r.malloc_phase.endswith(".fwd") and (r.free_phase or "").startswith("layer."):
+        elif r.malloc_phase.endswith(".fwd") and (r.free_phase or "").split(".")[0] in (
+            "layer",
+            INNER_LAYERS,
+        ):
             kind = "skeletal"
         elif "head" in (_phase_kind(r.malloc_phase), _phase_kind(r.free_phase)):
             kind = "head"

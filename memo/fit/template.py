@@ -12,8 +12,9 @@ tracing each would take seconds. Two facts make them cheap and exact:
   the first two and the last two layers as the real model has them, and its layer 2 stands for
   every layer in between. Each of those ``n − 5`` extra layers holds, from its forward to its
   backward, the requests layer 2 makes in its forward and frees only in a backward phase; they are
-  added as live over exactly that span of layer 2, which gives the same peak of live bytes as the
-  ``n``-layer iteration.
+  added as live over exactly that span of layer 2 (in phases ``inner_layers.fwd`` and
+  ``inner_layers.bwd`` of their own), which gives the same peak of live bytes as the ``n``-layer
+  iteration.
 
 Gradients (requests alive at the end of the iteration) are left out: Megatron keeps them in one
 buffer allocated before training, which :mod:`memo.fit.memory` counts with the model states.
@@ -33,6 +34,9 @@ from memo.profile.trace import Event, Trace, layer_phase
 
 TEMPLATE_LAYERS = 5
 MIDDLE = 2  # the template layer that stands for every inner layer
+# The phases of the extra layers' requests, apart from the middle layer's own, so that every
+# traced layer still allocates alike (the planner checks it).
+INNER_LAYERS = "inner_layers"
 _TRACED_TOKENS = (2048, 4096)  # per sequence-parallel chunk
 
 
@@ -137,10 +141,14 @@ class IterationTemplate:
         for event, size in zip(self.events, self.sizes):
             if event.phase != phase:
                 if phase == end:  # leaving the middle layer's backward
-                    events.extend(Event("free", i, s, end) for i, s in zip(carried_ids, carried))
+                    events.extend(
+                        Event("free", i, s, f"{INNER_LAYERS}.bwd") for i, s in zip(carried_ids, carried)
+                    )
                 phase = event.phase
                 if phase == start:
-                    events.extend(Event("malloc", i, s, start) for i, s in zip(carried_ids, carried))
+                    events.extend(
+                        Event("malloc", i, s, f"{INNER_LAYERS}.fwd") for i, s in zip(carried_ids, carried)
+                    )
                 if phase in recompute:
                     rid = next(fresh)
                     events += [
