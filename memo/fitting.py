@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memo import hardware
 from memo.config import ConfigError, ParallelConfig, parse_alpha, parse_seq, validate
-from memo.fit.predict import Prediction, Problem, predict
+from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
 from memo.fit.search import LayoutResult, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
 from memo.job import METRIC_FIELDS
@@ -47,7 +47,7 @@ def _gib(n: Optional[float]) -> str:
 
 def _hardware(cfg: DictConfig) -> hardware.Hardware:
     hw = hardware.resolve(cfg.hardware)
-    hw = dataclasses.replace(hw, host_link_bytes_per_s=hw.host_link_bytes_per_s or float("inf"))
+    hw = prediction_hardware(hw)
     missing = [name for name in ("device_memory_bytes", "host_memory_bytes") if getattr(hw, name) is None]
     if missing:
         raise ConfigError(

@@ -15,6 +15,7 @@ from analysis import tables
 from analysis.rows import load_results
 from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig
 from memo.fit import memory
+from memo.fit.calibrate import compare, problem_of_row
 from memo.fit.predict import Problem, predict
 from memo.fit.search import layouts, longest
 from memo.fit.template import iteration_template
@@ -403,3 +404,25 @@ def test_mistakes_get_one_line(tmp_path, args, message):
     done = run(*args, f"hydra.run.dir={tmp_path / 'x'}", cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_calibration_predicts_measured_rows_again_and_gives_the_errors(tmp_path):
+    """A real CPU training row, predicted again from its own columns; a device row (its peak
+    reserved given) gets a memory error too. Errors are predicted / measured − 1."""
+    out = tmp_path / "runs" / "train"
+    done = run("seq=2k", "train.steps=3", "train.warmup_steps=1", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    measured = json.loads((out / "result.json").read_text())
+    device_row = dict(measured, peak_reserved_bytes=2 * GiB, result_path="device")
+    rows = pd.concat([load_results(tmp_path / "runs"), pd.DataFrame([device_row])], ignore_index=True)
+    table = compare(rows)
+    assert len(table) == 2
+    problem_, parallel, seq = problem_of_row(rows.iloc[0])
+    assert (problem_.model.name, problem_.method.name, seq, parallel.tp) == ("tiny", "none", 2048, 1)
+    assert problem_.hardware.peak_flops == measured["hardware.peak_flops"]  # the run's own denominator
+    expected = predict(problem_, parallel, seq)
+    cpu, device = table.iloc[0], table.iloc[1]
+    assert cpu["time_error"] == pytest.approx(expected.time.iteration_s / measured["iter_time_s"] - 1)
+    assert pd.isna(cpu["memory_error"])  # a CPU run measures no device
+    held = expected.device_total - expected.reserved
+    assert device["memory_error"] == pytest.approx(held / (2 * GiB) - 1)

@@ -101,6 +101,11 @@ def _finite(value: Optional[float]) -> Optional[float]:
     return None if value is None or math.isinf(value) else value
 
 
+def prediction_hardware(hw: Hardware) -> Hardware:
+    """``hw`` as predictions take it: without a device-host bandwidth (a CPU), copies are free."""
+    return dataclasses.replace(hw, host_link_bytes_per_s=hw.host_link_bytes_per_s or math.inf)
+
+
 def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
     """Predict ``problem`` under ``parallel`` at ``seq`` tokens (see :mod:`memo.fit.memory` and
     :mod:`memo.fit.timing`)."""

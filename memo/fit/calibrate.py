@@ -1,0 +1,115 @@
+"""Predictions against measured runs: how far ``mode=fit`` is from what a cluster did.
+
+    python -m memo.fit.calibrate results/gpu multirun/ablation/*
+
+For every training row that ended ``ok``, the configuration it ran is predicted again and the
+relative errors ``predicted / measured − 1`` are given for the time per iteration and, where the
+run measured a device (``peak_reserved_bytes``), for the peak memory the caching allocator held
+(the prediction without ``fit.device_reserved_gib``, which the allocator does not see). Tune ``fit.*`` until the
+time errors of your cluster's rows are small; the memory error needs no tuning.
+"""
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Sequence
+
+import pandas as pd
+
+from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, parse_alpha
+from memo.fit.predict import Problem, predict, prediction_hardware
+from memo.hardware import Hardware
+from memo.model.gpt import DTYPES
+
+_LISTS = {"recompute_modules"}  # flattened to comma-separated strings in rows
+
+
+def _value(value):
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def _section(row: pd.Series, prefix: str, cls):
+    """The dataclass ``cls`` from the row's ``prefix``-ed columns; an empty one keeps the field's
+    default, or is None where the field has none (a CPU has no host-link figure)."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = _value(row.get(prefix + f.name))
+        if value is not None:
+            values[f.name] = value.split(",") if f.name in _LISTS else value
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            values[f.name] = None
+    return cls(**values)
+
+
+@dataclasses.dataclass
+class _Train:
+    """The training fields a prediction reads."""
+
+
+    micro_batch_size: int = 1
+    micro_batches: int = 1
+    distributed_optimizer: bool = False
+
+
+def problem_of_row(row: pd.Series) -> tuple[Problem, ParallelConfig, int]:
+    """The prediction problem, layout and length (tokens) of one training row."""
+    dtype = next(d for d in DTYPES.values() if str(d).removeprefix("torch.") == row["dtype"])
+    method = _section(row, "method.", MethodConfig)
+    alpha = None if method.layer_activations != "swap" else parse_alpha(row.get("alpha", "auto"))
+    train = _section(row, "train.", _Train)
+    problem = Problem(
+        model=_section(row, "model.", ModelConfig),
+        method=method,
+        hardware=prediction_hardware(_section(row, "hardware.", Hardware)),
+        fit=_section(row, "fit.", FitConfig),
+        dtype=dtype,
+        micro_batch_size=int(train.micro_batch_size),
+        micro_batches=int(train.micro_batches),
+        distributed_optimizer=bool(train.distributed_optimizer),
+        alpha=alpha,
+    )
+    return problem, _section(row, "parallel.", ParallelConfig), int(row["seq"])
+
+
+def compare(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per ``ok`` training row: measured and predicted time and peak memory, and errors."""
+    lines = []
+    training = rows[(rows.get("mode", "train") == "train") & (rows["status"] == "ok")]
+    for _, row in training.iterrows():
+        problem, parallel, seq = problem_of_row(row)
+        prediction = predict(problem, parallel, seq)
+        measured_peak = _value(row.get("peak_reserved_bytes"))
+        held = prediction.device_total - prediction.reserved
+        lines.append({
+            "result_path": row.get("result_path"),
+            "model.name": problem.model.name,
+            "method.name": problem.method.name,
+            "seq": seq,
+            "measured_iter_time_s": row["iter_time_s"],
+            "predicted_iter_time_s": prediction.time.iteration_s,
+            "time_error": prediction.time.iteration_s / row["iter_time_s"] - 1,
+            "measured_peak_bytes": measured_peak,
+            "predicted_peak_bytes": held,
+            "memory_error": held / measured_peak - 1 if measured_peak else None,
+        })
+    return pd.DataFrame(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from analysis.rows import load_results
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dirs", nargs="+", help="directories searched for result.json rows")
+    args = parser.parse_args(argv)
+    try:
+        table = compare(load_results(*args.dirs))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(table.to_markdown(index=False) if len(table) else "no training rows that ended ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
