@@ -5,8 +5,8 @@
 For every training row that ended ``ok``, the configuration it ran is predicted again and the
 relative errors ``predicted / measured − 1`` are given for the time per iteration and, where the
 run measured a device (``peak_reserved_bytes``), for the peak memory the caching allocator held
-(the prediction without ``fit.device_reserved_gib``, which the allocator does not see). Tune ``fit.*`` until the
-time errors of your cluster's rows are small; the memory error needs no tuning.
+(the prediction without ``fit.device_reserved_gib``, which the allocator does not see). Tune
+``fit.*`` until the time errors of your cluster's rows are small; the memory error needs no tuning.
 """
 
 import argparse
