@@ -426,3 +426,14 @@ def test_calibration_predicts_measured_rows_again_and_gives_the_errors(tmp_path)
     assert pd.isna(cpu["memory_error"])  # a CPU run measures no device
     held = expected.device_total - expected.reserved
     assert device["memory_error"] == pytest.approx(held / (2 * GiB) - 1)
+
+
+def test_when_no_layout_fits_the_row_shows_the_one_closest_to_fitting(tmp_path):
+    out = tmp_path / "fit"
+    done = run("mode=fit", "model=65b", "seq=64k", "method=megatron_full_recompute", "hardware=a800",
+               "parallel=search", "cluster.gpus=8", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    row = json.loads((out / "result.json").read_text())
+    tried = pd.read_csv(out / "layouts.csv")
+    assert row["status"] == "oom" and (tried["status"] == "oom").all()
+    assert row["predicted_device_bytes"] == tried["device_bytes"].min() == tried["device_bytes"].iloc[0]

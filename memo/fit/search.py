@@ -82,9 +82,10 @@ class LayoutResult:
         return self.best or self.failed
 
     def rank(self) -> tuple:
-        """Sort key: longest sequence first, then highest predicted MFU, then fewest pipeline stages."""
+        """Sort key: longest sequence first, then highest predicted MFU, then fewest pipeline stages;
+        layouts where nothing fits after, the one needing least device memory first."""
         if self.best is None:
-            return (1, 0, 0.0, self.parallel.pp)
+            return (1, 0, self.failed.device_total, self.parallel.pp)
         return (0, -self.best.seq, -self.best.time.mfu, self.parallel.pp)
 
 
