@@ -9,7 +9,9 @@ request that crosses phases keeps its lifetime, and each phase's transient reque
 is then its pseudo request's offset plus its level-1 offset.
 
 The plan records requests by phase and rank among that phase's mallocs (and size), which is how
-the runtime will recognise them; it round-trips through :func:`write_plan` / :func:`read_plan`.
+the runtime recognises them (:func:`planned_requests`); it round-trips through :func:`write_plan` /
+:func:`read_plan`. A plan the runtime serves is made with ``alignment`` (512 bytes, as PyTorch's
+caching allocator aligns blocks): every size is rounded up to it and every offset is a multiple.
 """
 
 import json
@@ -70,19 +72,23 @@ class MemoryPlan:
 
 
 def _solve(buffers: list[Buffer], keys: list[tuple[str, int, int]], time_limit_s: float,
-           mip: str) -> LevelPlan:
+           mip: str, alignment: int) -> LevelPlan:
+    """Solve in units of ``alignment`` bytes, so that every offset is a multiple of it."""
     start = time.perf_counter()
-    result: DsaPlan = plan(buffers, time_limit_s, mip)
-    validate(buffers, result.offsets)  # independent check: a wrong plan must never leave here
-    placements = [Placement(phase, rank, size, offset)
-                  for (phase, rank, size), offset in zip(keys, result.offsets, strict=True)]
-    return LevelPlan(placements, result.peak, result.lower_bound, result.solver, time.perf_counter() - start,
-                     result.mip_message)
+    units = [Buffer(b.id, b.lower, b.upper, -(-b.size // alignment)) for b in buffers]
+    result: DsaPlan = plan(units, time_limit_s, mip)
+    validate(units, result.offsets)  # independent check: a wrong plan must never leave here
+    placements = [Placement(phase, rank, unit.size * alignment, offset * alignment)
+                  for (phase, rank, _), unit, offset in zip(keys, units, result.offsets, strict=True)]
+    return LevelPlan(placements, result.peak * alignment, result.lower_bound * alignment, result.solver,
+                     time.perf_counter() - start, result.mip_message)
 
 
-def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi") -> MemoryPlan:
+def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi",
+                   alignment: int = 1) -> MemoryPlan:
     """Bi-level plan of ``trace`` within about ``time_limit_s`` seconds in all; ``mip`` is the
-    MIP solver each DSA solve may use (see :func:`memo.plan.solve.plan`).
+    MIP solver each DSA solve may use (see :func:`memo.plan.solve.plan`); sizes are rounded up
+    to, and offsets placed at, multiples of ``alignment`` bytes.
 
     The level-1 blocks share a quarter of the time (they are small and usually meet their
     bound at once); level 2 gets the rest.
@@ -119,7 +125,7 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
             buffers = [Buffer(str(r.id), r.lower - first, r.upper - first, r.size) for r in members]
             keys = [(block, rank[r.id], r.size) for r in members]
             share = (deadline - time.perf_counter()) / 4 / len(trace.phases)
-            blocks[block] = _solve(buffers, keys, max(share, 0.0), mip)
+            blocks[block] = _solve(buffers, keys, max(share, 0.0), mip, alignment)
 
     buffers, keys = [], []
     for r in requests:
@@ -131,35 +137,57 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
         if peak > 0:
             buffers.append(Buffer(f"pseudo:{phase}", lower, upper, peak))
             keys.append((phase, -1, peak))
-    iteration = _solve(buffers, keys, max(deadline - time.perf_counter(), 0.0), mip)
-    meta = {**trace.meta, "format": PLAN_FORMAT}
+    iteration = _solve(buffers, keys, max(deadline - time.perf_counter(), 0.0), mip, alignment)
+    meta = {**trace.meta, "format": PLAN_FORMAT, "alignment": alignment}
     flat = max_load([Buffer(str(r.id), r.lower, r.upper, r.size) for r in requests])
     return MemoryPlan(blocks, phase_blocks, iteration, flat, layers_checked, meta)
 
 
+def planned_requests(memory_plan: MemoryPlan) -> dict[str, list[Placement]]:
+    """Every phase's requests in malloc order, each with its arena offset (bytes): a crossing
+    request's level-2 offset, or a transient one's level-1 offset above its phase's pseudo request.
+
+    Raises:
+        ValueError: if a phase's ranks are not 0, 1, 2, ... (the plan is not of one trace).
+    """
+    crossing: dict[str, dict[int, Placement]] = {}
+    pseudo: dict[str, int] = {}
+    for p in memory_plan.iteration.placements:
+        if p.rank < 0:
+            pseudo[p.phase] = p.offset
+        else:
+            crossing.setdefault(p.phase, {})[p.rank] = p
+    planned = {}
+    for phase, block in memory_plan.phase_blocks.items():
+        ranks = dict(crossing.get(phase, {}))
+        for p in memory_plan.blocks[block].placements:
+            if p.rank in ranks:
+                raise ValueError(f"malloc number {p.rank} of phase {phase!r} is placed twice")
+            ranks[p.rank] = Placement(phase, p.rank, p.size, pseudo.get(phase, 0) + p.offset)
+        if sorted(ranks) != list(range(len(ranks))):
+            missing = sorted(set(range(max(ranks, default=-1) + 1)) - set(ranks))
+            raise ValueError(f"phase {phase!r} has no place for malloc number {missing[0]}")
+        planned[phase] = [ranks[r] for r in range(len(ranks))]
+    return planned
+
+
 def addresses(memory_plan: MemoryPlan, trace: Trace) -> dict[int, int]:
-    """Arena offset (bytes) of every request of ``trace``, by request id: a crossing request's
-    level-2 offset, or a transient one's level-1 offset above its phase's pseudo request.
+    """Arena offset (bytes) of every request of ``trace``, by request id (see
+    :func:`planned_requests`).
 
     Raises:
         KeyError: naming the first request the plan does not place.
     """
-    crossing = {(p.phase, p.rank): p.offset for p in memory_plan.iteration.placements}
-    relative = {name: {p.rank: p.offset for p in level.placements}
-                for name, level in memory_plan.blocks.items()}
+    planned = planned_requests(memory_plan)
     placed = {}
     ranks = trace.malloc_ranks()
     for event in trace.events:
         if event.op != "malloc":
             continue
         phase, rank = event.phase, ranks[event.id]
-        if (phase, rank) in crossing:
-            placed[event.id] = crossing[(phase, rank)]
-            continue
-        block = relative.get(memory_plan.phase_blocks.get(phase, ""), {})
-        if rank not in block:
+        if rank >= len(planned.get(phase, ())):
             raise KeyError(f"the plan has no place for malloc number {rank} of phase {phase!r}")
-        placed[event.id] = crossing[(phase, -1)] + block[rank]
+        placed[event.id] = planned[phase][rank].offset
     return placed
 
 
