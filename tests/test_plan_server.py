@@ -24,7 +24,8 @@ ALIGN = 512
 
 @functools.lru_cache
 def traced(model_name: str, method: str) -> tuple[Trace, object]:
-    model, seq, dtype = (TINY, 256, torch.float32) if model_name == "tiny" else (SEVEN_B, 8192, torch.bfloat16)
+    tiny = model_name == "tiny"
+    model, seq, dtype = (TINY, 256, torch.float32) if tiny else (SEVEN_B, 8192, torch.bfloat16)
     trace = trace_iteration(model, MethodConfig(name=method, layer_activations=(
         "recompute" if method == "full_recompute" else "megatron")), ParallelConfig(), seq, 1, dtype, "fake")
     return trace, plan_iteration(trace, time_limit_s=10, mip="none", alignment=ALIGN)
@@ -212,8 +213,9 @@ def test_random_departures_never_overlap_and_are_all_counted():
                           else x for x in events]
             elif kind == "swap" and i + 1 < len(events):
                 a, b = events[i], events[i + 1]
-                if not (a.id == b.id):
-                    events[i], events[i + 1] = Event(b.op, b.id, b.size, a.phase), Event(a.op, a.id, a.size, b.phase)
+                if a.id != b.id:  # each keeps its position's phase
+                    events[i] = Event(b.op, b.id, b.size, a.phase)
+                    events[i + 1] = Event(a.op, a.id, a.size, b.phase)
             elif kind == "extra":
                 new = 10**6 + trial * 100 + i
                 events[i:i] = [Event("malloc", new, rng.randint(1, 1 << 16), e.phase)]
