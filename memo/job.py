@@ -33,6 +33,8 @@ from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import SwapReport, prepare_swap
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
+from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime
+from memo.execute.plan_server import ServingStats
 from memo.execute.progress import format_seconds, step_progress
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
@@ -48,6 +50,7 @@ METRIC_FIELDS = (
     "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "steps_timed",
     "iter_time_s", "iter_time_s_median", "tgs", "mfu", "loss_first", "loss_last",
     *(f"swap.{f.name}" for f in dataclasses.fields(SwapReport)),
+    *ALLOCATOR_FIELDS, "plan.serving", *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
 )
 
 
@@ -210,6 +213,11 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
     device_type = hw.device_type
     _check_runtime_support(cfg, device_type)
     dtype = resolve_dtype(cfg.train.dtype, device_type)
+    arena = None
+    if cfg.plan and device_type == "cuda":
+        from memo.execute import cuda_arena
+
+        arena = cuda_arena.install(phase=lambda: "setup")  # before this process's first CUDA tensor
     hw = hardware.with_measured_peak(hw, dtype)
     row["dtype"] = str(dtype).removeprefix("torch.")
     row.update({f"hardware.{k}": v for k, v in dataclasses.asdict(hw).items()})
@@ -222,7 +230,7 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(cfg.train.seed)
-    memory = PeakMemory(device_type)
+    memory = PeakMemory(device_type, arena)
     memory.reset()
     try:
         built = build_gpt(
@@ -283,12 +291,23 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
                     "" if record["timed"] else "  (warm-up)",
                 )
 
+        runtime = PlanRuntime(built.module, cfg.plan, cfg.planner, cfg.train.warmup_steps, device_type, arena)
+        if arena is not None:
+            arena.phase = runtime.phase
         with step_progress(cfg.train.steps, show_bar=info.rank == 0) as progress:
-            run_steps(optimizer, batches, cfg.train, device_type, on_step)
+            run_steps(optimizer, batches, cfg.train, device_type, on_step, runtime.step)
+        row.update(runtime.finish())
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone
         raise
     row.update(_max_over_ranks(memory.read(), device_type))
+    if device_type == "cuda":
+        row.update({"allocator.source": "plan arena and cudaMallocAsync" if arena else "caching allocator",
+                    "allocator.peak_allocated_bytes": row["peak_allocated_bytes"],
+                    "allocator.peak_reserved_bytes": row["peak_reserved_bytes"],
+                    "allocator.num_alloc_retries": row["alloc_retries"],
+                    "allocator.cuda_malloc_count": row["cuda_malloc_count"],
+                    "allocator.cuda_free_count": row["cuda_free_count"]})
 
     times = [r["iter_time_s"] for r in records if r["timed"]]
     iter_time = statistics.fmean(times)

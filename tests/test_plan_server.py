@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memo.config import MethodConfig, ModelConfig, ParallelConfig
-from memo.execute.plan_server import PlanServer, serve_events
+from memo.execute.plan_server import PlanServer, is_layer_region, serve_events
 from memo.plan.bilevel import addresses, plan_iteration
 from memo.plan.dsa import Buffer, validate
 from memo.profile.iteration import trace_iteration
@@ -49,16 +49,23 @@ def test_the_traced_iteration_is_served_entirely_at_its_planned_offsets(model_na
     server = PlanServer(memory_plan)
     offsets = serve_events(server, trace.events)
     planned = addresses(memory_plan, trace)
-    layer_requests = in_layers(trace)
-    assert layer_requests and all(offsets[e.id] == planned[e.id] for e in layer_requests)
+    made = [e for e in trace.events if e.op == "malloc" and e.size > 0]
+    assert all(offsets[e.id] == planned[e.id] for e in made)
     assert all(o % ALIGN == 0 for o in offsets.values() if o is not None)
-    # Outside the layer regions nothing is served: that is the ordinary allocator's.
-    assert all(offsets[e.id] is None for e in trace.events if e.op == "malloc" and e.id not in
-               {r.id for r in layer_requests})
     check_no_live_overlap(trace.events, offsets)
     stats = server.finish()
+    assert (stats.served, stats.fallback, stats.missing, stats.divergences) == (len(made), 0, 0, 0)
+    assert stats.served_bytes == sum(e.size for e in made)
+    assert stats.peak_live_bytes <= stats.arena_bytes == stats.planned_peak_bytes
+
+    # Scoped to the layer regions, the rest is the ordinary allocator's.
+    server = PlanServer(memory_plan, is_layer_region)
+    offsets = serve_events(server, trace.events)
+    layer_requests = in_layers(trace)
+    assert layer_requests and all(offsets[e.id] == planned[e.id] for e in layer_requests)
+    assert all(offsets[e.id] is None for e in made if not e.phase.startswith("layer."))
+    stats = server.finish()
     assert (stats.served, stats.fallback, stats.missing, stats.divergences) == (len(layer_requests), 0, 0, 0)
-    assert stats.served_bytes == sum(e.size for e in layer_requests)
     assert 0 < stats.peak_live_bytes <= stats.arena_bytes <= stats.planned_peak_bytes
     assert stats.first_divergence == ""
 
@@ -74,7 +81,8 @@ def test_iterations_after_the_first_are_served_alike():
         events = [Event("free", r.id, r.size, "optimizer") for r in kept] if step else []
         serve_events(server, events + trace.events, live)
     stats = server.finish()
-    assert stats.iterations == 3 and stats.served == 3 * len(in_layers(trace))
+    assert stats.iterations == 3 and stats.served == 3 * sum(e.op == "malloc" and e.size > 0
+                                                             for e in trace.events)
     assert stats.fallback == stats.divergences == stats.missing == 0
 
     # Had the run kept them, the next iteration would find their bytes taken, and fall back there.
@@ -230,7 +238,7 @@ def test_random_departures_never_overlap_and_are_all_counted():
         offsets = serve_events(server, events)
         check_no_live_overlap(events, offsets)
         stats = server.finish()
-        made = [e for e in events if e.op == "malloc" and e.phase.startswith("layer.") and e.size > 0]
+        made = [e for e in events if e.op == "malloc" and e.size > 0]
         assert stats.served + stats.fallback == len(made), trial
         assert stats.served == sum(offsets[e.id] is not None for e in made)
         assert (stats.fallback > 0) == (stats.divergences > 0)

@@ -165,8 +165,9 @@ class RunConfig:
     # method=memo: the fraction of tokens whose skeletal activations are swapped to the host
     # (the rest are recomputed), a number in [0, 1], or "auto" to solve MEMO's α problem.
     alpha: str = "auto"
-    # Serve transient tensors from the bi-level memory plan instead of the caching allocator
-    # (mode=fit predicts both; training does not execute the plan yet).
+    # Serve the layers' tensors at the offsets of a bi-level memory plan of the run's last
+    # warm-up step, in one arena, instead of the caching allocator (memo.execute.plan_runtime;
+    # mode=fit predicts both).
     plan: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)

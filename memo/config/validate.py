@@ -81,11 +81,14 @@ def validate(cfg) -> Optional[int]:
     _check_alpha(cfg)
     _check_parallel(cfg.parallel, m, seq)
     _check_cluster(cfg)
-    if cfg.plan and cfg.mode == "train":
-        raise ConfigError("plan=true: training does not serve tensors from the memory plan yet; "
-                          "use plan=false (mode=fit and mode=plan predict it)")
-
     t = cfg.train
+    if cfg.plan and cfg.mode == "train":
+        if t.warmup_steps < 1:
+            raise ConfigError("plan=true records and plans the last warm-up step, and "
+                              "train.warmup_steps=0; set train.warmup_steps=1 or more")
+        if t.micro_batches != 1:
+            raise ConfigError(f"plan=true plans one micro-batch per step, and train.micro_batches="
+                              f"{t.micro_batches}; set train.micro_batches=1")
     _positive("train.steps", t.steps)
     if not 0 <= t.warmup_steps < t.steps:
         raise ConfigError(

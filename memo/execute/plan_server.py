@@ -3,7 +3,7 @@ departs from the plan.
 
 The runtime names a request as the plan does (:func:`memo.plan.bilevel.planned_requests`): by
 the phase it is made in and its rank among that phase's mallocs of the iteration. Within a served
-phase (the layer forward and backward regions by default) the ``k``-th request gets the ``k``-th
+phase (every phase of the plan by default, or the layer regions alone) the ``k``-th request gets the ``k``-th
 planned offset when three things hold: the plan has a ``k``-th request, its size rounded up to the
 plan's alignment is the planned size, and the planned range overlaps no arena range still live.
 The first request that fails one of them is a *divergence*: it and every later request of that
@@ -27,8 +27,13 @@ from memo.profile.trace import Event
 log = logging.getLogger("memo")
 
 
+def every_phase(phase: str) -> bool:
+    """The phases served by default: all the plan has, the whole iteration as level 2 plans it."""
+    return True
+
+
 def is_layer_region(phase: str) -> bool:
-    """The phases served by default: every transformer layer's forward and backward."""
+    """Every transformer layer's forward and backward: the layer regions alone."""
     return phase.startswith("layer.")
 
 
@@ -84,7 +89,7 @@ class PlanServer:
         ValueError: if the plan's placements of a served phase are not aligned to its alignment.
     """
 
-    def __init__(self, memory_plan: MemoryPlan, served: Callable[[str], bool] = is_layer_region):
+    def __init__(self, memory_plan: MemoryPlan, served: Callable[[str], bool] = every_phase):
         self.alignment = int(memory_plan.meta.get("alignment", 1))
         # Zero-byte requests never reach an allocator (PyTorch hands out a null pointer).
         self._planned: dict[str, list[Placement]] = {

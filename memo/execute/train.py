@@ -7,8 +7,9 @@ loss reported is the mean over micro-batches and data-parallel replicas, the qua
 optimizer minimizes.
 """
 
+import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from megatron.core import parallel_state
 
 from memo.config import TrainConfig
 from memo.execute.optimizer import StepOptimizer
+from memo.profile.recorder import PhaseMarker
 
 
 def learning_rate(train: TrainConfig, step: int) -> float:
@@ -33,17 +35,25 @@ def _slice_for_context_parallel(micro_batch: dict) -> dict:
     return get_batch_on_this_cp_rank(dict(micro_batch))
 
 
+@contextlib.contextmanager
+def _no_scope(step: int) -> Iterator[None]:
+    yield None
+
+
 def run_steps(
     optimizer: StepOptimizer,
     batches: Iterator[list[dict]],
     train: TrainConfig,
     device_type: str,
     on_step: Callable[[dict], None],
+    step_scope: Optional[Callable[[int], ContextManager[Optional[PhaseMarker]]]] = None,
 ) -> None:
     """Train for ``train.steps`` steps, calling ``on_step`` with each step's record.
 
     A record holds ``step`` (1-based), ``loss``, ``lr``, ``grad_norm``, ``iter_time_s`` and
-    ``timed`` (False for the first ``train.warmup_steps`` steps).
+    ``timed`` (False for the first ``train.warmup_steps`` steps). Each step runs inside
+    ``step_scope(step)`` (0-based), whose phase marker, if it yields one, is told when the
+    backward pass and the optimizer step begin; what it does on leaving is not timed.
     """
     model = optimizer.model
     model.train()
@@ -52,24 +62,32 @@ def run_steps(
     for step in range(train.steps):
         batch = next(batches)
         lr = learning_rate(train, step)
-        sync()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        loss_sum = torch.zeros((), device=device_type, dtype=torch.float32)
-        for micro_batch in batch:
-            mb = _slice_for_context_parallel(micro_batch)
-            per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
-            loss = per_token.float().mean() / len(batch)
-            optimizer.scale_loss(loss).backward()
-            loss_sum += loss.detach()
-        grad_norm = optimizer.step(lr)
-        sync()
-        elapsed = time.perf_counter() - start
+        with (step_scope or _no_scope)(step) as marker:
+            sync()
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            loss_sum = torch.zeros((), device=device_type, dtype=torch.float32)
+            for micro_batch in batch:
+                mb = _slice_for_context_parallel(micro_batch)
+                per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+                loss = per_token.float().mean() / len(batch)
+                if marker is not None:
+                    marker.backward()
+                optimizer.scale_loss(loss).backward()
+                loss_sum += loss.detach()
+                del per_token, loss  # freed within the step, as a recorded iteration has them
+            if marker is not None:
+                marker.optimizer()
+            grad_norm = optimizer.step(lr)
+            sync()
+            elapsed = time.perf_counter() - start
         dist.all_reduce(loss_sum, group=dp_group)
+        loss_value = loss_sum.item()
+        del loss_sum  # not alive into the next step, which a recorded step did not see
         on_step(
             {
                 "step": step + 1,
-                "loss": loss_sum.item() / dist.get_world_size(dp_group),
+                "loss": loss_value / dist.get_world_size(dp_group),
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "iter_time_s": elapsed,

@@ -20,14 +20,20 @@ def _vm_hwm_bytes() -> int:
 
 
 class PeakMemory:
-    """Peak memory since the last :meth:`reset`, for ``device_type`` "cuda" or "cpu"."""
+    """Peak memory since the last :meth:`reset`, for ``device_type`` "cuda" or "cpu"; on a GPU
+    whose allocator is the plan's (``arena``, a :class:`memo.execute.cuda_arena.ArenaAllocator`),
+    that allocator's figures."""
 
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, arena=None):
         self.device_type = device_type
+        self.arena = arena
         self.resettable = True
 
     def reset(self) -> None:
         """Start a new window (e.g. after start-up, so a sweep's earlier jobs do not count)."""
+        if self.arena is not None:
+            self.arena.reset_peak()
+            return
         if self.device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             return
@@ -38,6 +44,8 @@ class PeakMemory:
 
     def read(self) -> dict:
         """Peaks in bytes (and the allocator's retry count on CUDA) as result-row fields."""
+        if self.arena is not None:
+            return self.arena.memory_figures()
         if self.device_type == "cuda":
             stats = torch.cuda.memory_stats()
             return {

@@ -22,7 +22,7 @@ from pathlib import Path
 from memo.plan.dsa import Buffer, max_load, validate
 from memo.plan.solve import DsaPlan, plan
 from memo.profile.layers import check_identical_layers
-from memo.profile.trace import Trace
+from memo.profile.trace import Trace, phase_layers
 from memo.results import create_file_atomic
 
 PLAN_FORMAT = 1
@@ -85,7 +85,7 @@ def _solve(buffers: list[Buffer], keys: list[tuple[str, int, int]], time_limit_s
 
 
 def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi",
-                   alignment: int = 1) -> MemoryPlan:
+                   alignment: int = 1, identical_layers: bool = True) -> MemoryPlan:
     """Bi-level plan of ``trace`` within about ``time_limit_s`` seconds in all; ``mip`` is the
     MIP solver each DSA solve may use (see :func:`memo.plan.solve.plan`); sizes are rounded up
     to, and offsets placed at, multiples of ``alignment`` bytes.
@@ -93,12 +93,20 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     The level-1 blocks share a quarter of the time (they are small and usually meet their
     bound at once); level 2 gets the rest.
 
+    With ``identical_layers`` (the profiler's check of the method), all inner layers must
+    allocate alike; without it (a run's own recorded step, where MEMO keeps its last two layers
+    on the device, say), layers whose transients differ from the second layer's get blocks of
+    their own.
+
     Raises:
-        memo.profile.layers.LayerMismatchError: if two inner layers allocate differently.
+        memo.profile.layers.LayerMismatchError: if two inner layers allocate differently and
+            ``identical_layers`` is set.
     """
     deadline = time.perf_counter() + time_limit_s
     requests = trace.requests()
-    layers_checked = check_identical_layers(trace, requests)
+    layers_checked = check_identical_layers(trace, requests) if identical_layers else []
+    layers = phase_layers(trace.phases)
+    reference = layers_checked[0] if layers_checked else layers[min(1, len(layers) - 1)] if layers else 0
     rank = trace.malloc_ranks()
 
     transient = [r for r in requests if r.free_phase == r.malloc_phase]
@@ -116,7 +124,7 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
         block = phase
         if phase.startswith("layer."):
             direction = phase.split(".")[2]
-            if shape(phase) == shape(f"layer.{layers_checked[0]}.{direction}"):
+            if shape(phase) == shape(f"layer.{reference}.{direction}"):
                 block = f"layer.{direction}"
         phase_blocks[phase] = block
         if block not in blocks:

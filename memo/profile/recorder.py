@@ -26,7 +26,8 @@ class AllocationRecorder(TorchDispatchMode):
     """Appends an :class:`Event` to ``events`` for every storage created or freed while active.
 
     ``phase`` is read at each event. Storages created before the mode was entered (weights,
-    optimizer states) are not requests; a release seen after :meth:`stop` is not recorded.
+    optimizer states) are not requests, nor are their views and in-place updates; a release
+    seen after :meth:`stop` is not recorded.
     """
 
     def __init__(self, phase: Callable[[], str]):
@@ -40,8 +41,13 @@ class AllocationRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self._recording:
+            # An output on an input's storage (an in-place op, a view such as a weight's
+            # transpose) is no new request, even when that storage predates the recording. A
+            # lifted constant (torch.tensor(...) in the model's code) is: it was just made.
+            inputs = set() if func is torch.ops.aten.lift_fresh.default else {
+                id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
             for tensor in tree_flatten(out)[0]:
-                if isinstance(tensor, torch.Tensor):
+                if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in inputs:
                     self._see(tensor)
         return out
 

@@ -1,0 +1,194 @@
+"""The memory plan in a training run, and the allocator figures every training row carries.
+
+The last warm-up step (the first step when there is none) is recorded: every allocation request
+with its phase. Requests, their order and sizes do not depend on the data, so that one step
+stands for all others, and it is the run's own: every method, MEMO's swapping included, is
+recorded as it really allocates. With ``plan=true`` the step is then planned (bi-level, on the
+512-byte grid PyTorch aligns tensors to) and every later step is served from it:
+
+* on a GPU, the layer regions' requests are placed in one arena by
+  :mod:`memo.execute.cuda_arena`, the rest go to CUDA's stream-ordered pool;
+* on the CPU, tensors are not placed (the CPU allocator is not replaceable): each step's
+  requests are recorded and replayed through the same :class:`PlanServer`, which validates the
+  plan against the live run and gives the same counts.
+
+The row's ``allocator.*`` columns are the iteration's allocator figures: measured on a GPU, and
+on the CPU those of PyTorch's caching allocator replaying the recorded step (with the plan, of
+the arena plus the caching allocator serving the rest), so the ablation can be previewed on a
+laptop.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Iterator, Optional
+
+import torch
+
+from memo.config import PlannerConfig
+from memo.execute.plan_server import PlanServer, serve_events
+from memo.plan.bilevel import plan_iteration
+from memo.plan.caching_allocator import simulate
+from memo.profile.recorder import AllocationRecorder, PhaseMarker
+from memo.profile.trace import Trace
+
+log = logging.getLogger("memo")
+
+ALIGNMENT = 512  # bytes: the CUDA caching allocator's block alignment, kept by the plan
+CPU_SERVING = "validated on the CPU: tensors are not placed in the arena, the run's requests are matched"
+
+
+def record_step(warmup_steps: int) -> int:
+    """The 0-based step that is recorded (and planned): the last warm-up step, else the first."""
+    return max(warmup_steps - 1, 0)
+
+
+class PlanRuntime:
+    """Records one step of ``gpt``'s training and, with ``plan``, serves the later ones.
+
+    Wrap each step in :meth:`step`; the marker it yields (None when the step is neither recorded
+    nor served) must be told of the backward pass and the optimizer step. ``arena`` is the
+    installed :class:`memo.execute.cuda_arena.ArenaAllocator` on a GPU with ``plan``, else None.
+    """
+
+    def __init__(self, gpt: torch.nn.Module, plan: bool, planner: PlannerConfig, warmup_steps: int,
+                 device_type: str, arena=None):
+        if plan and device_type == "cuda" and arena is None:
+            raise ValueError("plan=true on a GPU needs the installed arena allocator")
+        self.gpt, self.plan, self.planner = gpt, plan, planner
+        self.record_at = record_step(warmup_steps)
+        self.device_type = device_type
+        self.arena = arena
+        self.server: Optional[PlanServer] = None
+        self.marker: Optional[PhaseMarker] = None
+        self.row: dict = {"plan.serving": None}
+        self._recorder: Optional[AllocationRecorder] = None  # the CPU's, over all served steps
+        self._cursor = 0
+        self._live: dict[int, int] = {}
+        self._last_step: Optional[tuple[list, dict]] = None  # the CPU's last served step
+
+    def phase(self) -> str:
+        return self.marker.phase if self.marker is not None else "setup"
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[Optional[PhaseMarker]]:
+        """The context of 0-based training step ``step``."""
+        # On a GPU without the plan the allocator's figures are measured: nothing to record.
+        recorded = self.plan or self.device_type == "cpu"
+        if not recorded or step < self.record_at or (step > self.record_at and self.server is None):
+            yield None
+            return
+        self.marker = PhaseMarker(self.gpt, on_change=self._on_phase)
+        try:
+            if step == self.record_at:
+                with self._recording() as events:
+                    yield self.marker
+                self._planned(Trace(events, {"step": step + 1}))
+            else:
+                with self._serving():
+                    yield self.marker
+        finally:
+            self.marker.remove()
+            self.marker = None
+
+    def _on_phase(self, phase: str) -> None:
+        if self.server is not None and self.device_type == "cuda":
+            self.server.begin(phase)
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[list]:
+        events: list = []
+        if self.arena is not None:
+            self.arena.set_modes(serve=False, record=True)
+            try:
+                yield events
+            finally:
+                self.arena.set_modes(serve=False, record=False)
+            events.extend(self.arena.take_events())
+        else:
+            recorder = AllocationRecorder(self.phase)
+            with recorder:
+                yield events
+            recorder.stop()
+            events.extend(recorder.events)
+
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[None]:
+        if self.arena is not None:
+            self.server.start_iteration()
+            self.server.begin(self.phase())
+            self.arena.set_modes(serve=True, record=False)
+            try:
+                yield
+            finally:
+                self.arena.set_modes(serve=False, record=False)
+            return
+        if self._recorder is None:
+            self._recorder = AllocationRecorder(lambda: self.phase())
+        with self._recorder:
+            yield
+        events = self._recorder.events[self._cursor:]
+        self._cursor = len(self._recorder.events)
+        self._last_step = (events, serve_events(self.server, events, self._live))
+
+    def _planned(self, trace: Trace) -> None:
+        """Simulate the recorded step's allocator, and plan it when asked."""
+        if self.device_type == "cpu":
+            stats = simulate(trace.events)
+            self.row.update(_allocator_row(stats, "simulated caching allocator"))
+        if not self.plan:
+            return
+        start = time.perf_counter()
+        memory_plan = plan_iteration(trace, self.planner.time_limit_s, self.planner.mip, ALIGNMENT,
+                                     identical_layers=False)
+        self.server = PlanServer(memory_plan)
+        seconds = time.perf_counter() - start
+        self.row.update({
+            "plan.seconds": seconds, "plan.solver": memory_plan.iteration.solver,
+            "plan.recorded_step": self.record_at + 1, "plan.recorded_requests": sum(
+                e.op == "malloc" and e.size > 0 for e in trace.events),
+            "plan.serving": "arena" if self.arena is not None else CPU_SERVING,
+        })
+        log.info("memory plan of step %d: %d requests, arena %.1f MiB for the layers (iteration peak "
+                 "%.1f MiB), planned in %.1f s", self.record_at + 1, self.row["plan.recorded_requests"],
+                 self.server.arena_bytes / 2**20, memory_plan.arena_bytes / 2**20, seconds)
+        if self.arena is not None:
+            from memo.execute.cuda_arena import allocate_arena
+
+            allocate_arena(self.arena, self.server.arena_bytes)
+            self.arena.server = self.server
+
+    def finish(self) -> dict:
+        """The plan's and the allocator's figures for the result row (``plan.*``,
+        ``allocator.*``). On the CPU with the plan, the caching allocator's figures are those of
+        the last served step: the arena, plus the caching allocator serving what it did not place."""
+        row = dict(self.row)
+        if self.server is None:
+            return row
+        row.update(self.server.finish().row())
+        if self.arena is not None and self.arena.errors:
+            row["plan.errors"] = "; ".join(self.arena.errors[:3])
+        if self._last_step is not None:
+            events, offsets = self._last_step
+            made = {e.id for e in events if e.op == "malloc"}
+            rest = [e for e in events if e.id in made and offsets.get(e.id) is None]
+            stats = simulate(rest)
+            peak = simulate([e for e in events if e.id in made]).peak_allocated
+            row.update(_allocator_row(dataclasses.replace(stats, peak_allocated=peak),
+                                      "simulated caching allocator and arena", self.server.arena_bytes))
+        return row
+
+
+ALLOCATOR_FIELDS = (
+    "allocator.source", "allocator.peak_allocated_bytes", "allocator.peak_reserved_bytes",
+    "allocator.num_alloc_retries", "allocator.cuda_malloc_count", "allocator.cuda_free_count",
+)
+
+
+def _allocator_row(stats, source: str, arena_bytes: int = 0) -> dict:
+    """``allocator.*`` columns of an :class:`memo.plan.caching_allocator.AllocatorStats`, with
+    an arena of ``arena_bytes`` (one more device allocation) reserved beside it."""
+    values = (source, stats.peak_allocated, stats.peak_reserved + arena_bytes, stats.num_alloc_retries,
+              stats.num_device_alloc + (1 if arena_bytes else 0), stats.num_device_free)
+    return dict(zip(ALLOCATOR_FIELDS, values, strict=True))

@@ -1,0 +1,131 @@
+"""``plan=true`` in a training run on the CPU, and the native allocator the GPU uses, driven on
+host memory."""
+
+import ctypes
+import functools
+
+import pytest
+import torch
+from conftest import compose_config, run_in_process
+
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, validate
+from memo.execute.cuda_arena import ArenaAllocator, build_library
+from memo.execute.plan_runtime import CPU_SERVING
+from memo.execute.plan_server import PlanServer
+from memo.plan.bilevel import addresses, plan_iteration
+from memo.profile.iteration import trace_iteration
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["memo", "full_recompute"])
+def test_a_planned_cpu_run_matches_every_request_of_its_steps(tmp_path, method):
+    row = run_in_process(tmp_path / method, f"method={method}", "plan=true", "model=tiny", "seq=512",
+                         "train.steps=4", "train.warmup_steps=2")
+    assert row["status"] == "ok", row["error"]
+    assert row["plan.serving"] == CPU_SERVING and row["plan.recorded_step"] == 2
+    assert row["plan.iterations"] == 2 and row["plan.served"] > 0
+    # The same requests in the same order, every step: nothing falls back, nothing is missing.
+    assert (row["plan.divergences"], row["plan.fallback"], row["plan.missing"]) == (0, 0, 0)
+    assert row["plan.served"] == 2 * row["plan.recorded_requests"]
+    assert 0 < row["plan.peak_live_bytes"] <= row["plan.arena_bytes"] == row["plan.planned_peak_bytes"]
+    # Everything is in the arena: one device allocation, reserved no more than the arena.
+    assert row["allocator.peak_reserved_bytes"] == row["plan.arena_bytes"]
+    assert row["allocator.cuda_malloc_count"] == 1 and row["allocator.num_alloc_retries"] == 0
+
+
+@pytest.mark.slow
+def test_an_unplanned_cpu_run_reports_the_caching_allocators_figures(tmp_path):
+    row = run_in_process(tmp_path / "none", "method=full_recompute", "model=tiny", "seq=512", "train.steps=3")
+    assert row["status"] == "ok", row["error"]
+    assert row["allocator.source"] == "simulated caching allocator" and row["plan.serving"] is None
+    assert row["allocator.peak_reserved_bytes"] >= row["allocator.peak_allocated_bytes"] > 0
+    assert row["allocator.cuda_malloc_count"] > 1 and row["plan.served"] is None
+
+
+def test_plan_needs_a_warm_up_step_and_one_micro_batch():
+    with pytest.raises(ConfigError, match="set train.warmup_steps=1 or more"):
+        validate(compose_config("plan=true", "train.warmup_steps=0"))
+    with pytest.raises(ConfigError, match="set train.micro_batches=1"):
+        validate(compose_config("plan=true", "train.micro_batches=2"))
+    assert validate(compose_config("plan=true")) == 1024
+
+
+@functools.lru_cache
+def _tiny_plan():
+    model = ModelConfig(name="tiny", num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
+                        vocab_size=512)
+    trace = trace_iteration(model, MethodConfig(name="none"), ParallelConfig(), 256, 1, torch.float32, "fake")
+    return trace, plan_iteration(trace, time_limit_s=5, mip="none", alignment=512)
+
+
+def test_the_native_allocator_places_planned_requests_in_the_arena_and_the_rest_elsewhere(tmp_path):
+    trace, memory_plan = _tiny_plan()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    phase = ["setup"]
+    allocator = ArenaAllocator(build_library(tmp_path), lambda: phase[0],
+                               (lambda size, stream: libc.malloc(size), lambda ptr, stream: libc.free(ptr)))
+    server = PlanServer(memory_plan)
+    arena = ctypes.create_string_buffer(server.arena_bytes)
+    base = ctypes.addressof(arena)
+    allocator.configure(base, server.arena_bytes)
+    allocator.server = server
+    planned = addresses(memory_plan, trace)
+
+    # One iteration as PyTorch would call the allocator, with one request the plan never made.
+    allocator.set_modes(serve=True, record=False)
+    server.start_iteration()
+    pointers, sizes = {}, {}
+    for event in trace.events:
+        if event.phase != phase[0]:
+            phase[0] = event.phase
+            server.begin(event.phase)
+        if event.op == "malloc":
+            pointers[event.id] = allocator.lib.memo_alloc(event.size, 0, None)
+            sizes[event.id] = event.size
+            if event.phase == "layer.2.fwd" and not any(s < 0 for s in sizes):
+                sizes[-1] = 12345  # an extra request: this phase falls back from here on
+                pointers[-1] = allocator.lib.memo_alloc(12345, 0, None)
+        elif event.id in pointers:
+            allocator.lib.memo_free(pointers.pop(event.id), sizes[event.id], 0, None)
+    allocator.set_modes(serve=False, record=False)
+    assert allocator.errors == []
+    stats = server.finish()
+    counters = allocator.counters()
+    assert counters["served"] == stats.served > 0 and counters["fallback_mallocs"] == stats.fallback > 0
+    assert stats.divergences == 1 and stats.first_divergence.startswith("layer.2.fwd")
+
+    # Serve the same iteration again without the extra request: every request at its offset.
+    allocator.set_modes(serve=True, record=False)
+    for pointer, size in [(p, sizes[i]) for i, p in pointers.items()]:
+        allocator.lib.memo_free(pointer, size, 0, None)  # what outlived the iteration
+    server.start_iteration()
+    for event in trace.events:
+        if event.phase != phase[0]:
+            phase[0] = event.phase
+            server.begin(event.phase)
+        if event.op == "malloc":
+            pointer = allocator.lib.memo_alloc(event.size, 0, None)
+            if event.size:
+                assert pointer == base + planned[event.id], event
+            pointers[event.id] = pointer
+        elif event.id in pointers:
+            allocator.lib.memo_free(pointers.pop(event.id), event.size, 0, None)
+    assert server.finish().divergences == 1 and allocator.errors == []
+
+    # Recording: fallback requests and frees come back as events of the current phase.
+    allocator.set_modes(serve=False, record=True)
+    phase[0] = "optimizer"
+    a = allocator.lib.memo_alloc(1000, 0, None)
+    assert not base <= a < base + server.arena_bytes
+    allocator.lib.memo_free(a, 1000, 0, None)
+    events = allocator.take_events()
+    assert [(e.op, e.size, e.phase) for e in events] == [("malloc", 1000, "optimizer"), ("free", 1000, "optimizer")]
+
+
+def test_without_a_c_compiler_plan_true_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError, match="finds no C compiler"):
+        build_library(tmp_path / "empty-cache")
