@@ -121,7 +121,8 @@ def test_the_native_allocator_places_planned_requests_in_the_arena_and_the_rest_
     assert not base <= a < base + server.arena_bytes
     allocator.lib.memo_free(a, 1000, 0, None)
     events = allocator.take_events()
-    assert [(e.op, e.size, e.phase) for e in events] == [("malloc", 1000, "optimizer"), ("free", 1000, "optimizer")]
+    assert [(e.op, e.size, e.phase) for e in events] == [("malloc", 1000, "optimizer"),
+                                                         ("free", 1000, "optimizer")]
 
 
 def test_without_a_c_compiler_plan_true_says_what_to_install(tmp_path, monkeypatch):

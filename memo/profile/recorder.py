@@ -45,7 +45,8 @@ class AllocationRecorder(TorchDispatchMode):
             # transpose) is no new request, even when that storage predates the recording. A
             # lifted constant (torch.tensor(...) in the model's code) is: it was just made.
             inputs = set() if func is torch.ops.aten.lift_fresh.default else {
-                id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+                id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor)}
             for tensor in tree_flatten(out)[0]:
                 if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in inputs:
                     self._see(tensor)
