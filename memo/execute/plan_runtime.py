@@ -6,8 +6,9 @@ stands for all others, and it is the run's own: every method, MEMO's swapping in
 recorded as it really allocates. With ``plan=true`` the step is then planned (bi-level, on the
 512-byte grid PyTorch aligns tensors to) and every later step is served from it:
 
-* on a GPU, the layer regions' requests are placed in one arena by
-  :mod:`memo.execute.cuda_arena`, the rest go to CUDA's stream-ordered pool;
+* on a GPU, the planned requests (the whole iteration, as level 2 plans it) are placed in one
+  arena by :mod:`memo.execute.cuda_arena`; what departs from the plan goes to CUDA's
+  stream-ordered pool;
 * on the CPU, tensors are not placed (the CPU allocator is not replaceable): each step's
   requests are recorded and replayed through the same :class:`PlanServer`, which validates the
   plan against the live run and gives the same counts.
@@ -150,8 +151,8 @@ class PlanRuntime:
                 e.op == "malloc" and e.size > 0 for e in trace.events),
             "plan.serving": "arena" if self.arena is not None else CPU_SERVING,
         })
-        log.info("memory plan of step %d: %d requests, arena %.1f MiB for the layers (iteration peak "
-                 "%.1f MiB), planned in %.1f s", self.record_at + 1, self.row["plan.recorded_requests"],
+        log.info("memory plan of step %d: %d requests, arena %.1f MiB for the served phases (iteration "
+                 "peak %.1f MiB), planned in %.1f s", self.record_at + 1, self.row["plan.recorded_requests"],
                  self.server.arena_bytes / 2**20, memory_plan.arena_bytes / 2**20, seconds)
         if self.arena is not None:
             from memo.execute.cuda_arena import allocate_arena
