@@ -77,13 +77,13 @@ def test_a_run_stopped_from_outside_keeps_its_steps_and_leaves_no_row(tmp_path, 
     """A scheduler's timeout signal ends in SystemExit: no row, so that the requeued attempt runs."""
     real_run_steps = memo.job.run_steps
 
-    def stopped_after_two_steps(optimizer, batches, train, device_type, on_step):
+    def stopped_after_two_steps(optimizer, batches, train, device_type, on_step, step_scope=None):
         def record(step):
             on_step(step)
             if step["step"] == 2:
                 raise SystemExit(-1)
 
-        real_run_steps(optimizer, batches, train, device_type, record)
+        real_run_steps(optimizer, batches, train, device_type, record, step_scope)
 
     monkeypatch.setattr(memo.job, "run_steps", stopped_after_two_steps)
     with pytest.raises(SystemExit):
