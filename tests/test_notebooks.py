@@ -98,10 +98,11 @@ def test_the_report_turns_a_smoke_sweep_into_the_ablation_table_and_figures(resu
     done = subprocess.run([PYTHON, "-m", "analysis.report", str(sweep), "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "ablation_cpu_smoke: 6 runs (ok 6)" in done.stdout
+    assert "ablation_cpu_smoke: 10 runs (ok 10)" in done.stdout
     table = (tmp_path / "ablation_cpu_smoke.md").read_text()
     mfu_rows = [line for line in table.splitlines() if line.startswith("| mfu ")]
-    assert [line.split("|")[2].strip() for line in mfu_rows] == ["full_recompute", "full_swap", "memo"]
+    assert [line.split("|")[2].strip() for line in mfu_rows] == ["full_recompute", "full_recompute+plan",
+                                                                 "full_swap+plan", "memo", "memo+plan"]
     assert all(cell.strip().endswith("%") for line in mfu_rows for cell in line.split("|")[3:5])
     for figure in ("mfu_vs_seq", "tgs_vs_seq", "step_time"):
         png = (tmp_path / f"ablation_cpu_smoke_{figure}.png").read_bytes()
