@@ -230,7 +230,7 @@ def allocate_arena(allocator: ArenaAllocator, arena_bytes: int) -> None:
     """
     import torch
 
-    cudart = _cudart()
+    cudart = allocator.fallback_pool[0]  # the runtime library found at install
     address = ctypes.c_void_p()
     if cudart.cudaMalloc(ctypes.byref(address), ctypes.c_size_t(arena_bytes)) != 0:
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: the plan's arena of {arena_bytes} bytes")

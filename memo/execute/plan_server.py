@@ -193,10 +193,6 @@ class PlanServer:
         self._counts["fallback_bytes"] += size
         return None
 
-    def live_ranges(self) -> list[tuple[int, int]]:
-        """The ``[start, end)`` arena ranges (bytes) of the served requests still live."""
-        return [(s, self._ends[s]) for s in self._starts]
-
     def stats(self) -> ServingStats:
         """The figures so far; requests still to come in the current iteration are not missing yet."""
         return ServingStats(arena_bytes=self.arena_bytes, planned_peak_bytes=self.planned_peak_bytes,
