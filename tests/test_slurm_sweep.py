@@ -2,6 +2,7 @@
 them: ``python run.py -m hydra/launcher=slurm_local +experiment=...``. Every job leaves its row:
 a job that fails its checks, a job killed by the scheduler, and a preempted job that is requeued."""
 
+import getpass
 import json
 import subprocess
 import time
@@ -29,6 +30,21 @@ def wait_for_steps(path: Path, steps: int, process: subprocess.Popen, deadline_s
         assert process.poll() is None, process.communicate()[1][-3000:]
         assert time.monotonic() < deadline, f"no {steps} step(s) in {path} after {deadline_s} s"
         time.sleep(0.5)
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_behind(slurm_cluster):
+    """Cancel what a test left queued or running, so that a failure does not hold the next test's
+    job behind it on the one node."""
+    yield
+    subprocess.run(["scancel", "--full", "--user", getpass.getuser()], env=slurm_cluster.env, timeout=30, check=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        queue = subprocess.run(["squeue", "--noheader"], env=slurm_cluster.env, capture_output=True,
+                               text=True, timeout=30, check=False)
+        if not queue.stdout.strip():
+            return
+        time.sleep(1)
 
 
 def slurm_job_id(sweep_dir: Path) -> str:
@@ -65,7 +81,8 @@ def test_an_experiment_runs_as_one_array_and_every_job_leaves_its_row(slurm_clus
 def test_a_job_the_scheduler_kills_gets_a_row_and_the_sweep_says_so(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
     process = subprocess.Popen(
-        sweep_command(sweep, "seq=1k", "train.steps=500", "+experiment=ablation_cpu_smoke", "method=none"),
+        sweep_command(sweep, "seq=1k", "train.steps=500", "+experiment=ablation_cpu_smoke", "method=none",
+                      "plan=false"),
         cwd=tmp_path, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     wait_for_steps(sweep / "0" / "metrics.jsonl", 1, process)
