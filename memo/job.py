@@ -33,7 +33,7 @@ from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import SwapReport, prepare_swap
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
-from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime
+from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
 from memo.execute.plan_server import ServingStats
 from memo.execute.progress import format_seconds, step_progress
 from memo.execute.train import run_steps
@@ -302,12 +302,7 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
         raise
     row.update(_max_over_ranks(memory.read(), device_type))
     if device_type == "cuda":
-        row.update({"allocator.source": "plan arena and cudaMallocAsync" if arena else "caching allocator",
-                    "allocator.peak_allocated_bytes": row["peak_allocated_bytes"],
-                    "allocator.peak_reserved_bytes": row["peak_reserved_bytes"],
-                    "allocator.num_alloc_retries": row["alloc_retries"],
-                    "allocator.cuda_malloc_count": row["cuda_malloc_count"],
-                    "allocator.cuda_free_count": row["cuda_free_count"]})
+        row.update(measured_allocator_row(row, arena is not None))
 
     times = [r["iter_time_s"] for r in records if r["timed"]]
     iter_time = statistics.fmean(times)

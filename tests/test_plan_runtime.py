@@ -10,7 +10,7 @@ from conftest import compose_config, run_in_process
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, validate
 from memo.execute.cuda_arena import ArenaAllocator, build_library
-from memo.execute.plan_runtime import CPU_SERVING
+from memo.execute.plan_runtime import CPU_SERVING, measured_allocator_row
 from memo.execute.plan_server import PlanServer
 from memo.plan.bilevel import addresses, plan_iteration
 from memo.profile.iteration import trace_iteration
@@ -40,6 +40,17 @@ def test_an_unplanned_cpu_run_reports_the_caching_allocators_figures(tmp_path):
     assert row["allocator.source"] == "simulated caching allocator" and row["plan.serving"] is None
     assert row["allocator.peak_reserved_bytes"] >= row["allocator.peak_allocated_bytes"] > 0
     assert row["allocator.cuda_malloc_count"] > 1 and row["plan.served"] is None
+
+
+def test_a_gpu_rows_measured_figures_become_its_allocator_columns():
+    figures = {"peak_allocated_bytes": 7, "peak_reserved_bytes": 11, "alloc_retries": 2,
+               "cuda_malloc_count": 5, "cuda_free_count": 3}
+    assert measured_allocator_row(figures, planned=False) == {
+        "allocator.source": "caching allocator", "allocator.peak_allocated_bytes": 7,
+        "allocator.peak_reserved_bytes": 11, "allocator.num_alloc_retries": 2,
+        "allocator.cuda_malloc_count": 5, "allocator.cuda_free_count": 3}
+    planned = measured_allocator_row(figures, planned=True)
+    assert planned["allocator.source"] == "plan arena and cudaMallocAsync"
 
 
 def test_plan_needs_a_warm_up_step_and_one_micro_batch():

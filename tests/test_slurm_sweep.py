@@ -37,7 +37,8 @@ def no_job_left_behind(slurm_cluster):
     """Cancel what a test left queued or running, so that a failure does not hold the next test's
     job behind it on the one node."""
     yield
-    subprocess.run(["scancel", "--full", "--user", getpass.getuser()], env=slurm_cluster.env, timeout=30, check=False)
+    subprocess.run(["scancel", "--full", "--user", getpass.getuser()], env=slurm_cluster.env, timeout=30,
+                   check=False)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         queue = subprocess.run(["squeue", "--noheader"], env=slurm_cluster.env, capture_output=True,

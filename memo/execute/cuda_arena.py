@@ -138,6 +138,7 @@ class ArenaAllocator:
             cudart.cudaMemPoolGetAttribute(pool, _RESERVED_MEM_HIGH, ctypes.byref(high))
             reserved = high.value
         return {"peak_allocated_bytes": counters["peak_allocated_bytes"],
+                # Nothing here frees cached memory to retry a failed request: no retries, by design.
                 "peak_reserved_bytes": self.arena_bytes + reserved, "alloc_retries": 0,
                 "cuda_malloc_count": counters["fallback_mallocs"] + (self.arena_bytes > 0),
                 "cuda_free_count": counters["fallback_frees"]}
@@ -207,7 +208,7 @@ def install(phase: Callable[[], str]) -> ArenaAllocator:
 
 
 # cudaMemPoolAttr values (CUDA runtime API)
-_RELEASE_THRESHOLD, _RESERVED_MEM_CURRENT, _RESERVED_MEM_HIGH = 4, 5, 6
+_RELEASE_THRESHOLD, _RESERVED_MEM_HIGH = 4, 6
 
 
 def _cache_fallback_pool(cudart: ctypes.CDLL, device: int) -> ctypes.c_void_p:

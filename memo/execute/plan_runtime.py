@@ -126,7 +126,7 @@ class PlanRuntime:
                 self.arena.set_modes(serve=False, record=False)
             return
         if self._recorder is None:
-            self._recorder = AllocationRecorder(lambda: self.phase())
+            self._recorder = AllocationRecorder(self.phase)
         with self._recorder:
             yield
         events = self._recorder.events[self._cursor:]
@@ -192,4 +192,14 @@ def _allocator_row(stats, source: str, arena_bytes: int = 0) -> dict:
     an arena of ``arena_bytes`` (one more device allocation) reserved beside it."""
     values = (source, stats.peak_allocated, stats.peak_reserved + arena_bytes, stats.num_alloc_retries,
               stats.num_device_alloc + (1 if arena_bytes else 0), stats.num_device_free)
+    return dict(zip(ALLOCATOR_FIELDS, values, strict=True))
+
+
+def measured_allocator_row(figures: dict, planned: bool) -> dict:
+    """``allocator.*`` columns of a GPU run's measured peak-memory ``figures``
+    (:meth:`memo.metrics.PeakMemory.read`), from the plan's allocator when ``planned``."""
+    source = "plan arena and cudaMallocAsync" if planned else "caching allocator"
+    names = ("peak_allocated_bytes", "peak_reserved_bytes", "alloc_retries", "cuda_malloc_count",
+             "cuda_free_count")
+    values = (source, *(figures[name] for name in names))
     return dict(zip(ALLOCATOR_FIELDS, values, strict=True))

@@ -35,11 +35,6 @@ def _slice_for_context_parallel(micro_batch: dict) -> dict:
     return get_batch_on_this_cp_rank(dict(micro_batch))
 
 
-@contextlib.contextmanager
-def _no_scope(step: int) -> Iterator[None]:
-    yield None
-
-
 def run_steps(
     optimizer: StepOptimizer,
     batches: Iterator[list[dict]],
@@ -62,7 +57,7 @@ def run_steps(
     for step in range(train.steps):
         batch = next(batches)
         lr = learning_rate(train, step)
-        with (step_scope or _no_scope)(step) as marker:
+        with step_scope(step) if step_scope else contextlib.nullcontext() as marker:
             sync()
             start = time.perf_counter()
             optimizer.zero_grad()

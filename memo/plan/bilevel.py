@@ -105,8 +105,10 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     deadline = time.perf_counter() + time_limit_s
     requests = trace.requests()
     layers_checked = check_identical_layers(trace, requests) if identical_layers else []
+    # The layer whose transients the shared layer blocks are planned from: the second, as the
+    # first may differ (it receives the embedding's output).
     layers = phase_layers(trace.phases)
-    reference = layers_checked[0] if layers_checked else layers[min(1, len(layers) - 1)] if layers else 0
+    reference = (layers_checked or layers[1:2] or layers or [0])[0]
     rank = trace.malloc_ranks()
 
     transient = [r for r in requests if r.free_phase == r.malloc_phase]
