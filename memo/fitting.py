@@ -23,7 +23,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from memo import hardware
-from memo.config import ConfigError, ParallelConfig, parse_alpha, parse_seq, validate
+from memo.config import ConfigError, ParallelConfig, parse_alpha, parse_seq, resolve_loss, validate
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
 from memo.fit.search import LayoutResult, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
@@ -62,7 +62,7 @@ def problem_of(cfg: DictConfig, hw: hardware.Hardware) -> Problem:
     dtype = resolve_dtype(cfg.train.dtype, hw.device_type)
     return Problem(
         model=OmegaConf.to_object(cfg.model),
-        method=OmegaConf.to_object(cfg.method),
+        method=dataclasses.replace(OmegaConf.to_object(cfg.method), loss=resolve_loss(cfg)),
         hardware=hardware.with_measured_peak(hw, dtype),
         fit=OmegaConf.to_object(cfg.fit),
         dtype=dtype,
@@ -72,6 +72,7 @@ def problem_of(cfg: DictConfig, hw: hardware.Hardware) -> Problem:
         plan=cfg.plan,
         alpha=parse_alpha(cfg.alpha),
         plan_time_limit_s=cfg.planner.time_limit_s,
+        loss_tile_tokens=cfg.train.loss_tile_tokens,
     )
 
 
@@ -185,6 +186,7 @@ def _row(p: Prediction, problem: Problem) -> dict[str, Any]:
         "dtype": str(problem.dtype).removeprefix("torch."),
         **{f"hardware.{k}": v for k, v in dataclasses.asdict(problem.hardware).items()},
         "params": parameter_count(problem.model),
+        "train.loss": problem.method.loss,
         "global_batch_size": global_batch,
         "tokens_per_iter": global_batch * p.seq,
         "flops_per_iter": p.time.flops_per_iteration,

@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from omegaconf import DictConfig, OmegaConf
 
 from memo import hardware
-from memo.config import ConfigError, parse_alpha, validate
+from memo.config import ConfigError, parse_alpha, resolve_loss, validate
 from memo.execute import distributed
 from memo.execute.streams import streams_for
 from memo.execute.swap import SwapRuntime
@@ -112,7 +112,8 @@ def _swap_accounting(runtime: SwapRuntime, step: int, writer: ResultWriter) -> d
         for r in layers
     ])
     return {
-        "skeletal_device_bytes": runtime.rounding_buffer_bytes + sum(r["device"] for r in layers),
+        # The last two layers keep theirs inside the buffers: nothing is held beside them.
+        "skeletal_device_bytes": runtime.rounding_buffer_bytes,
         "skeletal_host_bytes": sum(r["host"] for r in layers),
         "recomputed_bytes": sum(r["recomputed"] for r in layers),
     }
@@ -208,6 +209,7 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
     """Everything of a job that can fail; fills ``row`` as facts become known."""
     seq = validate(cfg)
     row["seq"] = seq
+    row["train.loss"] = loss = resolve_loss(cfg)
     hw = hardware.resolve(cfg.hardware)
     _check_device_visible(hw)
     device_type = hw.device_type
@@ -234,7 +236,8 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
     memory.reset()
     try:
         built = build_gpt(
-            cfg.model, cfg.method, cfg.parallel, seq, dtype, device_type, cfg.train.attention_backend
+            cfg.model, cfg.method, cfg.parallel, seq, dtype, device_type, cfg.train.attention_backend,
+            loss, cfg.train.loss_tile_tokens,
         )
         optimizer = build_optimizer(built.module, cfg.train, device_type)
         swap = None

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from memo.config import ConfigError, validate
+from memo.config import ConfigError, resolve_loss, validate
 from memo.model import resolve_dtype
 from memo.plan.bilevel import plan_iteration, write_plan
 from memo.plan.caching_allocator import simulate
@@ -70,8 +70,10 @@ def profile_and_plan(cfg: DictConfig, output_dir: Path, overrides=()) -> dict[st
         dtype = resolve_dtype(cfg.train.dtype, "cpu" if backend == "cpu" else "cuda")
         row["dtype"] = str(dtype).removeprefix("torch.")
         start = time.perf_counter()
-        trace = trace_iteration(cfg.model, cfg.method, cfg.parallel, seq, cfg.train.micro_batch_size,
-                                dtype, backend, cfg.train.seed)
+        row["train.loss"] = loss = resolve_loss(cfg)
+        method = dataclasses.replace(OmegaConf.to_object(cfg.method), loss=loss)
+        trace = trace_iteration(cfg.model, method, cfg.parallel, seq, cfg.train.micro_batch_size,
+                                dtype, backend, cfg.train.seed, cfg.train.loss_tile_tokens)
         row["profile.seconds"] = time.perf_counter() - start
         row["profile.events"] = len(trace.events)
         write_trace(output_dir / TRACE_FILE, trace)

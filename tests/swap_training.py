@@ -8,6 +8,7 @@ from memo.execute.optimizer import HostOptimizer
 from memo.execute.streams import InlineStreams
 from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import prepare_swap
+from memo.config import resolve_loss
 from memo.model import build_gpt
 
 from conftest import compose_config
@@ -15,13 +16,15 @@ from conftest import compose_config
 
 def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256, streams=None,
                     alpha=None):
-    """(losses, per-step gradients by parameter name, runtime) of ``steps`` steps of ``method``.
+    """(losses, per-step gradients by parameter name, runtime) of ``steps`` steps of ``method``
+    (with the loss ``train.loss`` in ``overrides`` picks, else the method's).
 
     Megatron's parallel state must be initialized to match ``overrides``.
     """
     cfg = compose_config(f"method={method}", *overrides)
     torch.manual_seed(cfg.train.seed)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu").module
+    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu",
+                      loss=resolve_loss(cfg)).module
     runtime = None
     if cfg.method.layer_activations == "swap":
         chunks = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1

@@ -31,11 +31,11 @@ def test_each_method_trains_and_the_loss_falls(tmp_path, method):
     assert row["steps_timed"] == 7 and row["params"] == 16_037_376
 
 
-def _one_backward(method: str):
+def _one_backward(method: str, loss: str):
     """Loss, gradients and saved-activation bytes of one forward/backward pass (seed 0)."""
     cfg = compose_config(f"method={method}")
     torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu").module
+    model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu", loss=loss).module
     (batch,) = next(micro_batches(SyntheticTokens(50257, 0), 256, 2, 1, 0, 1, torch.device("cpu")))
     saved = []
 
@@ -49,13 +49,15 @@ def _one_backward(method: str):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sum(saved)
 
 
+@pytest.mark.parametrize("loss_name", ["megatron", "tiled"])
 @pytest.mark.parametrize("method, checkpoints", [("megatron_full_recompute", 4), ("megatron_selective", 4)])
-def test_megatron_recomputation_gives_the_same_gradients(single_process, monkeypatch, method, checkpoints):
-    loss, grads, kept = _one_backward("none")
+def test_megatron_recomputation_gives_the_same_gradients(single_process, monkeypatch, method, checkpoints,
+                                                         loss_name):
+    loss, grads, kept = _one_backward("none", loss_name)
     calls = []
     original = tensor_parallel.checkpoint
     monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *a: calls.append(1) or original(*a))
-    loss_r, grads_r, kept_r = _one_backward(method)
+    loss_r, grads_r, kept_r = _one_backward(method, loss_name)
     assert len(calls) == checkpoints  # Megatron's own checkpointing ran, once per layer
     assert kept_r < kept  # and it kept fewer activations for the backward pass
     torch.testing.assert_close(loss_r, loss)

@@ -13,7 +13,7 @@ from memo.config.schema import (
     TrainConfig,
     register_configs,
 )
-from memo.config.validate import ConfigError, parse_alpha, parse_seq, validate
+from memo.config.validate import ConfigError, parse_alpha, parse_seq, resolve_loss, validate
 
 __all__ = [
     "ClusterConfig",
@@ -30,5 +30,6 @@ __all__ = [
     "parse_alpha",
     "parse_seq",
     "register_configs",
+    "resolve_loss",
     "validate",
 ]

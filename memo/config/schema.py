@@ -44,6 +44,9 @@ class MethodConfig:
     layer_activations: str = "megatron"
     # swap only: a fixed fraction of tokens swapped (full_swap: 1.0); None takes the run's `alpha`.
     alpha: Optional[float] = None
+    # The loss a run of this method uses unless train.loss says otherwise: "tiled" (memo's
+    # sequence-tiled output layer and cross entropy) or "megatron" (Megatron-core's own).
+    loss: str = "megatron"
 
 
 @dataclass
@@ -104,6 +107,12 @@ class TrainConfig:
     data: str = "synthetic"  # "synthetic" or the path of a text file read as byte tokens
     attention_backend: str = "auto"  # auto, te, cudnn, flash, efficient or math
     distributed_optimizer: bool = False  # shard optimizer states over data parallel (GPU)
+    # Output layer and cross entropy: auto (the method's `loss`), tiled (logits made per tile of
+    # tokens, never for the whole sequence; memo.model.loss) or megatron (Megatron-core's own).
+    loss: str = "auto"
+    # tiled: tokens of this rank per tile; None: the largest power of two whose fp32 logits fit
+    # in 256 MiB.
+    loss_tile_tokens: Optional[int] = None
 
 
 @dataclass

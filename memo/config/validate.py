@@ -17,6 +17,7 @@ ATTENTION_BACKENDS = ("auto", "te", "cudnn", "flash", "efficient", "math")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 LAYER_ACTIVATIONS = ("megatron", "swap", "recompute")
+LOSSES = ("tiled", "megatron")
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,9 @@ def validate(cfg) -> Optional[int]:
         raise ConfigError(f"train.lr={t.lr} must be positive")
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.attention_backend", t.attention_backend, ATTENTION_BACKENDS)
+    _choice("train.loss", t.loss, ("auto", *LOSSES))
+    if t.loss_tile_tokens is not None:
+        _positive("train.loss_tile_tokens", t.loss_tile_tokens)
     if t.data != "synthetic" and not Path(t.data).is_file():
         raise ConfigError(
             f"train.data={t.data} is neither 'synthetic' nor an existing text file"
@@ -182,7 +186,13 @@ def _check_alpha(cfg) -> None:
         raise ConfigError(f"alpha={cfg.alpha} applies to method=memo only; drop it or use method=memo")
 
 
+def resolve_loss(cfg) -> str:
+    """The loss a run uses: ``train.loss``, or the method's own ``loss`` when that is "auto"."""
+    return cfg.method.loss if cfg.train.loss == "auto" else cfg.train.loss
+
+
 def _check_method(method) -> None:
+    _choice("method.loss", method.loss, LOSSES)
     _choice("method.recompute_granularity", method.recompute_granularity, RECOMPUTE_GRANULARITIES)
     _choice("method.layer_activations", method.layer_activations, LAYER_ACTIVATIONS)
     if method.layer_activations != "megatron" and method.recompute_granularity is not None:

@@ -30,6 +30,7 @@ class Problem:
     plan: bool = False  # transient tensors from the memory plan instead of the caching allocator
     alpha: Optional[float] = None  # swapping methods: fixed α, or None to solve it
     plan_time_limit_s: float = 10.0
+    loss_tile_tokens: Optional[int] = None  # train.loss_tile_tokens (the tiled loss)
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,8 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
         recompute = math.ceil((1 - alpha) * sizes.other)
     fixed_part = common["reserved"] + states.total + rounding + common["cp_buffers"]
     room = hw.device_memory_bytes - fixed_part
-    trace = template.instance(tokens, layers * in_flight, swap=swap, recompute_bytes=recompute)
+    trace = template.instance(tokens, layers * in_flight, swap=swap, recompute_bytes=recompute,
+                              loss_tile_tokens=problem.loss_tile_tokens)
     acts = memory.activations(trace, room, problem.plan, problem.plan_time_limit_s)
     status = "oom"
     if room <= 0:

@@ -16,6 +16,10 @@ tracing each would take seconds. Two facts make them cheap and exact:
   ``inner_layers.bwd`` of their own), which gives the same peak of live bytes as the ``n``-layer
   iteration.
 
+* The tiled loss (``train.loss=tiled``) runs its tiles one after another and frees each tile's
+  requests before the next: the template traces one tile as long as the sequence, and a
+  request made and freed inside one loss phase is sized at one tile of the predicted run.
+
 Gradients (requests alive at the end of the iteration) are left out: Megatron keeps them in one
 buffer allocated before training, which :mod:`memo.fit.memory` counts with the model states.
 """
@@ -25,10 +29,13 @@ import functools
 import itertools
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Optional
 
 import torch
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
+from memo.model.gpt import padded_vocab_size
+from memo.model.loss import auto_tile_tokens
 from memo.profile.iteration import trace_iteration
 from memo.profile.trace import Event, Trace, layer_phase
 
@@ -78,6 +85,12 @@ class IterationTemplate:
         self.events = small.events
         self.sizes = _affine(small.events, large.events, tokens)
         requests = small.requests()
+        # The tiled loss's per-tile requests: made and freed inside one loss phase.
+        self.per_tile = {
+            r.id for r in requests
+            if small.meta.get("loss") == "tiled" and r.malloc_phase.startswith("loss.")
+            and r.free_phase == r.malloc_phase
+        }
         self.gradients = {r.id for r in requests if r.free_phase is None}
         # Kept for a layer's backward: made in a forward phase, freed in that layer's backward.
         self.kept = {
@@ -117,23 +130,38 @@ class IterationTemplate:
         before = layer_phase(layer - 1, "fwd") if layer else "embedding.fwd"
         return sum(self.size(i, tokens) for i in self.kept[layer] if self._made_in[i] == before)
 
-    def instance(self, tokens: int, num_layers: int, swap: bool = False, recompute_bytes: int = 0) -> Trace:
+    def tile_tokens(self, tokens: int, loss_tile_tokens: Optional[int] = None) -> int:
+        """The tokens of one tile of the tiled loss, counted as ``tokens`` is (all tensor-parallel
+        ranks together): at most ``tokens``."""
+        parallel, model = self.meta["parallel"], self.meta["model"]
+        chunks = parallel["tp"] if parallel["sequence_parallel"] else 1
+        vocab = padded_vocab_size(ModelConfig(**model), parallel["tp"]) // parallel["tp"]
+        tile = loss_tile_tokens or auto_tile_tokens(vocab, self.meta["micro_batch_size"])
+        return min(tokens, tile * chunks)
+
+    def instance(self, tokens: int, num_layers: int, swap: bool = False, recompute_bytes: int = 0,
+                 loss_tile_tokens: Optional[int] = None) -> Trace:
         """The iteration of ``num_layers`` layers at ``tokens``, gradients left out.
 
         Args:
-            swap: MEMO's rounding buffers hold the kept tensors of every layer but the last two,
-                so those leave the allocator (and so do the extra layers, all of them inner).
+            loss_tile_tokens: ``train.loss_tile_tokens`` (``None``: its default), for the tiled loss.
+            swap: MEMO's rounding buffers hold the kept tensors of every layer, the last two
+                included, so those leave the allocator (and so do the extra layers').
             recompute_bytes: with ``swap``, bytes a swapped layer allocates at the start of its
                 backward pass to recompute its dropped tokens.
         """
         if num_layers < self.layers or (num_layers > self.layers and self.layers < TEMPLATE_LAYERS):
             raise ValueError(f"a template of {self.layers} layers cannot stand for {num_layers}")
+        # Every layer's kept tensors live in the rounding buffers (the last two layers' too);
+        # all but the last two recompute their dropped tokens at the start of their backward.
+        buffered = range(self.layers) if swap else range(0)
         swapped = range(self.layers - 2) if swap else range(0)
-        dropped = self.gradients.union(*(self.kept[layer] for layer in swapped))
+        dropped = self.gradients.union(*(self.kept[layer] for layer in buffered))
         extra = num_layers - self.layers
         carried = [] if swap else [self.size(i, tokens) for i in self.carried] * extra
         start, end = layer_phase(MIDDLE, "fwd"), layer_phase(MIDDLE, "bwd")
         recompute = {layer_phase(layer, "bwd") for layer in swapped} if recompute_bytes else set()
+        tile = self.tile_tokens(tokens, loss_tile_tokens)
         fresh = itertools.count(max(self._size_of, default=0) + 1)
         carried_ids = [next(fresh) for _ in carried]
         events: list[Event] = []
@@ -156,7 +184,8 @@ class IterationTemplate:
                         Event("free", rid, recompute_bytes, phase),
                     ]
             if event.id not in dropped:
-                events.append(Event(event.op, event.id, size.at(tokens), event.phase))
+                at = tile if event.id in self.per_tile else tokens
+                events.append(Event(event.op, event.id, size.at(at), event.phase))
         return Trace(
             events, {**self.meta, "seq": tokens, "model": {**self.meta["model"], "num_layers": num_layers}}
         )
@@ -177,7 +206,8 @@ def iteration_template(
     instance then takes their kept tensors out (:meth:`IterationTemplate.instance`).
     Templates are cached per process, so a sweep traces each shape once.
     """
-    traced_method = MethodConfig(name="none") if method.layer_activations == "swap" else method
+    traced_method = MethodConfig(name="none", loss=method.loss) if method.layer_activations == "swap" \
+        else method
     return _template(
         _frozen(model),
         _frozen(traced_method),
@@ -211,7 +241,9 @@ def _template(
     parallel = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel)
     chunk = tp if sequence_parallel else 1
     tokens = tuple(t * chunk for t in _TRACED_TOKENS)
+    # one tile of the tiled loss per pass (every token of the rank): see the module docstring
     small, large = (
-        trace_iteration(shape, method_config, parallel, t, micro_batch_size, dtype) for t in tokens
+        trace_iteration(shape, method_config, parallel, t, micro_batch_size, dtype,
+                        loss_tile_tokens=t // chunk) for t in tokens
     )
     return IterationTemplate(small, large, tokens, layers)

@@ -10,6 +10,7 @@ no dropout (long-context runs train without it, and it keeps recomputation bit-e
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -26,6 +27,7 @@ from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.host import HostRotaryEmbedding, run_megatron_on_host
 from memo.model.layer import MemoTransformerLayer
+from memo.model.loss import TiledLossGPTModel
 from memo.model.norm import LayerNorm
 
 try:
@@ -194,8 +196,14 @@ def build_gpt(
     dtype: torch.dtype,
     device_type: str,
     attention_backend: str = "auto",
+    loss: str = "megatron",
+    loss_tile_tokens: Optional[int] = None,
 ) -> BuiltModel:
     """Build the GPT for this rank on ``device_type`` ("cuda" or "cpu").
+
+    ``loss`` is "megatron" (Megatron's output layer and vocab-parallel cross entropy) or "tiled"
+    (:class:`~memo.model.loss.TiledLossGPTModel`, ``loss_tile_tokens`` tokens per tile, ``None``
+    for its default).
 
     Megatron's parallel state must be initialized (see :mod:`memo.execute.distributed`) and
     the torch seed set: on the CPU the weights are drawn from it.
@@ -215,7 +223,10 @@ def build_gpt(
         backend = select_backend(device_type, dtype, config.kv_channels, attention_backend)
         spec = _local_block_spec(config, backend, method.layer_activations)
 
-    gpt = GPTModel(
+    if loss not in ("megatron", "tiled"):
+        raise ConfigError(f"train.loss={loss} is not a loss; choose tiled or megatron")
+    extra = {"loss_tile_tokens": loss_tile_tokens} if loss == "tiled" else {}
+    gpt = (TiledLossGPTModel if loss == "tiled" else GPTModel)(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(model, parallel.tp),
@@ -223,6 +234,7 @@ def build_gpt(
         share_embeddings_and_output_weights=True,
         position_embedding_type="rope",
         rotary_base=model.rotary_base,
+        **extra,
     )
     if device_type == "cpu":
         run_megatron_on_host()

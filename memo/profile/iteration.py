@@ -18,7 +18,7 @@ values and optimizer states are not requests: they exist before the iteration st
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,12 +95,15 @@ def trace_iteration(
     dtype: torch.dtype,
     backend: str = "fake",
     seed: int = 1234,
+    loss_tile_tokens: Optional[int] = None,
 ) -> Trace:
     """Allocation trace of one iteration of rank 0 (see the module docstring).
 
     Args:
+        method: its ``loss`` is the loss traced ("tiled" or "megatron").
         seq: tokens per sequence (all of them; each rank holds its share).
         micro_batch_size: sequences per micro-batch.
+        loss_tile_tokens: the tiled loss's tokens per tile (``None``: its default).
 
     Raises:
         ConfigError: for a back-end or method that cannot be traced here.
@@ -133,7 +136,8 @@ def trace_iteration(
     figures = {}
     with _process_group(parallel, backend), mode:
         torch.manual_seed(seed)
-        gpt = build_gpt(model, method, parallel, seq, dtype, device, attention).module
+        gpt = build_gpt(model, method, parallel, seq, dtype, device, attention, method.loss,
+                        loss_tile_tokens).module
         # One implementation on every back-end (the CUDA default, foreach, allocates otherwise).
         optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-4, foreach=False)
         for p in gpt.parameters():  # states exist before the traced step, as after step 1
@@ -169,6 +173,7 @@ def trace_iteration(
         "backend": backend,
         "model": _plain(model),
         "method": method.name,
+        "loss": method.loss,
         "parallel": _plain(parallel),
         "seq": seq,
         "micro_batch_size": micro_batch_size,

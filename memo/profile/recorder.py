@@ -98,6 +98,15 @@ class PhaseMarker:
         head_start = gpt.decoder.final_layernorm or gpt.output_layer
         self._handles.append(head_start.register_forward_pre_hook(lambda *_: self._forward("head.fwd")))
         self._hook_block(gpt.output_layer, None, "head.bwd", after="loss.fwd")
+        tiled = getattr(gpt, "tiled_loss", None)  # memo.model.loss: output layer and loss in one
+        if tiled is not None:
+            self._handles.append(tiled.register_forward_pre_hook(self._tiled_loss_started))
+
+    def _tiled_loss_started(self, _module, inputs) -> None:
+        self._forward("loss.fwd")
+        hidden = inputs[0]
+        if hidden.requires_grad:  # its gradient is ready once the loss's backward is done
+            hidden.register_hook(lambda grad: self._set("head.bwd"))
 
     def _hook_block(self, module, forward: Optional[str], backward: str, after: Optional[str] = None):
         if forward is not None:

@@ -1,0 +1,224 @@
+"""A vocab-parallel output layer and cross entropy that never holds the logits of the sequence.
+
+Megatron's ``output_layer`` plus ``vocab_parallel_cross_entropy`` makes the logits of every token
+at once: ``[s, b, v/tp]`` in the activation dtype plus an fp32 copy that the backward pass keeps
+(at 1M tokens, v = 50304, tp = 8: 12.3 GiB + 24.6 GiB). :func:`tiled_cross_entropy` runs the same
+arithmetic over tiles of ``tile_tokens`` tokens of this rank's hidden states: per tile it gathers
+the tile over sequence parallelism, makes its logits, reduces max and sum over the tensor-parallel
+ranks and keeps only the per-token log-sum-exp (fp32, 4 bytes a token). The backward pass makes
+each tile's logits again, turns them into ``softmax − one_hot`` scaled by the loss gradient, and
+from that the tile's input gradient (reduce-scattered back under sequence parallelism) and its
+share of the weight gradient, accumulated in fp32 over tiles.
+
+The device holds one tile's logits (and their fp32 form) at a time, besides the hidden states the
+layer below hands over, their gradient, and the fp32 weight-gradient accumulator
+``[v/tp, h]``. :class:`TiledLossGPTModel` is Megatron's ``GPTModel`` with this loss in place of
+its output layer and cross entropy when labels are given; without labels (evaluation, logits
+wanted) it is Megatron's own path.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.utils import VocabUtility
+
+LOSSES = ("tiled", "megatron")
+# auto tile: the largest power of two of tokens whose fp32 logits take at most this many bytes
+_TILE_LOGITS_BYTES = 256 * 2**20
+
+
+def auto_tile_tokens(vocab_per_rank: int, micro_batch_size: int) -> int:
+    """Tokens per tile when none is configured: the fp32 logits of a tile fit in 256 MiB."""
+    tokens = max(_TILE_LOGITS_BYTES // (4 * vocab_per_rank * micro_batch_size), 1)
+    return 1 << (tokens.bit_length() - 1)
+
+
+def _gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
+    out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _tile_rows(t: torch.Tensor, start: int, end: int, chunks: int) -> torch.Tensor:
+    """The rows of ``t`` (``[s, ...]``, every token) that a gathered tile holds: rows ``start:end``
+    of each of the ``chunks`` sequence-parallel shards, as a ``[chunks, end − start, ...]`` view."""
+    return t.unflatten(0, (chunks, -1))[:, start:end]
+
+
+def _read_tile(t: torch.Tensor, start: int, end: int, chunks: int) -> torch.Tensor:
+    """:func:`_tile_rows` in the gathered tile's token order, ``[chunks·(end − start), ...]``."""
+    return _tile_rows(t, start, end, chunks).flatten(0, 1)
+
+
+def _write_tile(t: torch.Tensor, start: int, end: int, chunks: int, value: torch.Tensor) -> None:
+    """Write a gathered tile's ``value`` into its rows of ``t`` (a flattened view would copy)."""
+    _tile_rows(t, start, end, chunks).copy_(value.unflatten(0, (chunks, -1)))
+
+
+class _Tiles:
+    """The tiles of one call: which rows of this rank's hidden states, their labels, and the
+    tensor-parallel group over which logits are split."""
+
+    def __init__(self, hidden, weight, labels, tile, sequence_parallel, group):
+        self.size = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        self.group, self.tile = group, tile
+        self.chunks = self.size if sequence_parallel else 1
+        self.vocab = weight.shape[0]
+        self.first, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(self.vocab, rank, self.size)
+        self.labels = labels
+
+    def spans(self, tokens: int):
+        return ((start, min(start + self.tile, tokens)) for start in range(0, tokens, self.tile))
+
+    def logits(self, hidden, weight, start: int, end: int):
+        """The tile's gathered input ``[T, b, h]`` and its fp32 logits ``[T, b, v/tp]``."""
+        x = _gather(hidden[start:end], self.group, self.chunks)
+        return x, torch.nn.functional.linear(x, weight).float()
+
+    def targets(self, start: int, end: int):
+        """The tile's targets in this rank's vocabulary rows (0 where outside) and that mask."""
+        target = _read_tile(self.labels, start, end, self.chunks)
+        inside = (target >= self.first) & (target < self.first + self.vocab)
+        return (target - self.first).masked_fill_(~inside, 0), inside
+
+    def forward(self, hidden, weight, start, end, loss, lse) -> None:
+        """Write the tile's losses and log-sum-exp into ``loss`` and ``lse`` (``[s, b]``)."""
+        _, logits = self.logits(hidden, weight, start, end)
+        peak = logits.amax(dim=-1)
+        if self.size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
+        logits.sub_(peak.unsqueeze(-1))
+        local, inside = self.targets(start, end)
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(~inside, 0.0)
+        sums = torch.stack((logits.exp_().sum(dim=-1), picked))
+        del logits
+        if self.size > 1:
+            dist.all_reduce(sums, group=self.group)
+        log_sum = sums[0].log_()
+        _write_tile(loss, start, end, self.chunks, log_sum - sums[1])
+        _write_tile(lse, start, end, self.chunks, log_sum.add_(peak))
+
+    def backward(self, hidden, weight, start, end, lse, grad_loss, grad_weight) -> torch.Tensor:
+        """The tile's input gradient (this rank's rows); adds its share to ``grad_weight``."""
+        x, probs = self.logits(hidden, weight, start, end)
+        # softmax from the kept log-sum-exp, minus the one-hot of the target, times dloss
+        probs.sub_(_read_tile(lse, start, end, self.chunks).unsqueeze(-1)).exp_()
+        local, inside = self.targets(start, end)
+        probs.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1).to(probs.dtype))
+        probs.mul_(_read_tile(grad_loss, start, end, self.chunks).unsqueeze(-1))
+        grad_logits = probs.to(hidden.dtype)
+        del probs
+        rows, cols = grad_logits.flatten(0, 1).t(), x.flatten(0, 1)
+        if weight.dtype == torch.float32:
+            grad_weight.addmm_(rows, cols)
+        else:  # the tile's share in the weight's dtype (as Megatron's GEMM), summed in fp32
+            grad_weight.add_(rows @ cols)
+        return _reduce_scatter(grad_logits @ weight, self.group, self.chunks)
+
+
+class _TiledCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, tile, sequence_parallel, group):
+        tiles = _Tiles(hidden, weight, labels, tile, sequence_parallel, group)
+        lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
+        loss = torch.empty_like(lse)
+        for start, end in tiles.spans(hidden.shape[0]):
+            tiles.forward(hidden, weight, start, end, loss, lse)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.tile, ctx.sequence_parallel, ctx.group = tile, sequence_parallel, group
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        tiles = _Tiles(hidden, weight, labels, ctx.tile, ctx.sequence_parallel, ctx.group)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start, end in tiles.spans(hidden.shape[0]):
+            grad_hidden[start:end] = tiles.backward(hidden, weight, start, end, lse, grad_loss, grad_weight)
+        if tiles.size > 1 and tiles.chunks == 1:
+            # Without sequence parallelism every rank holds every token: its input gradient is the
+            # sum of all ranks' vocabulary shares, as Megatron's copy-to-tensor-parallel region.
+            dist.all_reduce(grad_hidden, group=tiles.group)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def tiled_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    tile_tokens: int,
+    sequence_parallel: bool = False,
+    group=None,
+) -> torch.Tensor:
+    """Per-token cross entropy ``[s, b]`` (fp32) of the vocab-parallel logits ``hidden @ weightᵀ``.
+
+    Args:
+        hidden: ``[s / tp, b, h]`` under sequence parallelism, else ``[s, b, h]``: the final norm's
+            output on this rank.
+        weight: ``[v / tp, h]``: this rank's rows of the output (tied embedding) weight.
+        labels: ``[s, b]`` target token ids (every tensor-parallel rank holds all of them).
+        tile_tokens: tokens of ``hidden`` per tile (under sequence parallelism, per rank).
+        group: the tensor-parallel group (``None``: no tensor parallelism).
+    """
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
+    return _TiledCrossEntropy.apply(hidden, weight, labels, tile_tokens, sequence_parallel, group)
+
+
+class TiledLossGPTModel(GPTModel):
+    """Megatron's ``GPTModel`` whose loss is :func:`tiled_cross_entropy` (see the module docstring).
+
+    Args:
+        loss_tile_tokens: tokens per tile, or ``None`` for :func:`auto_tile_tokens`.
+    """
+
+    def __init__(self, *args, loss_tile_tokens: Optional[int] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tile_tokens = loss_tile_tokens
+        # A module of its own so that profiling hooks can see the loss start and end.
+        self.tiled_loss = _TiledLossHead(self)
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        usable = (
+            labels is not None and self.post_process and self.config.mtp_num_layers is None
+            and kwargs.get("inference_context") is None
+        )
+        if not usable:
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+        return self.tiled_loss(hidden_states, labels)
+
+
+class _TiledLossHead(torch.nn.Module):
+    """The output layer and the loss as one step: ``[s, b, h]`` hidden states and ``[b, s]`` labels
+    in, ``[b, s]`` fp32 losses out. Holds no parameters of its own (the weight is the model's)."""
+
+    def __init__(self, gpt: TiledLossGPTModel):
+        super().__init__()
+        self._gpt = [gpt]  # a list: not a submodule, so the model is not registered twice
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        gpt = self._gpt[0]
+        weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+                  else gpt.output_layer.weight)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        tile = gpt.loss_tile_tokens or auto_tile_tokens(weight.shape[0], hidden.shape[1])
+        loss = tiled_cross_entropy(
+            hidden, weight, labels.t().contiguous(), tile, gpt.config.sequence_parallel, group
+        )
+        return loss.t().contiguous()

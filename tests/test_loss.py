@@ -1,0 +1,147 @@
+"""The sequence-tiled output layer and cross entropy (train.loss=tiled) against Megatron's."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, resolve_loss, validate
+from memo.execute.data import SyntheticTokens, micro_batches
+from memo.model import build_gpt
+from memo.model.loss import auto_tile_tokens, tiled_cross_entropy
+from memo.profile.iteration import trace_iteration
+
+from conftest import PYTHON, REPO, compose_config, free_port, run_in_process
+
+
+def test_tiles_give_textbook_cross_entropy_and_its_gradients():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 2, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(101, 16, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 101, (37, 2), generator=generator)
+    scale = torch.rand(37, 2, generator=generator)
+    logits = hidden @ weight.t()
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    (expected * scale.flatten()).sum().backward()
+    want = hidden.grad.clone(), weight.grad.clone()
+    for tile in (1, 5, 37, 64):
+        hidden.grad = weight.grad = None
+        loss = tiled_cross_entropy(hidden, weight, labels, tile)
+        torch.testing.assert_close(loss, expected.view(37, 2))
+        (loss * scale).sum().backward()
+        torch.testing.assert_close(hidden.grad, want[0], msg=f"tile {tile}")
+        torch.testing.assert_close(weight.grad, want[1], msg=f"tile {tile}")
+    with pytest.raises(ValueError, match="tile_tokens=0"):
+        tiled_cross_entropy(hidden, weight, labels, 0)
+
+
+def test_the_default_tile_holds_256_mib_of_fp32_logits():
+    assert auto_tile_tokens(50304, 1) == 1024  # 256 MiB / (4 B · 50304) = 1334 tokens
+    assert auto_tile_tokens(6288, 1) == 8192  # 7B's vocabulary over tp = 8: 10672 tokens
+    assert auto_tile_tokens(6288, 2) == 4096
+    assert auto_tile_tokens(2**30, 1) == 1
+
+
+def _one_backward(loss: str, tile=None, seq: int = 256):
+    cfg = compose_config()
+    torch.manual_seed(cfg.train.seed)
+    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu",
+                      loss=loss, loss_tile_tokens=tile).module
+    (batch,) = next(micro_batches(SyntheticTokens(cfg.model.vocab_size, 0), seq, 2, 1, 0, 1,
+                                  torch.device("cpu")))
+    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    per_token.mean().backward()
+    return per_token.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tile", [None, 1000, 48, 256])
+def test_the_gpt_with_tiled_loss_has_megatrons_losses_and_gradients(single_process, tile):
+    expected_loss, expected = _one_backward("megatron")
+    loss, got = _one_backward("tiled", tile)
+    assert loss.shape == (2, 256) and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected_loss)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=name)
+
+
+@pytest.mark.slow
+def test_tiled_loss_matches_megatron_with_tensor_and_sequence_parallelism():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    result = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+         str(free_port()), str(REPO / "tests" / "loss_worker.py")],
+        cwd=REPO, env=env, timeout=600, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("6 tiled losses match Megatron's") == 2
+
+
+def _loss_peak(loss: str) -> int:
+    """Bytes the output layer and loss add, at their peak, to what the layers left live (fp32)."""
+    model = ModelConfig(name="v50304", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
+                        num_attention_heads=4, vocab_size=50304)
+    trace = trace_iteration(model, MethodConfig(name="none", loss=loss), ParallelConfig(), 16384, 1,
+                            torch.float32, "fake")
+    live, base, peak = 0, None, 0
+    for event in trace.events:
+        if event.phase == "head.fwd" and base is None:
+            base = live
+        live += event.size if event.op == "malloc" else -event.size
+        if event.phase in ("head.fwd", "loss.fwd", "loss.bwd", "head.bwd"):
+            peak = max(peak, live)
+    return peak - base
+
+
+def test_tiled_loss_peak_is_at_most_an_eighth_of_megatrons_at_16k_tokens():
+    megatron, tiled = _loss_peak("megatron"), _loss_peak("tiled")
+    logits = 16384 * 50304 * 4  # Megatron's fp32 logits of the sequence
+    assert megatron > logits
+    assert tiled * 8 <= megatron, (tiled, megatron)
+
+
+def test_tiled_trace_has_the_phases_of_megatrons():
+    model = ModelConfig(name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=2)
+    phases = {
+        loss: trace_iteration(model, MethodConfig(name="none", loss=loss), ParallelConfig(), 256, 1,
+                              torch.float32, "fake").phases
+        for loss in ("megatron", "tiled")
+    }
+    assert phases["tiled"] == phases["megatron"]
+    assert phases["tiled"][3:7] == ["head.fwd", "loss.fwd", "loss.bwd", "head.bwd"]
+
+
+@pytest.mark.parametrize(
+    "overrides, loss",
+    [
+        (["method=memo"], "tiled"),
+        (["method=full_swap"], "tiled"),
+        (["method=full_recompute"], "tiled"),
+        (["method=none"], "megatron"),
+        (["method=megatron_full_recompute"], "megatron"),
+        (["method=megatron_selective"], "megatron"),
+        (["method=megatron_full_recompute", "train.loss=tiled"], "tiled"),
+        (["method=memo", "train.loss=megatron"], "megatron"),
+    ],
+)
+def test_each_method_has_its_default_loss_and_train_loss_overrides_it(overrides, loss):
+    assert resolve_loss(compose_config(*overrides)) == loss
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [("train.loss=fused", "train.loss=fused is not allowed"),
+     ("train.loss_tile_tokens=0", "train.loss_tile_tokens=0 must be at least 1"),
+     ("method.loss=auto", "method.loss=auto is not allowed")],
+)
+def test_bad_loss_settings_are_one_line_errors(override, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        validate(compose_config(override))
+
+
+def test_a_training_row_records_the_loss_used(tmp_path):
+    row = run_in_process(tmp_path, "method=full_recompute", "seq=256", "train.steps=2",
+                         "train.warmup_steps=1", "train.loss_tile_tokens=100")
+    assert row["status"] == "ok", row["error"]
+    assert row["train.loss"] == "tiled" and row["train.loss_tile_tokens"] == 100
