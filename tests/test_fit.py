@@ -131,9 +131,10 @@ def test_memo_buffers_host_bytes_and_alpha_at_one_million_tokens():
     attention = t * h // tp * 2 + 32 // tp * t * 4  # output and fp32 log-sum-exp
     other = runtime_kept - layer_input - attention
     assert prediction.rounding_buffers == 2 * runtime_kept
-    # The last two layers run plainly and keep theirs on the device; the other 30 swap input,
-    # attention and α·other.
-    assert prediction.acts.skeletal == 2 * per_layer_kept_bytes(S, 4, 2)
+    # The buffers hold every skeletal tensor on the device, the last two layers' whole: the
+    # allocator holds none. The other 30 layers swap input, attention and α·other.
+    assert prediction.acts.skeletal == 0
+    assert prediction.row()["predicted_skeletal_device_bytes"] == 2 * runtime_kept
     assert prediction.host_per_device == 30 * math.ceil(layer_input + attention + 0.25 * other)
     assert prediction.host_per_node == 8 * prediction.host_per_device
     assert prediction.alpha == 0.25 and prediction.alpha_binding == "fixed"

@@ -5,11 +5,15 @@ import torch
 
 from memo.execute import distributed
 from memo.execute.distributed import ProcessInfo
-from memo.execute.streams import CudaStreams, DeferredStreams
+from memo.execute.data import SyntheticTokens, micro_batches
+from memo.execute.streams import CudaStreams, DeferredStreams, InlineStreams
 from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import prepare_swap
 from memo.model import build_gpt
 from memo.plan.alpha import HostMemoryError
+from memo.profile.layers import layer_bytes
+from memo.profile.recorder import AllocationRecorder, PhaseMarker
+from memo.profile.trace import Trace
 
 from conftest import compose_config
 from swap_training import train_gradients
@@ -25,8 +29,21 @@ def parallel_state():
 
 
 @pytest.fixture(scope="module")
-def reference(parallel_state):
-    return train_gradients("none", *SIX)
+def references(parallel_state):
+    """``method=none``'s run with each loss, made when first asked for."""
+    cache = {}
+
+    def get(loss: str = "megatron"):
+        if loss not in cache:
+            cache[loss] = train_gradients("none", *SIX, f"train.loss={loss}")
+        return cache[loss]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references("tiled")  # the loss memo uses by default
 
 
 def _assert_same_gradients(got, expected):
@@ -36,13 +53,15 @@ def _assert_same_gradients(got, expected):
             torch.testing.assert_close(g[name], e[name], msg=f"step {step + 1}: {name}")
 
 
+@pytest.mark.parametrize("loss", ["tiled", "megatron"])
 @pytest.mark.parametrize(
     "method, alpha",
     [("memo", 0.0), ("memo", 0.125), ("memo", 0.5), ("memo", 1.0), ("full_swap", None),
      ("full_recompute", None)],
 )
-def test_gradients_of_three_steps_equal_keeping_everything(reference, method, alpha):
-    losses, grads, runtime = train_gradients(method, *SIX, alpha=alpha)
+def test_gradients_of_three_steps_equal_keeping_everything(references, method, alpha, loss):
+    reference = references(loss)
+    losses, grads, runtime = train_gradients(method, *SIX, f"train.loss={loss}", alpha=alpha)
     assert losses == pytest.approx(reference[0], abs=1e-6)
     _assert_same_gradients(grads, reference[1])
     if runtime is not None:
@@ -77,7 +96,9 @@ class _MissingWait(DeferredStreams):
     [
         ("compute", "d2h"),  # a buffer overwritten before its copy to the host ended
         ("compute", "h2d"),  # backward reading a buffer before its prefetch ended
-        ("h2d", "d2h"),  # a reload started before the offload it reads ended
+        # A reload's own wait for its offload ("h2d" on "d2h") is kept but no longer needed: the
+        # last two layers wait, before writing their buffers, for the offloads of the layers
+        # that used them before, so every offload has ended before the backward pass begins.
     ],
 )
 def test_each_missing_wait_would_corrupt_the_gradients(reference, waiter, producer):
@@ -110,9 +131,7 @@ def test_skeletal_sizes_of_a_layer_match_a_hand_count(parallel_state):
 
 def _one_step_accounting(layers: int, alpha: float):
     _, _, runtime = train_gradients("memo", f"model.num_layers={layers}", alpha=alpha, steps=1)
-    rows = runtime.take_accounting()
-    resident = [r["device"] for r in rows if r["layer"] >= layers - 2]
-    return runtime, rows, runtime.rounding_buffer_bytes + sum(resident)
+    return runtime, runtime.take_accounting(), runtime.rounding_buffer_bytes
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
@@ -126,6 +145,39 @@ def test_device_bytes_do_not_grow_with_layers_and_host_bytes_follow_the_formula(
     assert sum(r["host"] for r in rows8) == 6 * (s_in + s_attn + alpha * s_other)
     assert all(r["device"] == 0 for r in rows8 if r["layer"] < 6)
     assert sum(r["recomputed"] for r in rows8) == 6 * (1 - alpha) * s_other
+
+
+def _recorded_memo_step(layers: int, seq: int):
+    """The allocation trace of one real CPU step of ``method=memo`` (α = 0.5) and its runtime."""
+    cfg = compose_config("method=memo", f"model.num_layers={layers}")
+    torch.manual_seed(0)
+    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu", loss="tiled").module
+    runtime = SwapRuntime(layers, InlineStreams(), torch.device("cpu"))
+    prepare_swap(runtime, model, seq, 1, torch.float32, 0.5, 2**40)
+    (batch,) = next(micro_batches(SyntheticTokens(50257, 0), seq, 1, 1, 0, 1, torch.device("cpu")))
+    marker = PhaseMarker(model)
+    recorder = AllocationRecorder(lambda: marker.phase)
+    with recorder:
+        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+        marker.backward()
+        loss.backward()
+        del loss
+    recorder.stop()
+    marker.remove()
+    return Trace(recorder.events), runtime
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+def test_the_device_holds_exactly_two_layers_of_skeletal_bytes(parallel_state, layers):
+    trace, runtime = _recorded_memo_step(layers, 1024)
+    requests = trace.requests()
+    # No layer keeps a request of its own for its backward: the last two included, everything
+    # it saves is in a rounding buffer (allocated before the step, so not a request).
+    assert [layer_bytes(trace, i, requests).skeletal for i in range(layers)] == [0] * layers
+    assert runtime.rounding_buffer_bytes == 2 * runtime.layout.bytes_kept
+    rows = runtime.take_accounting()
+    assert [r["device"] > 0 for r in rows] == [i >= layers - 2 for i in range(layers)]
+    assert all(r["host"] == r["recomputed"] == 0 for r in rows if r["layer"] >= layers - 2)
 
 
 def test_the_slab_is_allocated_once_before_training(parallel_state, monkeypatch):

@@ -1,12 +1,15 @@
 """MEMO's token-wise swapping and recomputation of skeletal activations.
 
 A transformer layer's forward pass saves tensors for its backward pass (its *skeletal*
-activations). :class:`SwapRuntime` intercepts them with saved-tensor hooks and, for every layer
-but the last two:
+activations). :class:`SwapRuntime` intercepts them with saved-tensor hooks and keeps them in
+rounding buffer ``i % 2`` of layer ``i``. The last two layers keep every token there (buffers
+``(n − 2) % 2`` and ``(n − 1) % 2``) and are neither sent out, brought back nor recomputed, since
+their backward follows at once: the device holds two layers of skeletal bytes whatever ``n`` is.
+Every other layer:
 
 * copies the layer input and what attention produced (its output and log-sum-exp) whole, and the
-  first ``k = ⌊α·S⌋`` tokens of every other saved tensor, into rounding buffer ``i % 2``; the
-  other tokens are dropped;
+  first ``k = ⌊α·S⌋`` tokens of every other saved tensor, into its buffer; the other tokens are
+  dropped;
 * sends that buffer to its region of one host slab on the D2H stream once the layer's forward is
   done; layer ``i + 2`` waits for that copy before it writes the same buffer;
 * at the start of layer ``i + 1``'s backward pass (layer ``i + 2``'s is then finished and its
@@ -88,6 +91,11 @@ class LayerLayout:
     def host_bytes(self, k: int) -> int:
         """Bytes one layer sends to the host keeping ``k`` tokens per chunk."""
         return sum(s.swapped_bytes(k, self.tokens) for s in self.slots)
+
+    @property
+    def bytes_kept(self) -> int:
+        """Bytes of every slot whole (aliases view another slot): one layer's skeletal tensors."""
+        return sum(s.nbytes for s in self.slots if s.kind != ALIAS)
 
     def bytes_of(self, kind: str) -> int:
         return sum(s.nbytes for s in self.slots if s.kind == kind)
@@ -240,8 +248,9 @@ class SwapRuntime:
         return sum(b.numel() for b in self.buffers)
 
     def take_accounting(self) -> list[dict]:
-        """Per-layer bytes since the last call: ``device`` (skeletal bytes left resident on the
-        device after the layer's forward), ``host`` (sent to the host) and ``recomputed``."""
+        """Per-layer bytes since the last call: ``device`` (skeletal bytes the last two layers
+        keep in their rounding buffer until their backward), ``host`` (sent to the host) and
+        ``recomputed``. The device holds no skeletal bytes outside the two buffers."""
         rows = [{"layer": i, **v} for i, v in sorted(self._accounting.items())]
         self._accounting = {}
         return rows
@@ -255,27 +264,15 @@ class SwapRuntime:
     def forward(self, layer, kwargs: dict):
         """Run ``layer``'s forward pass (keyword arguments as Megatron passes them) with swapping."""
         index = self._index[id(layer)]
-        if index >= self.swapped_layers:
-            output, context = self._resident_forward(layer, index, kwargs)
-        else:
-            output, context = self._swapped_forward(layer, index, kwargs)
+        output, context = self._buffered_forward(layer, index, kwargs)
         return _BackwardStart.apply(output, self, index), context
 
-    def _resident_forward(self, layer, index: int, kwargs: dict):
-        """One of the last two layers: everything stays on the device, and is counted."""
-        seen = set()
+    def resident(self, index: int) -> bool:
+        """Whether layer ``index`` is one of the last two: kept whole in its rounding buffer, never
+        sent to the host, brought back or recomputed (its backward follows right after)."""
+        return index >= self.swapped_layers
 
-        def count(t):
-            key = (t.data_ptr(), t.numel() * t.element_size())
-            if not isinstance(t, torch.nn.Parameter) and key not in seen:
-                seen.add(key)
-                self._account(index, "device", key[1])
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
-            return layer.run(**kwargs)
-
-    def _swapped_forward(self, layer, index: int, kwargs: dict):
+    def _buffered_forward(self, layer, index: int, kwargs: dict):
         if self.layout is None:
             raise RuntimeError("SwapRuntime.allocate must run before training")
         hidden = kwargs["hidden_states"]
@@ -294,7 +291,10 @@ class SwapRuntime:
             raise RuntimeError(
                 f"layer {index} saved {capture.cursor} tensors, its layout has {len(self.layout.slots)}"
             )
-        self._offload(state)
+        if self.resident(index):
+            self._account(index, "device", self.layout.bytes_kept)
+        else:
+            self._offload(state)
         self._states[index] = state
         return result
 
@@ -370,10 +370,13 @@ class SwapRuntime:
         capture.cursor += 1
         self._remember_product(capture, j, slot, t)
         if slot.kind != ALIAS:
-            source = _canonical(t, expected.token_dim)
-            if expected.kind == TOKENS:
-                source = _split(source, expected, capture.tokens, self.keep_tokens)[0]
-            self.streams.copy(self.streams.compute, self._swapped_part(capture.state.index % 2, j), source)
+            b, source = capture.state.index % 2, _canonical(t, expected.token_dim)
+            if self.resident(capture.state.index):
+                self.streams.copy(self.streams.compute, self._slot_tensor(b, j), source)
+            else:
+                if expected.kind == TOKENS:
+                    source = _split(source, expected, capture.tokens, self.keep_tokens)[0]
+                self.streams.copy(self.streams.compute, self._swapped_part(b, j), source)
         return (capture.state, j)
 
     @staticmethod
@@ -437,14 +440,14 @@ class SwapRuntime:
         below = index - 1
         if 0 <= below < self.swapped_layers:
             self._prefetch(self._states[below], released)
-        if index < self.swapped_layers:
-            state = self._states.pop(index)
+        state = self._states.pop(index)
+        if not self.resident(index):
             if state.prefetched is None:
                 self._prefetch(state, released)
             s.wait(s.compute, state.prefetched)
             if self.keep_tokens < self.layout.tokens:
                 self._recompute(state)
-            state.ready = True
+        state.ready = True
 
     def _prefetch(self, state: _LayerState, released: object) -> None:
         s = self.streams
