@@ -3,7 +3,9 @@
 Units are those of the rows: ``seq`` in tokens, memory in bytes, times in seconds, ``mfu`` a
 fraction, ``tgs`` tokens per device per second. Derived columns (:func:`add_derived`):
 
-* ``variant``: ``method.name``, with ``+plan`` appended when the memory plan was on;
+* ``variant``: ``method.name``, with ``+plan`` appended when the memory plan was on, and
+  `` (tiled loss)`` or `` (megatron loss)`` when the run's loss (``train.loss``) is not its
+  method's own (``method.loss``): the Megatron baselines also run with memo's loss;
 * ``alpha_used``: the fraction of tokens swapped, as used (``swap.alpha``) or else as requested
   (``alpha`` when a number; NaN for ``auto`` or no α);
 * ``gpus``: the number of devices (``world_size``).
@@ -83,6 +85,16 @@ def read_steps(results: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def _loss_suffix(df: pd.DataFrame) -> pd.Series:
+    """`` (<loss> loss)`` where a run's loss is not its method's default, else empty."""
+    if "train.loss" not in df or "method.loss" not in df:
+        return pd.Series("", index=df.index)
+    used, default = df["train.loss"], df["method.loss"]
+    other = used.notna() & default.notna() & (used != "auto") & (used != default)
+    return other.map({True: " (", False: ""}) + used.where(other, "").astype(str) \
+        + other.map({True: " loss)", False: ""})
+
+
 def add_derived(df: pd.DataFrame) -> pd.DataFrame:
     """A copy of ``df`` with ``experiment`` and ``plan`` filled in and the derived columns added."""
     df = df.copy()
@@ -94,7 +106,7 @@ def add_derived(df: pd.DataFrame) -> pd.DataFrame:
     df["plan"] = df["plan"].fillna(False).astype(bool) if "plan" in df else False
     method = df["method.name"].fillna("unknown").astype(str)
     predicted = is_prediction(df)
-    df["variant"] = method + df["plan"].map({True: "+plan", False: ""}) \
+    df["variant"] = method + df["plan"].map({True: "+plan", False: ""}) + _loss_suffix(df) \
         + predicted.map({True: PREDICTED_SUFFIX, False: ""})
     # A prediction's figures stand where a measurement's would, so tables treat both alike.
     for metric in ("mfu", "tgs", "iter_time_s"):

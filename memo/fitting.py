@@ -25,10 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 from memo import hardware
 from memo.config import ConfigError, ParallelConfig, parse_alpha, parse_seq, resolve_loss, validate
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
-from memo.fit.search import LayoutResult, layout_label, layouts, longest, seq_grid_step
+from memo.fit.search import Candidate, LayoutResult, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
 from memo.job import METRIC_FIELDS
-from memo.model import resolve_dtype
+from memo.model import resolve_dtype, unsupported_layout
 from memo.model.gpt import parameter_count
 from memo.results import ResultWriter, create_file_atomic, flatten
 
@@ -77,30 +77,39 @@ def problem_of(cfg: DictConfig, hw: hardware.Hardware) -> Problem:
 
 
 def evaluate(
-    problem: Problem, parallel: ParallelConfig, seq: Optional[int], step: int, limit: int
+    problem: Problem, candidate: Candidate, seq: Optional[int], step: int, limit: int
 ) -> LayoutResult:
     """One layout at ``seq`` tokens, or at the longest multiple of ``step`` up to ``limit`` if None."""
+    parallel, unrunnable = candidate.parallel, candidate.unrunnable
     if seq is not None:
         prediction = predict(problem, parallel, seq)
-        return LayoutResult(parallel, *((prediction, None) if prediction.fits else (None, prediction)))
+        found = (prediction, None) if prediction.fits else (None, prediction)
+        return LayoutResult(parallel, *found, unrunnable=unrunnable)
     grid = seq_grid_step(step, parallel)
     if grid > limit:
         raise ConfigError(
             f"fit.seq_limit={limit} is below the first length this layout can split ({grid}); "
             "raise fit.seq_limit"
         )
-    return LayoutResult(parallel, *longest(lambda s: predict(problem, parallel, s), grid, limit))
+    best, failed = longest(lambda s: predict(problem, parallel, s), grid, limit)
+    return LayoutResult(parallel, best, failed, unrunnable=unrunnable)
 
 
-def _candidates(cfg: DictConfig, problem: Problem) -> list[ParallelConfig]:
+def _candidates(cfg: DictConfig, problem: Problem) -> list[Candidate]:
+    """The layouts to predict, each with why training cannot run it (predicted for a GPU
+    cluster with Transformer Engine installed)."""
     if not cfg.parallel.search:
-        return [OmegaConf.to_object(cfg.parallel)]
-    found = layouts(
-        problem.model,
-        cfg.cluster.gpus,
-        problem.hardware.devices_per_node or 1,
-        cfg.parallel.sequence_parallel,
-    )
+        parallel = OmegaConf.to_object(cfg.parallel)
+        return [Candidate(parallel, unsupported_layout(parallel, problem.method, have_te=True))]
+    found = [
+        Candidate(p, unsupported_layout(p, problem.method, have_te=True))
+        for p in layouts(
+            problem.model,
+            cfg.cluster.gpus,
+            problem.hardware.devices_per_node or 1,
+            cfg.parallel.sequence_parallel,
+        )
+    ]
     if not found:
         raise ConfigError(
             f"no valid layout of cluster.gpus={cfg.cluster.gpus} for model={problem.model.name}"
@@ -137,21 +146,34 @@ def fit_job(cfg: DictConfig, output_dir: Path, overrides=()) -> dict[str, Any]:
         problem = problem_of(cfg, hw)
         step, limit = parse_seq(cfg.fit.seq_step), parse_seq(cfg.fit.seq_limit)
         candidates = _candidates(cfg, problem)
+        skipped = []
+        if cfg.parallel.search and cfg.fit.layouts == "runnable":
+            skipped = [c for c in candidates if c.unrunnable]
+            candidates = [c for c in candidates if not c.unrunnable]
+            if not candidates:
+                raise ConfigError(
+                    f"training runs no layout of cluster.gpus={cfg.cluster.gpus} for "
+                    f"method={problem.method.name} ({skipped[0].unrunnable}); set fit.layouts=all "
+                    "to predict them anyway"
+                )
+        for c in skipped:
+            log.info("%s: not tried, training cannot run it: %s", layout_label(c.parallel), c.unrunnable)
         start = time.perf_counter()
         results = []
-        for k, parallel in enumerate(candidates, 1):
-            result = evaluate(problem, parallel, seq, step, limit)
+        for k, candidate in enumerate(candidates, 1):
+            result = evaluate(problem, candidate, seq, step, limit)
             results.append(result)
             shown = result.shown
             log.info(
-                "[%d/%d] %s: %s at %d tokens, %s per device, MFU %.1f%%",
+                "[%d/%d] %s: %s at %d tokens, %s per device, MFU %.1f%%%s",
                 k,
                 len(candidates),
-                layout_label(parallel),
+                layout_label(candidate.parallel),
                 "fits" if result.best else shown.status,
                 shown.seq,
                 _gib(shown.device_total),
                 100 * shown.time.mfu,
+                "  (training cannot run it)" if candidate.unrunnable else "",
             )
         results.sort(key=LayoutResult.rank)
         row["fit.seconds"] = time.perf_counter() - start
@@ -162,7 +184,8 @@ def fit_job(cfg: DictConfig, output_dir: Path, overrides=()) -> dict[str, Any]:
         )
         chosen = results[0].shown
         row.update(_row(chosen, problem))
-        _write_layouts(output_dir / LAYOUTS_FILE, results)
+        row["fit.unrunnable"] = results[0].unrunnable  # None: training runs this layout
+        _write_layouts(output_dir / LAYOUTS_FILE, results, skipped)
         log.info("%s", report(chosen, problem))
     except ConfigError as error:
         row["error"] = str(error)
@@ -194,7 +217,9 @@ def _row(p: Prediction, problem: Problem) -> dict[str, Any]:
     }
 
 
-def _write_layouts(path: Path, results: list[LayoutResult]) -> None:
+def _write_layouts(path: Path, results: list[LayoutResult], skipped: list[Candidate]) -> None:
+    """One line per layout: the predicted ones in rank order, then those not tried because
+    training cannot run them (``status`` "unrunnable")."""
     columns = [
         "layout",
         "tp",
@@ -210,6 +235,7 @@ def _write_layouts(path: Path, results: list[LayoutResult]) -> None:
         "iter_time_s",
         "mfu",
         "reason",
+        "unrunnable",
     ]
     out = io.StringIO()
     writer = csv.writer(out)
@@ -232,8 +258,13 @@ def _write_layouts(path: Path, results: list[LayoutResult]) -> None:
                 shown.time.iteration_s,
                 shown.time.mfu,
                 shown.reason,
+                r.unrunnable or "",
             ]
         )
+    for c in skipped:
+        p = c.parallel
+        writer.writerow([layout_label(p), p.tp, p.cp, p.pp, p.dp, p.sequence_parallel, "unrunnable",
+                         *[""] * 7, c.unrunnable])
     create_file_atomic(path, out.getvalue())
 
 
@@ -252,16 +283,18 @@ def report(p: Prediction, problem: Problem) -> str:
         + (f"  (rounding buffers {_gib(p.rounding_buffers)})" if p.rounding_buffers else ""),
         f"  transient activations      {_gib(a.transient if a else None)}",
         f"  embedding/logits/loss      {_gib(a.head if a else None)}",
+        f"  persistent buffers         {_gib(a.persistent if a else None)}  (all-gather, RoPE)",
         f"  other activations          {_gib(a.other if a else None)}",
         f"  context-parallel buffers   {_gib(p.cp_buffers)}",
-        f"  allocator overhead         {_gib(a.held - a.allocated_peak if a else None)}"
+        f"  allocator overhead         {_gib(a.overhead if a else None)}"
         + (
             " (memory plan)"
             if problem.plan
             else f" (caching allocator, {a.alloc_retries if a else 0} retries)"
         ),
         f"  reserved (CUDA, NCCL)      {_gib(p.reserved)}",
-        f"  total                      {_gib(p.device_total)} of {_gib(p.device_capacity)}",
+        f"  total                      {_gib(p.device_total)} of {_gib(p.device_capacity)}"
+        + (f"  (activations peak in {a.peak_phase})" if a else ""),
     ]
     if problem.method.layer_activations == "swap":
         lines += [

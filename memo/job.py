@@ -38,7 +38,8 @@ from memo.execute.plan_server import ServingStats
 from memo.execute.progress import format_seconds, step_progress
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
-from memo.model import build_gpt, resolve_dtype, uses_transformer_engine
+from memo.model import build_gpt, resolve_dtype, unsupported_layout, uses_transformer_engine
+from memo.model.gpt import HAVE_TE
 from memo.plan.alpha import HostMemoryError
 from memo.results import ResultWriter, flatten, git_revision
 
@@ -73,11 +74,9 @@ def _check_device_visible(hw: hardware.Hardware) -> None:
 
 
 def _check_runtime_support(cfg: DictConfig, device_type: str) -> None:
-    if cfg.parallel.pp > 1:
-        raise ConfigError(
-            f"parallel.pp={cfg.parallel.pp}: the training loop has no pipeline schedule yet; "
-            "use parallel.pp=1"
-        )
+    reason = unsupported_layout(cfg.parallel, cfg.method, have_te=device_type == "cuda" and HAVE_TE)
+    if reason is not None:
+        raise ConfigError(reason)
     if device_type == "cpu" and cfg.train.dtype == "fp16":
         raise ConfigError("train.dtype=fp16 needs a GPU (loss scaling); use fp32 or bf16 on the CPU")
     uses_transformer_engine(cfg.parallel, device_type, cfg.train.attention_backend, cfg.method)

@@ -118,12 +118,15 @@ def test_skeletal_sizes_of_a_layer_match_a_hand_count(parallel_state):
     model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu").module
     runtime = SwapRuntime(6, DeferredStreams(), torch.device("cpu"))
     report = prepare_swap(runtime, model, 256, 1, torch.float32, 0.25, 2**40)
-    S, h, f, heads, d = 256, 256, 1024, 4, 64
+    S, h, f, heads = 256, 256, 1024, 4
     assert report.skeletal_input_bytes == 4 * S * h
     assert report.skeletal_attention_bytes == 4 * S * (h + heads)  # output and log-sum-exp
-    # norm1 out, q, k, v, attention residual, norm2 out: 6h; fc1 and GeLU outputs: 2f;
-    # RoPE cos and sin for q and k: 4d; mean and rstd of both norms: 4.
-    assert report.skeletal_other_bytes == 4 * S * (6 * h + 2 * f + 4 * d + 4)
+    # norm1 out, q, k, v, attention residual, norm2 out: 6h; fc1 and GeLU outputs: 2f; mean and
+    # rstd of both norms: 4. RoPE's cos and sin are one table of the model, saved by no layer:
+    # with input and attention output, 16·S·h (f = 4h) plus statistics.
+    assert report.skeletal_other_bytes == 4 * S * (6 * h + 2 * f + 4)
+    assert (report.skeletal_input_bytes + report.skeletal_attention_bytes + report.skeletal_other_bytes
+            == 4 * S * (16 * h + heads + 4))
     assert (report.keep_tokens, report.alpha, report.alpha_binding) == (64, 0.25, "fixed")
     swapped = 4 * S * h + 4 * S * (h + heads) + 0.25 * report.skeletal_other_bytes
     assert report.host_bytes == runtime.slab.numel() == 4 * swapped
@@ -225,3 +228,47 @@ def test_host_memory_error_names_what_to_change():
 
     with pytest.raises(HostMemoryError, match="lower alpha, shorten seq"):
         check_host(SkeletalBytes(100, 100, 1000), 10, 8 * 700, 0.6)
+
+
+class _RecordingStreams(DeferredStreams):
+    """Deferred copies that also remember the shape and contiguity of every side-stream copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.side_copies = []
+
+    def copy(self, stream, dst, src):
+        if stream != self.compute:
+            self.side_copies.append((dst.is_contiguous(), src.is_contiguous()))
+        super().copy(stream, dst, src)
+
+
+def test_copies_to_and_from_the_host_are_contiguous_blocks():
+    from memo.execute.swap import _copy_blocks
+
+    streams = _RecordingStreams()
+    buffer = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)  # two chunks of 8 tokens
+    host = torch.zeros(2, 5, 3)
+    _copy_blocks(streams, streams.d2h, host, buffer[:, :5])  # each chunk's first 5 tokens
+    streams.synchronize()
+    assert streams.side_copies == [(True, True), (True, True)]
+    torch.testing.assert_close(host, buffer[:, :5])
+
+
+def test_a_swapped_layer_does_not_run_fc2_again_when_recomputing(parallel_state):
+    cfg = compose_config("method=memo", *SIX)
+    torch.manual_seed(0)
+    model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu", loss="tiled").module
+    streams = _RecordingStreams()
+    runtime = SwapRuntime(6, streams, torch.device("cpu"))
+    prepare_swap(runtime, model, 256, 1, torch.float32, 0.5, 2**40)
+    calls = [0] * 6
+    for i, layer in enumerate(model.decoder.layers):
+        layer.mlp.linear_fc2.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        layer.mlp.linear_fc1.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 100))
+    (batch,) = next(micro_batches(SyntheticTokens(50257, 0), 256, 1, 1, 0, 1, torch.device("cpu")))
+    model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean().backward()
+    # FC1 twice (forward, then the dropped tokens again), FC2 once, in every swapped layer
+    assert calls == [201] * 4 + [101] * 2
+    assert all(dst and src for dst, src in streams.side_copies)
+    assert sum(r["recomputed"] for r in runtime.take_accounting()) == 4 * runtime.layout.bytes_of("tokens") // 2

@@ -142,6 +142,9 @@ class FitConfig:
     seq_step: str = "64k"  # seq=max searches multiples of this (tokens, 64k = 65536)
     seq_limit: str = "8192k"  # and none longer
     runners_up: int = 3  # parallel=search: layouts reported after the best one
+    # parallel=search: "runnable" (only layouts that training runs for the method, on GPUs with
+    # Transformer Engine; the others are listed in layouts.csv with the reason) or "all".
+    layouts: str = "runnable"
     # Memory the activations cannot use: CUDA context, NCCL and cuBLAS workspaces (per device).
     device_reserved_gib: float = 2.0
     # Share of a node's host memory that can be pinned for swapped activations (the rest is the

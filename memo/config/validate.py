@@ -142,6 +142,7 @@ def _check_fit(fit) -> None:
     if limit < step:
         raise ConfigError(f"fit.seq_limit={fit.seq_limit} is below fit.seq_step={fit.seq_step}")
     _positive("fit.runners_up", fit.runners_up, minimum=0)
+    _choice("fit.layouts", fit.layouts, ("runnable", "all"))
     if fit.device_reserved_gib < 0:
         raise ConfigError(f"fit.device_reserved_gib={fit.device_reserved_gib} must be at least 0 (GiB)")
     for key in ("host_usable_fraction", "gemm_efficiency", "attention_forward_efficiency",

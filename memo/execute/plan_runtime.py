@@ -29,14 +29,13 @@ import torch
 
 from memo.config import PlannerConfig
 from memo.execute.plan_server import PlanServer, serve_events
-from memo.plan.bilevel import plan_iteration
+from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.plan.caching_allocator import simulate
 from memo.profile.recorder import AllocationRecorder, PhaseMarker
 from memo.profile.trace import Trace
 
 log = logging.getLogger("memo")
 
-ALIGNMENT = 512  # bytes: the CUDA caching allocator's block alignment, kept by the plan
 CPU_SERVING = "validated on the CPU: tensors are not placed in the arena, the run's requests are matched"
 
 
@@ -141,7 +140,7 @@ class PlanRuntime:
         if not self.plan:
             return
         start = time.perf_counter()
-        memory_plan = plan_iteration(trace, self.planner.time_limit_s, self.planner.mip, ALIGNMENT,
+        memory_plan = plan_iteration(trace, self.planner.time_limit_s, self.planner.mip, RUNTIME_ALIGNMENT,
                                      identical_layers=False)
         self.server = PlanServer(memory_plan)
         seconds = time.perf_counter() - start

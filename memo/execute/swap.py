@@ -17,17 +17,20 @@ Every other layer:
 * at the start of layer ``i``'s backward pass waits for that copy and recomputes tokens
   ``k .. S`` from the layer input and the attention output of those tokens only, by running the
   layer again on them with attention replayed from the buffer; the saved tensors it produces
-  fill the dropped rows of the buffer, which backward then reads.
+  fill the dropped rows of the buffer, which backward then reads. The replay ends at FC2's input,
+  the last tensor the layer saves: FC2, its reduce-scatter and the residual are not run again.
 
 Every layer saves the same sequence of tensors (all layers have one shape), so their layout in
 the buffer (:class:`LayerLayout`) is found once, before training, by :meth:`SwapRuntime.discover`.
 Tensors keep Megatron's ``[s, b, ...]`` layout (tokens first, attention's ``[b, heads, s, ...]``
-is turned around), so a token prefix is one contiguous block.
+is turned around), so a token prefix is one contiguous block, copied to and from the host
+without a staging temporary.
 
 Under sequence parallelism each rank holds ``S = s / tp`` tokens of the layer input, while the
 tensors between the gather and the reduce-scatter have all ``tp·S`` tokens, as ``tp`` chunks of
-``S``; the first ``k`` tokens of every chunk are kept. Recomputation runs the same collectives on
-the dropped tokens of every rank, which are exactly those chunks' tails.
+``S``; the first ``k`` tokens of every chunk are kept, each chunk's one contiguous block copied
+on its own. Recomputation runs the same collectives on the dropped tokens of every rank, which
+are exactly those chunks' tails.
 """
 
 import math
@@ -314,7 +317,7 @@ class SwapRuntime:
         s.wait(s.d2h, s.record(s.compute))
         for j, slot in enumerate(self.layout.slots):
             if slot.kind != ALIAS:
-                s.copy(s.d2h, self._host_view(state.index, slot), self._swapped_part(b, j))
+                _copy_blocks(s, s.d2h, self._host_view(state.index, slot), self._swapped_part(b, j))
         state.offloaded = self._buffer_free[b] = s.record(s.d2h)
         self._account(state.index, "host", self._region_bytes)
 
@@ -457,7 +460,7 @@ class SwapRuntime:
         self._buffer_owner[b] = state
         for j, slot in enumerate(self.layout.slots):
             if slot.kind != ALIAS:
-                s.copy(s.h2d, self._swapped_part(b, j), self._host_view(state.index, slot))
+                _copy_blocks(s, s.h2d, self._swapped_part(b, j), self._host_view(state.index, slot))
         state.prefetched = s.record(s.h2d)
 
     def _recompute(self, state: _LayerState) -> None:
@@ -471,12 +474,36 @@ class SwapRuntime:
             kwargs["rotary_pos_emb"] = _tail_rows(rope, self.sequence_chunks, k)
         capture = _Capture("replay", state, layout.tokens)
         capture.outer = [j for j, s in enumerate(layout.slots) if s.role is None]
-        with torch.enable_grad():
-            self._run_captured(self.layers[state.index], kwargs, capture, self._collect, _never)
+        layer = self.layers[state.index]
+        # The backward needs what the layer saves, the last of which is FC2's input: the replay
+        # ends there, without FC2's GEMM, its reduce-scatter and the residual.
+        stop = layer.mlp.linear_fc2.register_forward_pre_hook(self._last_saved)
+        try:
+            with torch.enable_grad():
+                self._run_captured(layer, kwargs, capture, self._collect, _never)
+        except _ReplayDone:
+            pass
+        finally:
+            stop.remove()
         if capture.cursor != len(capture.outer):
             raise RuntimeError(
                 f"recomputing layer {state.index} saved {capture.cursor} of {len(capture.outer)} tensors"
             )
+
+    def _last_saved(self, _module, inputs) -> None:
+        """FC2's forward pre-hook while replaying: if the one slot left is what FC2 saves (its
+        input), fill it and end the replay."""
+        capture = self._capture
+        if capture is None or capture.mode != "replay" or capture.cursor != len(capture.outer) - 1:
+            return
+        j = capture.outer[-1]
+        slot = self.layout.slots[j]
+        (x,) = inputs
+        if slot.kind != TOKENS or tuple(x.shape[1:]) != slot.shape[1:] or x.dtype != slot.dtype:
+            return  # not FC2's input after all: let the layer run on
+        self._fill(capture, j, x)
+        capture.cursor += 1
+        raise _ReplayDone
 
     def _collect(self, t: torch.Tensor):
         capture = self._capture
@@ -539,6 +566,19 @@ class SwapRuntime:
         return raw.view(slot.dtype).view(slot.shape)
 
 
+def _copy_blocks(streams: Streams, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` on ``stream`` as contiguous blocks: whole if both are contiguous,
+    else one copy per index of the first dimension (a chunk's token prefix). A non-contiguous
+    copy between device and host would stage through a temporary on the device."""
+    if dst.is_contiguous() and src.is_contiguous():
+        streams.copy(stream, dst, src)
+        return
+    for d, s in zip(dst, src, strict=True):
+        if not (d.is_contiguous() and s.is_contiguous()):
+            raise RuntimeError(f"a swap copy of shape {tuple(s.shape)} is not contiguous per chunk")
+        streams.copy(stream, d, s)
+
+
 def _split(t: torch.Tensor, slot: Slot, tokens: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``k`` and the other rows of every chunk of token-major ``t``, as
     ``[chunks, rows, ...]`` views."""
@@ -549,6 +589,10 @@ def _split(t: torch.Tensor, slot: Slot, tokens: int, k: int) -> tuple[torch.Tens
 def _tail_rows(t: torch.Tensor, chunks: int, k: int) -> torch.Tensor:
     """Rows ``k ..`` of every one of ``chunks`` equal chunks of ``t`` (token-major), joined."""
     return t.unflatten(0, (chunks, t.shape[0] // chunks))[:, k:].flatten(0, 1)
+
+
+class _ReplayDone(Exception):
+    """Raised inside a replay once every tensor the backward needs has been recomputed."""
 
 
 def _never(_handle):

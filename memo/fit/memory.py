@@ -31,7 +31,7 @@ from memo.config import ModelConfig, ParallelConfig
 from memo.fit.template import INNER_LAYERS, IterationTemplate
 from memo.model.gpt import parameter_count
 from memo.plan.alpha import AlphaSolution, SkeletalBytes, check_host, solve_alpha
-from memo.plan.bilevel import plan_iteration
+from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.plan.caching_allocator import OutOfMemoryError, simulate
 from memo.profile.trace import Trace
 
@@ -66,46 +66,59 @@ def model_states(
 
 @dataclass(frozen=True)
 class Activations:
-    """Bytes per device of the activations at their peak, and the allocator's view of them."""
+    """Bytes per device of the activations at their peak, and the allocator's view of them.
+
+    The five kinds are taken at one instant, the peak, and add up to ``allocated_peak``.
+    """
 
     skeletal: int  # kept for a layer's backward, at the peak (the rounding buffers not included)
     transient: int  # made and freed within one phase, at the peak
     head: int  # embedding, logits and loss buffers, at the peak
+    persistent: int  # kept from one iteration to the next: all-gather buffer, RoPE tables
     other: int  # the rest at the peak: gradients handed between layers
-    allocated_peak: int  # the sum of the four
+    allocated_peak: int  # the sum of the five
+    peak_phase: str  # the phase of the iteration in which the peak falls
     held: int  # what the allocator holds for them: caching reserved, or the planned arena
     alloc_retries: int  # caching allocator: cache flushes to serve a request within capacity
-    refused_bytes: Optional[int] = None  # caching allocator: the request it could not serve
+    # caching allocator, when it cannot serve a request within the capacity: that request's size;
+    # ``held`` is then what it would reserve with no limit (what the run would need)
+    refused_bytes: Optional[int] = None
+
+    @property
+    def overhead(self) -> int:
+        """Bytes the allocator holds beyond the peak of live bytes (never negative)."""
+        return self.held - self.allocated_peak
 
 
 def _phase_kind(phase: Optional[str]) -> str:
     return "head" if phase is not None and phase.split(".")[0] in ("embedding", "head", "loss") else "layer"
 
 
-def split_peak(trace: Trace) -> tuple[int, dict[str, int]]:
-    """The instant of most bytes in use, and those bytes by kind (see :class:`Activations`)."""
+def split_peak(trace: Trace) -> tuple[int, str, dict[str, int]]:
+    """The most bytes in use at one instant, the phase of that instant, and those bytes by kind
+    (see :class:`Activations`)."""
     live, best, at = 0, -1, 0
     for position, event in enumerate(trace.events):
         live += event.size if event.op == "malloc" else -event.size
         if live > best:
             best, at = live, position
-    kinds = dict.fromkeys(("skeletal", "transient", "head", "other"), 0)
+    kinds = dict.fromkeys(("skeletal", "transient", "head", "persistent", "other"), 0)
     for r in trace.requests():
         if not r.lower <= at < r.upper:
             continue
-        if r.malloc_phase == r.free_phase:
+        if r.free_phase is None:
+            kind = "persistent"
+        elif r.malloc_phase == r.free_phase:
             kind = "transient"
-        elif r.malloc_phase.endswith(".fwd") and (r.free_phase or "").split(".")[0] in (
-            "layer",
-            INNER_LAYERS,
-        ):
+        elif r.malloc_phase.endswith(".fwd") and r.free_phase.split(".")[0] in ("layer", INNER_LAYERS):
             kind = "skeletal"
         elif "head" in (_phase_kind(r.malloc_phase), _phase_kind(r.free_phase)):
             kind = "head"
         else:
             kind = "other"
         kinds[kind] += r.size
-    return max(best, 0), kinds
+    phase = trace.events[at].phase if trace.events else ""
+    return max(best, 0), phase, kinds
 
 
 def activations(trace: Trace, capacity: Optional[int], plan: bool, time_limit_s: float = 10.0) -> Activations:
@@ -113,40 +126,26 @@ def activations(trace: Trace, capacity: Optional[int], plan: bool, time_limit_s:
 
     With ``capacity`` at most 0 no allocator is asked (``held`` is the peak). The caching
     allocator (``plan=false``) may refuse a request within ``capacity``: ``refused_bytes`` then
-    says which size and ``held`` is what it had reserved; a plan (``plan=true``) is never
-    refused, the caller compares ``held`` with ``capacity``.
+    says which size and ``held`` is what it would reserve without a limit; a plan
+    (``plan=true``) is never refused, the caller compares ``held`` with ``capacity``.
     """
-    peak, kinds = split_peak(trace)
+    peak, phase, kinds = split_peak(trace)
+    at_peak = dict(**kinds, allocated_peak=peak, peak_phase=phase)
     if capacity is not None and capacity <= 0:
-        return Activations(**kinds, allocated_peak=peak, held=peak, alloc_retries=0)
+        return Activations(**at_peak, held=peak, alloc_retries=0)
     if plan:
-        held = plan_iteration(trace, time_limit_s, mip="none").arena_bytes
-        return Activations(**kinds, allocated_peak=peak, held=held, alloc_retries=0)
+        # planned as training plans its recorded step: on the allocator's grid, with the layers
+        # that differ (MEMO's last two, the first) given blocks of their own
+        held = plan_iteration(trace, time_limit_s, mip="none", alignment=RUNTIME_ALIGNMENT,
+                              identical_layers=False).arena_bytes
+        return Activations(**at_peak, held=held, alloc_retries=0)
     try:
         stats = simulate(trace.events, capacity_bytes=capacity)
     except OutOfMemoryError as error:
-        return Activations(
-            **kinds,
-            allocated_peak=peak,
-            held=error.stats.peak_reserved,
-            alloc_retries=error.stats.num_alloc_retries,
-            refused_bytes=error.size,
-        )
-    return Activations(
-        **kinds, allocated_peak=peak, held=stats.peak_reserved, alloc_retries=stats.num_alloc_retries
-    )
-
-
-def fused_qk_bytes(
-    model: ModelConfig, parallel: ParallelConfig, tokens: int, micro_batch_size: int, dtype: torch.dtype
-) -> int:
-    """Bytes of the q and k thirds of a layer's fused QKV output on one device.
-
-    A plain layer keeps the whole fused output alive, because the v it saves is a view of it,
-    next to RoPE's rotated q and k; MEMO's runtime copies what autograd saves (q, k and v) into
-    its rounding buffer, so those two thirds are not kept there.
-    """
-    return 2 * micro_batch_size * tokens * (model.hidden_size // parallel.tp) * dtype.itemsize
+        unlimited = simulate(trace.events)
+        return Activations(**at_peak, held=unlimited.peak_reserved, alloc_retries=unlimited.num_alloc_retries,
+                           refused_bytes=error.size)
+    return Activations(**at_peak, held=stats.peak_reserved, alloc_retries=stats.num_alloc_retries)
 
 
 def swapped_sizes(
@@ -161,9 +160,7 @@ def swapped_sizes(
     problem needs them: the layer input (as traced), what attention produced (its output,
     ``b·s·h/tp`` elements, and its fp32 log-sum-exp per head and token), and the rest."""
     layer = min(2, template.layers - 1)
-    total = template.kept_bytes(layer, tokens) - fused_qk_bytes(
-        model, parallel, tokens, micro_batch_size, dtype
-    )
+    total = template.kept_bytes(layer, tokens)
     layer_input = template.input_bytes(tokens)
     heads = model.num_attention_heads // parallel.tp
     attention = micro_batch_size * tokens * (model.hidden_size // parallel.tp * dtype.itemsize + heads * 4)

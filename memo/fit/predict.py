@@ -75,11 +75,13 @@ class Prediction:
             "predicted_rounding_buffer_bytes": self.rounding_buffers,
             "predicted_transient_bytes": a.transient if a else None,
             "predicted_head_bytes": a.head if a else None,
+            "predicted_persistent_activation_bytes": a.persistent if a else None,
             "predicted_other_activation_bytes": a.other if a else None,
             "predicted_cp_buffer_bytes": self.cp_buffers,
             "predicted_activation_peak_bytes": a.allocated_peak if a else None,
             "predicted_activation_held_bytes": a.held if a else None,
-            "predicted_allocator_overhead_bytes": a.held - a.allocated_peak if a else None,
+            "predicted_allocator_overhead_bytes": a.overhead if a else None,
+            "predicted_peak_phase": a.peak_phase if a else None,
             "predicted_alloc_retries": a.alloc_retries if a else None,
             "predicted_reserved_bytes": self.reserved,
             "predicted_device_bytes": self.device_total,
@@ -195,27 +197,29 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
     trace = template.instance(tokens, layers * in_flight, swap=swap, recompute_bytes=recompute,
                               loss_tile_tokens=problem.loss_tile_tokens)
     acts = memory.activations(trace, room, problem.plan, problem.plan_time_limit_s)
-    status = "oom"
-    if room <= 0:
+    total = fixed_part + acts.held
+    status, reason = "ok", ""
+    if acts.refused_bytes is not None and total <= hw.device_memory_bytes:
+        status = "oom"
         reason = (
-            f"model states and buffers take {fixed_part / GiB:.1f} GiB of {hw.device_memory_bytes / GiB:.1f}"
+            f"the caching allocator cannot serve {acts.refused_bytes / GiB:.2f} GiB within "
+            f"{room / GiB:.1f} GiB (fragmentation) at the peak in {acts.peak_phase}"
         )
-    elif acts.refused_bytes is not None:
+    elif total > hw.device_memory_bytes:
+        status = "oom"
+        allocator = "the memory plan" if problem.plan else "the caching allocator"
         reason = (
-            f"the caching allocator cannot serve {acts.refused_bytes / GiB:.2f} GiB "
-            f"within {room / GiB:.1f} GiB"
+            f"needs {total / GiB:.1f} GiB of {hw.device_memory_bytes / GiB:.1f} GiB: model states and "
+            f"buffers {fixed_part / GiB:.1f} GiB, activations {acts.allocated_peak / GiB:.1f} GiB at "
+            f"their peak in {acts.peak_phase}, {allocator} {acts.overhead / GiB:.1f} GiB more"
         )
-    elif acts.held > room:
-        reason = f"the memory plan needs {acts.held / GiB:.1f} GiB, {room / GiB:.1f} GiB are left"
-    else:
-        status, reason = "ok", ""
     return Prediction(
         **common,
         status=status,
         reason=reason,
         acts=acts,
         rounding_buffers=rounding,
-        device_total=fixed_part + acts.held,
+        device_total=total,
         host_per_device=host,
         host_per_node=host * local,
         alpha=alpha,

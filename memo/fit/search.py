@@ -71,11 +71,12 @@ def longest(
 @dataclass(frozen=True)
 class LayoutResult:
     """One layout's outcome: its longest sequence (``best``; None if none fits), or the first
-    prediction that did not fit."""
+    prediction that did not fit; ``unrunnable`` says why training cannot run it (None: it can)."""
 
     parallel: ParallelConfig
     best: Optional[Prediction]
     failed: Optional[Prediction]
+    unrunnable: Optional[str] = None
 
     @property
     def shown(self) -> Prediction:
@@ -87,6 +88,14 @@ class LayoutResult:
         if self.best is None:
             return (1, 0, self.failed.device_total, self.parallel.pp)
         return (0, -self.best.seq, -self.best.time.mfu, self.parallel.pp)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout to try, and why training cannot run it for the method (None: it can)."""
+
+    parallel: ParallelConfig
+    unrunnable: Optional[str] = None
 
 
 def layout_label(parallel: ParallelConfig) -> str:

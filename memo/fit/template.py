@@ -20,8 +20,10 @@ tracing each would take seconds. Two facts make them cheap and exact:
   requests before the next: the template traces one tile as long as the sequence, and a
   request made and freed inside one loss phase is sized at one tile of the predicted run.
 
-Gradients (requests alive at the end of the iteration) are left out: Megatron keeps them in one
-buffer allocated before training, which :mod:`memo.fit.memory` counts with the model states.
+Gradients are left out: Megatron keeps them in one buffer allocated before training, which
+:mod:`memo.fit.memory` counts with the model states. Other requests alive at the end of the traced
+iteration (Megatron's persistent sequence-parallel all-gather buffer, RoPE's angles and cos/sin
+table) persist from one iteration to the next and are counted from where the trace makes them.
 """
 
 import dataclasses
@@ -91,7 +93,9 @@ class IterationTemplate:
             if small.meta.get("loss") == "tiled" and r.malloc_phase.startswith("loss.")
             and r.free_phase == r.malloc_phase
         }
-        self.gradients = {r.id for r in requests if r.free_phase is None}
+        # Gradients live in buffers made before training (counted with the model states); the
+        # other requests alive at the end persist between iterations and are counted here.
+        self.gradients = set(small.meta["gradient_requests"])
         # Kept for a layer's backward: made in a forward phase, freed in that layer's backward.
         self.kept = {
             layer: {

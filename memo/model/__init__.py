@@ -7,6 +7,7 @@ from memo.model.gpt import (
     padded_vocab_size,
     parameter_count,
     resolve_dtype,
+    unsupported_layout,
     uses_transformer_engine,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "padded_vocab_size",
     "parameter_count",
     "resolve_dtype",
+    "unsupported_layout",
     "uses_transformer_engine",
 ]

@@ -2,7 +2,8 @@
 
 The layer spec follows what is installed: Transformer Engine's layers and attention on a GPU
 when ``transformer_engine`` imports, otherwise Megatron's local layers with
-:class:`~memo.model.attention.SdpaAttention` and :class:`~memo.model.norm.LayerNorm`. All
+:class:`~memo.model.attention.SdpaAttention`, :class:`~memo.model.norm.LayerNorm` and RoPE from
+one cos/sin table per model (:class:`~memo.model.rotary.RotarySelfAttention`). All
 models are pre-norm GPTs with RoPE, GeLU MLPs, biases and tied input/output embeddings, and
 no dropout (long-context runs train without it, and it keeps recomputation bit-exact).
 """
@@ -28,6 +29,7 @@ from memo.model.attention import SdpaAttention, select_backend
 from memo.model.host import HostRotaryEmbedding, run_megatron_on_host
 from memo.model.layer import MemoTransformerLayer
 from memo.model.loss import TiledLossGPTModel
+from memo.model.rotary import RotarySelfAttention, RotaryTable
 from memo.model.norm import LayerNorm
 
 try:
@@ -134,7 +136,7 @@ def transformer_config(
 
 
 def _local_block_spec(
-    config: TransformerConfig, attention_backend: str, layer_activations: str
+    config: TransformerConfig, attention_backend: str, layer_activations: str, rotary: RotaryTable
 ) -> ModuleSpec:
     layer = get_gpt_layer_local_spec()
     if layer_activations != "megatron":
@@ -142,6 +144,9 @@ def _local_block_spec(
         layer.params = {**layer.params, "activations": layer_activations}
     layer.submodules.input_layernorm = LayerNorm
     layer.submodules.pre_mlp_layernorm = LayerNorm
+    attention = layer.submodules.self_attention
+    attention.module = RotarySelfAttention
+    attention.params = {**attention.params, "rotary_table": rotary}  # one for all layers
     layer.submodules.self_attention.submodules.core_attention = functools.partial(
         SdpaAttention, backend=attention_backend
     )
@@ -150,6 +155,27 @@ def _local_block_spec(
         module=TransformerBlock,
         submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=LayerNorm),
     )
+
+
+def unsupported_layout(parallel: ParallelConfig, method: MethodConfig, have_te: bool) -> Optional[str]:
+    """Why training cannot run ``method`` under ``parallel`` (one line naming what to change), or
+    ``None`` if it can. ``have_te``: Transformer Engine can be used (installed, on a GPU)."""
+    if parallel.pp > 1:
+        return (f"parallel.pp={parallel.pp}: the training loop has no pipeline schedule yet; "
+                "use parallel.pp=1")
+    return _unsupported_context_parallel(parallel, method, have_te)
+
+
+def _unsupported_context_parallel(
+    parallel: ParallelConfig, method: MethodConfig, have_te: bool
+) -> Optional[str]:
+    if parallel.cp > 1 and method.layer_activations != "megatron":
+        return (f"method={method.name} runs on Megatron's local layers, so parallel.cp={parallel.cp} "
+                "(Transformer Engine's attention) is not supported with it yet; use parallel.cp=1")
+    if parallel.cp > 1 and not have_te:
+        return (f"parallel.cp={parallel.cp} needs Transformer Engine's attention on a GPU "
+                "(pip install '.[gpu]'); use parallel.cp=1")
+    return None
 
 
 def uses_transformer_engine(
@@ -164,13 +190,14 @@ def uses_transformer_engine(
         ConfigError: if the run needs Transformer Engine (``attention_backend=te``, or context
             parallelism) and it cannot be used here.
     """
-    if method.layer_activations != "megatron" and (attention_backend == "te" or parallel.cp > 1):
-        setting = "train.attention_backend=te" if attention_backend == "te" else f"parallel.cp={parallel.cp}"
+    if method.layer_activations != "megatron" and attention_backend == "te":
         raise ConfigError(
-            f"method={method.name} runs on Megatron's local layers, so {setting} (Transformer "
-            "Engine's attention) is not supported with it yet; use train.attention_backend=auto "
-            "and parallel.cp=1"
+            f"method={method.name} runs on Megatron's local layers, so train.attention_backend=te "
+            "(Transformer Engine's attention) is not supported with it; use train.attention_backend=auto"
         )
+    reason = _unsupported_context_parallel(parallel, method, have_te=device_type == "cuda" and HAVE_TE)
+    if reason is not None:
+        raise ConfigError(reason)
     use_te = (
         device_type == "cuda" and HAVE_TE and attention_backend in ("auto", "te")
         and method.layer_activations == "megatron"
@@ -179,11 +206,6 @@ def uses_transformer_engine(
         raise ConfigError(
             "train.attention_backend=te needs Transformer Engine on a GPU (pip install '.[gpu]'); "
             "use train.attention_backend=auto"
-        )
-    if parallel.cp > 1 and not use_te:
-        raise ConfigError(
-            f"parallel.cp={parallel.cp} needs Transformer Engine's attention on a GPU "
-            "(pip install '.[gpu]'); use parallel.cp=1"
         )
     return use_te
 
@@ -221,7 +243,8 @@ def build_gpt(
         backend = "te"
     else:
         backend = select_backend(device_type, dtype, config.kv_channels, attention_backend)
-        spec = _local_block_spec(config, backend, method.layer_activations)
+        rotary = RotaryTable()
+        spec = _local_block_spec(config, backend, method.layer_activations, rotary)
 
     if loss not in ("megatron", "tiled"):
         raise ConfigError(f"train.loss={loss} is not a loss; choose tiled or megatron")
@@ -247,6 +270,9 @@ def build_gpt(
         )
     else:
         gpt.cuda(torch.cuda.current_device())
+    if not use_te:
+        # The table is made with the angles (the embedding's phase), before any layer uses it.
+        gpt.rotary_pos_emb.register_forward_hook(lambda _module, _args, freqs: rotary.fill(freqs, dtype))
     return BuiltModel(
         module=gpt,
         layer_spec="te" if use_te else "local",

@@ -26,7 +26,8 @@ from memo.profile.trace import Trace, phase_layers
 from memo.results import create_file_atomic
 
 PLAN_FORMAT = 1
-
+# bytes: the CUDA caching allocator's block alignment, which a plan served at run time keeps
+RUNTIME_ALIGNMENT = 512
 
 @dataclass(frozen=True)
 class Placement:

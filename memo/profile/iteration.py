@@ -13,7 +13,9 @@
 
 One iteration is: forward of one micro-batch, loss, backward, optimizer step (AdamW whose
 states exist already, as in every step after the first). Weights, their gradients' previous
-values and optimizer states are not requests: they exist before the iteration starts.
+values and optimizer states are not requests: they exist before the iteration starts. The
+requests that hold the new gradients are listed in the trace's ``gradient_requests`` (fake and
+CPU back-ends); any other request alive at the end persists from one iteration to the next.
 """
 
 import contextlib
@@ -133,7 +135,7 @@ def trace_iteration(
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-    figures = {}
+    figures, gradients = {}, None
     with _process_group(parallel, backend), mode:
         torch.manual_seed(seed)
         gpt = build_gpt(model, method, parallel, seq, dtype, device, attention, method.loss,
@@ -169,6 +171,13 @@ def trace_iteration(
             recorder.stop()
             marker.remove()
             events = recorder.events
+            # The other requests alive at the end persist across iterations (Megatron's
+            # all-gather buffer, RoPE's angles and table): a run holds them, unlike gradients,
+            # which live in buffers made before training.
+            gradients = sorted(
+                r for r in (recorder.request_of(p.grad) for p in gpt.parameters() if p.grad is not None)
+                if r is not None
+            )
     meta = {
         "backend": backend,
         "model": _plain(model),
@@ -179,6 +188,7 @@ def trace_iteration(
         "micro_batch_size": micro_batch_size,
         "dtype": str(dtype).removeprefix("torch."),
         "attention": attention,
+        "gradient_requests": gradients,
         **{f"cuda.{k}": v for k, v in figures.items()},
     }
     return Trace(events, meta)

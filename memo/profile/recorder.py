@@ -76,6 +76,11 @@ class AllocationRecorder(TorchDispatchMode):
         """End recording; requests still live stay unfreed in :attr:`events`."""
         self._recording = False
 
+    def request_of(self, tensor: torch.Tensor) -> Optional[int]:
+        """The request whose storage ``tensor`` lives in, if it was made while recording and is
+        still alive."""
+        return self._live.get(id(tensor.untyped_storage()))
+
 
 class PhaseMarker:
     """Tracks the phase of one GPT iteration through hooks on a Megatron ``GPTModel``.

@@ -1,0 +1,115 @@
+"""Device memory of one training step, from the allocation trace of a real CPU run.
+
+For each method and depth it builds the model as a job does, runs one step unrecorded, then
+records the next step's forward and backward pass with the allocation recorder (real CPU
+tensors, every storage a request) and prints, at the instant of most bytes in use:
+
+* skeletal bytes held on the device: requests kept for a layer's backward, plus MEMO's two
+  rounding buffers (allocated before the step, so not requests), against two layers' worth;
+* peak live bytes: all requests then alive, plus the rounding buffers.
+
+Weights, gradients and optimizer states are the same for every method and are not counted. A
+benchmark, not a test: it takes minutes at the paper's depth.
+
+    python benchmarks/activation_memory.py --layers 4,8,32 --seq 8k
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from memo.config import parse_seq, register_configs, resolve_loss  # noqa: E402
+from memo.execute import distributed  # noqa: E402
+from memo.execute.data import SyntheticTokens, micro_batches  # noqa: E402
+from memo.execute.distributed import ProcessInfo  # noqa: E402
+from memo.execute.streams import InlineStreams  # noqa: E402
+from memo.execute.swap import SwapRuntime  # noqa: E402
+from memo.execute.swap_setup import prepare_swap  # noqa: E402
+from memo.fit.memory import split_peak  # noqa: E402
+from memo.model import build_gpt  # noqa: E402
+from memo.profile.recorder import AllocationRecorder, PhaseMarker  # noqa: E402
+from memo.profile.trace import Trace  # noqa: E402
+
+METHODS = ("memo", "full_recompute", "megatron_full_recompute")
+
+
+def recorded_step(overrides: list[str], seq: int, alpha: float) -> dict:
+    """Bytes at the peak of one recorded step of the job ``overrides`` describe (see above)."""
+    cfg = compose(config_name="config", overrides=overrides)
+    torch.manual_seed(cfg.train.seed)
+    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu",
+                      loss=resolve_loss(cfg)).module
+    runtime = None
+    if cfg.method.layer_activations == "swap":
+        runtime = SwapRuntime(cfg.model.num_layers, InlineStreams(), torch.device("cpu"))
+        fixed = cfg.method.alpha if cfg.method.alpha is not None else alpha
+        prepare_swap(runtime, model, seq, 1, torch.float32, fixed, 2**50)
+    batches = micro_batches(SyntheticTokens(cfg.model.vocab_size, 0), seq, 1, 1, 0, 1, torch.device("cpu"))
+
+    def step(marker=None):
+        (batch,) = next(batches)
+        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+        if marker is not None:
+            marker.backward()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    marker = PhaseMarker(model)
+    recorder = AllocationRecorder(lambda: marker.phase)
+    with recorder:
+        step(marker)
+    recorder.stop()
+    marker.remove()
+    peak, phase, kinds = split_peak(Trace(recorder.events))
+    buffers = runtime.rounding_buffer_bytes if runtime else 0
+    return {
+        "skeletal": kinds["skeletal"] + buffers,
+        "two_layers": 2 * runtime.layout.bytes_kept if runtime else None,
+        "peak": peak + buffers,
+        "phase": phase,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="4,8,32", help="comma-separated depths (default 4,8,32)")
+    parser.add_argument("--seq", default="8k", help="tokens (default 8k)")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--alpha", type=float, default=0.5, help="memo's swapped fraction (default 0.5)")
+    parser.add_argument("--loss", default="tiled", choices=("tiled", "megatron"), help="for every method")
+    args = parser.parse_args()
+    seq = parse_seq(args.seq)
+
+    register_configs()
+    mib = 2**20
+    print(f"{args.model}, {seq} tokens, fp32, train.loss={args.loss}, memo alpha={args.alpha}; MiB")
+    print(f"{'layers':>6} {'method':<24} {'skeletal held':>14} {'2 layers':>9} {'peak live':>10} "
+          f"{'vs megatron':>11}  peak in", flush=True)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        distributed.initialize(compose(config_name="config").parallel, "cpu", ProcessInfo(0, 1, 0))
+        try:
+            for layers in (int(n) for n in args.layers.split(",")):
+                results = {}
+                for method in METHODS:
+                    overrides = [f"model={args.model}", f"model.num_layers={layers}", f"method={method}",
+                                 f"train.loss={args.loss}"]
+                    results[method] = recorded_step(overrides, seq, args.alpha)
+                reference = results["megatron_full_recompute"]["peak"]
+                for method, r in results.items():
+                    two = f"{r['two_layers'] / mib:9.1f}" if r["two_layers"] else f"{'-':>9}"
+                    print(f"{layers:>6} {method:<24} {r['skeletal'] / mib:14.1f} {two} "
+                          f"{r['peak'] / mib:10.1f} {r['peak'] / reference:11.3f}  {r['phase']}",
+                          flush=True)
+        finally:
+            distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
