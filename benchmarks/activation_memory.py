@@ -33,7 +33,7 @@ from memo.execute.swap import SwapRuntime  # noqa: E402
 from memo.execute.swap_setup import prepare_swap  # noqa: E402
 from memo.fit.memory import split_peak  # noqa: E402
 from memo.model import build_gpt  # noqa: E402
-from memo.profile.recorder import AllocationRecorder, PhaseMarker  # noqa: E402
+from memo.profile.recorder import record  # noqa: E402
 from memo.profile.trace import Trace  # noqa: E402
 
 METHODS = ("memo", "full_recompute", "megatron_full_recompute")
@@ -61,13 +61,7 @@ def recorded_step(overrides: list[str], seq: int, alpha: float) -> dict:
         model.zero_grad(set_to_none=True)
 
     step()
-    marker = PhaseMarker(model)
-    recorder = AllocationRecorder(lambda: marker.phase)
-    with recorder:
-        step(marker)
-    recorder.stop()
-    marker.remove()
-    peak, phase, kinds = split_peak(Trace(recorder.events))
+    peak, phase, kinds = split_peak(Trace(record(model, step).events))
     buffers = runtime.rounding_buffer_bytes if runtime else 0
     return {
         "skeletal": kinds["skeletal"] + buffers,

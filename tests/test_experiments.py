@@ -52,14 +52,21 @@ def test_end_to_end_sends_each_workload_as_one_array_sized_by_its_layout(tmp_pat
     by_nodes = {int(a["options"]["nodes"]): a for a in found}
     assert sorted(by_nodes) == [1, 2, 4, 8]
     big = by_nodes[8]
-    assert big["heading"].startswith("48 job(s): 8 node(s) x 8 task(s) = 64 process(es), 64 GPU(s)")
+    assert big["heading"].startswith("80 job(s): 8 node(s) x 8 task(s) = 64 process(es), 64 GPU(s)")
     assert big["options"]["ntasks-per-node"] == "8" and big["options"]["gpus-per-node"] == "8"
-    assert big["options"]["array"] == "0-47%48"
+    assert big["options"]["array"] == "0-79%64"  # at most 64 of its tasks at once
+    # memo with its own loss; each Megatron baseline with Megatron's loss and with memo's
+    variants = set()
+    for _, overrides, _ in big["jobs"]:
+        loss = re.search(r"train.loss=(\w+)", overrides)
+        variants.add((re.search(r"method=(\w+)", overrides).group(1), loss.group(1) if loss else "auto"))
+    baselines = ("megatron_full_recompute", "megatron_selective")
+    assert variants == {("memo", "auto"), *((m, loss) for m in baselines for loss in ("megatron", "tiled"))}
     assert all("+workload=65b_64gpus" in overrides for _, overrides, _ in big["jobs"])
     seqs = {re.search(r"seq=(\w+)", o).group(1) for _, o, _ in big["jobs"]}
     assert len(seqs) == 16 and {"4k", "1408k"} <= seqs
     for array in found:
-        assert len(array["jobs"]) == 48
+        assert len(array["jobs"]) == 80
         assert all(problem is None for _, _, problem in array["jobs"]), "every job passes the checks"
 
 
@@ -71,7 +78,8 @@ def test_convergence_is_a_union_of_grids_and_the_command_line_wins(tmp_path):
     memo = sorted(re.search(r"alpha=(\S+)", o).group(1) for o in jobs if "method=memo" in o)
     assert memo == ["0", "0.125", "0.25", "0.5", "1"]
     megatron = [o for o in jobs if "method=megatron_full_recompute" in o]
-    assert len(megatron) == 1 and "alpha=" not in megatron[0], "Megatron runs once, without α"
+    assert len(megatron) == 2 and not any("alpha=" in o for o in megatron), "Megatron runs without α"
+    assert sum("train.loss=tiled" in o for o in megatron) == 1  # and once with memo's loss
     assert all("seq=4k" in o for o in jobs) and not any("seq=128k" in o for o in jobs)
 
 

@@ -1,18 +1,14 @@
 """The sequence-tiled output layer and cross entropy (train.loss=tiled) against Megatron's."""
 
-import os
-import subprocess
-
 import pytest
 import torch
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, resolve_loss, validate
-from memo.execute.data import SyntheticTokens, micro_batches
-from memo.model import build_gpt
 from memo.model.loss import auto_tile_tokens, tiled_cross_entropy
 from memo.profile.iteration import trace_iteration
 
-from conftest import PYTHON, REPO, compose_config, free_port, run_in_process
+from conftest import compose_config, run_in_process, run_under_torchrun
+from loss_worker import gradients
 
 
 def test_tiles_give_textbook_cross_entropy_and_its_gradients():
@@ -43,22 +39,10 @@ def test_the_default_tile_holds_256_mib_of_fp32_logits():
     assert auto_tile_tokens(2**30, 1) == 1
 
 
-def _one_backward(loss: str, tile=None, seq: int = 256):
-    cfg = compose_config()
-    torch.manual_seed(cfg.train.seed)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu",
-                      loss=loss, loss_tile_tokens=tile).module
-    (batch,) = next(micro_batches(SyntheticTokens(cfg.model.vocab_size, 0), seq, 2, 1, 0, 1,
-                                  torch.device("cpu")))
-    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    per_token.mean().backward()
-    return per_token.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("tile", [None, 1000, 48, 256])
 def test_the_gpt_with_tiled_loss_has_megatrons_losses_and_gradients(single_process, tile):
-    expected_loss, expected = _one_backward("megatron")
-    loss, got = _one_backward("tiled", tile)
+    expected_loss, expected = gradients([], "megatron", None)
+    loss, got = gradients([], "tiled", tile)
     assert loss.shape == (2, 256) and loss.dtype == torch.float32
     torch.testing.assert_close(loss, expected_loss)
     assert got.keys() == expected.keys()
@@ -68,13 +52,7 @@ def test_the_gpt_with_tiled_loss_has_megatrons_losses_and_gradients(single_proce
 
 @pytest.mark.slow
 def test_tiled_loss_matches_megatron_with_tensor_and_sequence_parallelism():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    result = subprocess.run(
-        [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-         str(free_port()), str(REPO / "tests" / "loss_worker.py")],
-        cwd=REPO, env=env, timeout=600, capture_output=True, text=True,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_under_torchrun("loss_worker.py")
     assert result.stdout.count("6 tiled losses match Megatron's") == 2
 
 

@@ -12,7 +12,7 @@ from memo.execute.swap_setup import prepare_swap
 from memo.model import build_gpt
 from memo.plan.alpha import HostMemoryError
 from memo.profile.layers import layer_bytes
-from memo.profile.recorder import AllocationRecorder, PhaseMarker
+from memo.profile.recorder import record
 from memo.profile.trace import Trace
 
 from conftest import compose_config
@@ -158,16 +158,13 @@ def _recorded_memo_step(layers: int, seq: int):
     runtime = SwapRuntime(layers, InlineStreams(), torch.device("cpu"))
     prepare_swap(runtime, model, seq, 1, torch.float32, 0.5, 2**40)
     (batch,) = next(micro_batches(SyntheticTokens(50257, 0), seq, 1, 1, 0, 1, torch.device("cpu")))
-    marker = PhaseMarker(model)
-    recorder = AllocationRecorder(lambda: marker.phase)
-    with recorder:
+
+    def step(marker):
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
         marker.backward()
         loss.backward()
-        del loss
-    recorder.stop()
-    marker.remove()
-    return Trace(recorder.events), runtime
+
+    return Trace(record(model, step).events), runtime
 
 
 @pytest.mark.parametrize("layers", [4, 8])

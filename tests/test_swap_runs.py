@@ -2,12 +2,10 @@
 text, and tensor plus sequence parallelism in two processes."""
 
 import json
-import os
-import subprocess
 
 import pytest
 
-from conftest import PYTHON, REPO, free_port, run_in_process
+from conftest import REPO, run_in_process, run_under_torchrun
 
 SHORT = ["seq=256", "train.steps=2", "train.warmup_steps=1"]
 
@@ -79,11 +77,5 @@ def test_fifty_steps_on_text_follow_the_loss_of_keeping_everything(tmp_path):
 
 @pytest.mark.slow
 def test_tensor_and_sequence_parallel_gradients_match_in_two_processes():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    result = subprocess.run(
-        [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-         str(free_port()), str(REPO / "tests" / "swap_worker.py")],
-        cwd=REPO, env=env, timeout=600, capture_output=True, text=True,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_under_torchrun("swap_worker.py")
     assert result.stdout.count("6 methods match over 3 steps with both losses") == 2

@@ -31,7 +31,7 @@ from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
 from memo.model import build_gpt
 from memo.model.attention import select_backend
 from memo.model.gpt import transformer_config
-from memo.profile.recorder import AllocationRecorder, PhaseMarker
+from memo.profile.recorder import PhaseMarker, record
 from memo.profile.trace import Trace
 
 BACKENDS = ("fake", "cpu", "cuda")
@@ -164,12 +164,7 @@ def trace_iteration(
 
             events, figures = record_cuda_iteration(gpt, run)
         else:
-            marker = PhaseMarker(gpt)
-            recorder = AllocationRecorder(lambda: marker.phase)
-            with recorder:
-                run(marker)
-            recorder.stop()
-            marker.remove()
+            recorder = record(gpt, run)
             events = recorder.events
             # The other requests alive at the end persist across iterations (Megatron's
             # all-gather buffer, RoPE's angles and table): a run holds them, unlike gradients,

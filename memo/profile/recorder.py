@@ -149,3 +149,18 @@ class PhaseMarker:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def record(gpt: torch.nn.Module, step: Callable[[PhaseMarker], None]) -> AllocationRecorder:
+    """Run ``step(marker)`` on Megatron ``GPTModel`` ``gpt`` with every allocation recorded and
+    phased; returns the stopped recorder (its ``events``, and :meth:`AllocationRecorder.request_of`
+    for what is still alive)."""
+    marker = PhaseMarker(gpt)
+    recorder = AllocationRecorder(lambda: marker.phase)
+    try:
+        with recorder:
+            step(marker)
+    finally:
+        recorder.stop()
+        marker.remove()
+    return recorder
