@@ -268,4 +268,5 @@ def test_a_swapped_layer_does_not_run_fc2_again_when_recomputing(parallel_state)
     # FC1 twice (forward, then the dropped tokens again), FC2 once, in every swapped layer
     assert calls == [201] * 4 + [101] * 2
     assert all(dst and src for dst, src in streams.side_copies)
-    assert sum(r["recomputed"] for r in runtime.take_accounting()) == 4 * runtime.layout.bytes_of("tokens") // 2
+    recomputed = sum(r["recomputed"] for r in runtime.take_accounting())
+    assert recomputed == 4 * runtime.layout.bytes_of("tokens") // 2

@@ -374,12 +374,11 @@ class SwapRuntime:
         self._remember_product(capture, j, slot, t)
         if slot.kind != ALIAS:
             b, source = capture.state.index % 2, _canonical(t, expected.token_dim)
-            if self.resident(capture.state.index):
-                self.streams.copy(self.streams.compute, self._slot_tensor(b, j), source)
-            else:
-                if expected.kind == TOKENS:
-                    source = _split(source, expected, capture.tokens, self.keep_tokens)[0]
-                self.streams.copy(self.streams.compute, self._swapped_part(b, j), source)
+            target = self._slot_tensor(b, j)  # the last two layers keep every token
+            if not self.resident(capture.state.index) and expected.kind == TOKENS:
+                source = _split(source, expected, capture.tokens, self.keep_tokens)[0]
+                target = self._swapped_part(b, j)
+            self.streams.copy(self.streams.compute, target, source)
         return (capture.state, j)
 
     @staticmethod
@@ -491,10 +490,10 @@ class SwapRuntime:
             )
 
     def _last_saved(self, _module, inputs) -> None:
-        """FC2's forward pre-hook while replaying: if the one slot left is what FC2 saves (its
-        input), fill it and end the replay."""
+        """FC2's forward pre-hook, set only while replaying: if the one slot left is what FC2
+        saves (its input), fill it and end the replay."""
         capture = self._capture
-        if capture is None or capture.mode != "replay" or capture.cursor != len(capture.outer) - 1:
+        if capture.cursor != len(capture.outer) - 1:
             return
         j = capture.outer[-1]
         slot = self.layout.slots[j]

@@ -7,12 +7,13 @@
   (:mod:`memo.fit.template`), replayed through the caching-allocator simulator (``plan=false``),
   or placed by the bi-level planner (``plan=true``). At the instant of most bytes in use they
   split into skeletal tensors (kept for a layer's backward), transient tensors (made and freed
-  within one phase), embedding/logits/loss buffers, and others (gradients handed between layers).
+  within one phase), embedding/logits/loss buffers, persistent buffers (alive from one iteration to
+  the next) and others (gradients handed between layers).
 * MEMO and full swapping: two rounding buffers of one layer's skeletal tensors each, which hold
   every skeletal tensor on the device (the last two layers keep all of theirs there); every other
-  layer's input, attention output and first α of its other
-  skeletal tensors go to the host, so host memory per node is ``(n − 2)·(S_input + S_attn +
-  α·S_other)`` per device times the devices of a node.
+  layer's input, attention output and first α of its other skeletal tensors go to the host, so
+  host memory per node is ``(n − 2)·(S_input + S_attn + α·S_other)`` per device times the
+  devices of a node.
 * Context parallelism exchanges key/value blocks in a ring: four blocks of ``b·(s/cp)·h/tp``
   elements (this step's and the next, and in the backward their gradients) are added; the trace
   itself is of one context-parallel rank's tokens.

@@ -25,6 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
+from memo.config.validate import LOSSES
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.host import HostRotaryEmbedding, run_megatron_on_host
 from memo.model.layer import MemoTransformerLayer
@@ -246,8 +247,8 @@ def build_gpt(
         rotary = RotaryTable()
         spec = _local_block_spec(config, backend, method.layer_activations, rotary)
 
-    if loss not in ("megatron", "tiled"):
-        raise ConfigError(f"train.loss={loss} is not a loss; choose tiled or megatron")
+    if loss not in LOSSES:
+        raise ConfigError(f"train.loss={loss} is not a loss; choose one of: {', '.join(LOSSES)}")
     extra = {"loss_tile_tokens": loss_tile_tokens} if loss == "tiled" else {}
     gpt = (TiledLossGPTModel if loss == "tiled" else GPTModel)(
         config=config,

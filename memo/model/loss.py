@@ -25,7 +25,6 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-LOSSES = ("tiled", "megatron")
 # auto tile: the largest power of two of tokens whose fp32 logits take at most this many bytes
 _TILE_LOGITS_BYTES = 256 * 2**20
 
@@ -72,7 +71,7 @@ class _Tiles:
     """The tiles of one call: which rows of this rank's hidden states, their labels, and the
     tensor-parallel group over which logits are split."""
 
-    def __init__(self, hidden, weight, labels, tile, sequence_parallel, group):
+    def __init__(self, weight, labels, tile, sequence_parallel, group):
         self.size = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         self.group, self.tile = group, tile
@@ -133,7 +132,7 @@ class _Tiles:
 class _TiledCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, tile, sequence_parallel, group):
-        tiles = _Tiles(hidden, weight, labels, tile, sequence_parallel, group)
+        tiles = _Tiles(weight, labels, tile, sequence_parallel, group)
         lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
         loss = torch.empty_like(lse)
         for start, end in tiles.spans(hidden.shape[0]):
@@ -145,7 +144,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, labels, lse = ctx.saved_tensors
-        tiles = _Tiles(hidden, weight, labels, ctx.tile, ctx.sequence_parallel, ctx.group)
+        tiles = _Tiles(weight, labels, ctx.tile, ctx.sequence_parallel, ctx.group)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start, end in tiles.spans(hidden.shape[0]):
@@ -189,9 +188,8 @@ class TiledLossGPTModel(GPTModel):
 
     def __init__(self, *args, loss_tile_tokens: Optional[int] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.loss_tile_tokens = loss_tile_tokens
         # A module of its own so that profiling hooks can see the loss start and end.
-        self.tiled_loss = _TiledLossHead(self)
+        self.tiled_loss = TiledLossHead(loss_tile_tokens, self.config.sequence_parallel)
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         usable = (
@@ -200,25 +198,24 @@ class TiledLossGPTModel(GPTModel):
         )
         if not usable:
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-        return self.tiled_loss(hidden_states, labels)
+        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                  else self.output_layer.weight)
+        return self.tiled_loss(hidden_states, labels, weight)
 
 
-class _TiledLossHead(torch.nn.Module):
-    """The output layer and the loss as one step: ``[s, b, h]`` hidden states and ``[b, s]`` labels
-    in, ``[b, s]`` fp32 losses out. Holds no parameters of its own (the weight is the model's)."""
+class TiledLossHead(torch.nn.Module):
+    """The output layer and the loss as one step: ``[s, b, h]`` hidden states, ``[b, s]`` labels
+    and the ``[v/tp, h]`` output weight in, ``[b, s]`` fp32 losses out. Holds no parameters."""
 
-    def __init__(self, gpt: TiledLossGPTModel):
+    def __init__(self, tile_tokens: Optional[int], sequence_parallel: bool):
         super().__init__()
-        self._gpt = [gpt]  # a list: not a submodule, so the model is not registered twice
+        self.tile_tokens, self.sequence_parallel = tile_tokens, sequence_parallel
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        gpt = self._gpt[0]
-        weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
-                  else gpt.output_layer.weight)
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-        tile = gpt.loss_tile_tokens or auto_tile_tokens(weight.shape[0], hidden.shape[1])
+        tile = self.tile_tokens or auto_tile_tokens(weight.shape[0], hidden.shape[1])
         loss = tiled_cross_entropy(
-            hidden, weight, labels.t().contiguous(), tile, gpt.config.sequence_parallel, group
+            hidden, weight, labels.t().contiguous(), tile, self.sequence_parallel, group
         )
         return loss.t().contiguous()

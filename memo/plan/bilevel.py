@@ -29,6 +29,7 @@ PLAN_FORMAT = 1
 # bytes: the CUDA caching allocator's block alignment, which a plan served at run time keeps
 RUNTIME_ALIGNMENT = 512
 
+
 @dataclass(frozen=True)
 class Placement:
     """Where one request goes: the ``rank``-th malloc of ``phase`` (``size`` bytes) at ``offset``."""
