@@ -75,6 +75,28 @@ def test_a_template_instance_has_the_peak_of_the_real_iteration(method):
     assert memory.split_peak(instance) == memory.split_peak(real)
 
 
+@pytest.mark.parametrize("tp, sp", [(2, True), (1, False)], ids=["tp2-sp", "tp1"])
+def test_a_tiled_loss_template_stands_for_many_tiles(tp, sp):
+    """Traced with one tile per pass, the template stands for 6 (tp2+sp) or 12 tiles of 512 tokens
+    a rank: every request but one is sized as a direct trace sizes it. The loss's fp32 gradient
+    per token is made and freed in loss.bwd like a tile's requests and is sized at one tile, 4
+    bytes a token short."""
+    model = dataclasses.replace(
+        TINY, num_layers=9, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8
+    )
+    tiled = MethodConfig(name="none", loss="tiled")
+    template = iteration_template(model, tiled, tp, sp, 9, 1, torch.bfloat16)
+    real = without_gradients(trace_iteration(model, tiled, ParallelConfig(tp=tp, sequence_parallel=sp),
+                                             6144, 1, torch.bfloat16, loss_tile_tokens=512))
+    instance = template.instance(6144, 9, loss_tile_tokens=512)
+    short = 4 * (6144 - 512 * (tp if sp else 1))
+    assert max_load(real.buffers()) - max_load(instance.buffers()) == short
+    (peak, phase, kinds), (real_peak, real_phase, real_kinds) = (
+        memory.split_peak(instance), memory.split_peak(real))
+    assert (peak, phase) == (real_peak - short, real_phase) and phase == "loss.bwd"
+    assert kinds == {**real_kinds, "transient": real_kinds["transient"] - short}
+
+
 # ---------------------------------------------------------------- hand formulas, 7b at 1M tokens
 
 

@@ -18,7 +18,9 @@ tracing each would take seconds. Two facts make them cheap and exact:
 
 * The tiled loss (``train.loss=tiled``) runs its tiles one after another and frees each tile's
   requests before the next: the template traces one tile as long as the sequence, and a
-  request made and freed inside one loss phase is sized at one tile of the predicted run.
+  request made and freed inside one loss phase is sized at one tile of the predicted run. One
+  such request is as long as the sequence, the fp32 gradient of the per-token loss: it is
+  counted at one tile too, 4 bytes a token short (4 MiB at 1M tokens; tested).
 
 Gradients are left out: Megatron keeps them in one buffer allocated before training, which
 :mod:`memo.fit.memory` counts with the model states. Other requests alive at the end of the traced
