@@ -12,7 +12,7 @@ from memo.model import build_gpt
 from conftest import compose_config
 
 LAYOUTS = [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]]
-TILES = [None, 24, 256]  # the default (one tile here), uneven tiles, one tile per rank
+TILES = [None, 24, 256]  # the default (64 tokens here), uneven tiles, one tile per rank
 
 
 def gradients(overrides: list[str], loss: str, tile, seq: int = 256) -> tuple[torch.Tensor, dict]:

@@ -75,21 +75,27 @@ def test_a_template_instance_has_the_peak_of_the_real_iteration(method):
     assert memory.split_peak(instance) == memory.split_peak(real)
 
 
+@pytest.mark.parametrize("tile", [512, None], ids=["tile512", "auto"])
 @pytest.mark.parametrize("tp, sp", [(2, True), (1, False)], ids=["tp2-sp", "tp1"])
-def test_a_tiled_loss_template_stands_for_many_tiles(tp, sp):
+def test_a_tiled_loss_template_stands_for_many_tiles(tp, sp, tile):
     """Traced with one tile per pass, the template stands for 6 (tp2+sp) or 12 tiles of 512 tokens
-    a rank: every request but one is sized as a direct trace sizes it. The loss's fp32 gradient
-    per token is made and freed in loss.bwd like a tile's requests and is sized at one tile, 4
-    bytes a token short."""
+    a rank, or the default tiles of the loss (64 tokens) and of the embedding's backward pass
+    (512 tokens, all ranks together): every request but one is sized as a direct trace sizes it. The loss's fp32
+    gradient per token is made and freed in loss.bwd like a tile's requests and is sized at one
+    tile, 4 bytes a token short."""
     model = dataclasses.replace(
         TINY, num_layers=9, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8
     )
     tiled = MethodConfig(name="none", loss="tiled")
     template = iteration_template(model, tiled, tp, sp, 9, 1, torch.bfloat16)
     real = without_gradients(trace_iteration(model, tiled, ParallelConfig(tp=tp, sequence_parallel=sp),
-                                             6144, 1, torch.bfloat16, loss_tile_tokens=512))
-    instance = template.instance(6144, 9, loss_tile_tokens=512)
-    short = 4 * (6144 - 512 * (tp if sp else 1))
+                                             6144, 1, torch.bfloat16, loss_tile_tokens=tile))
+    instance = template.instance(6144, 9, loss_tile_tokens=tile)
+    short = 4 * (6144 - template.tile_tokens(6144, tile))
+    chunks = tp if sp else 1
+    assert template.tile_tokens(6144, tile) == (tile or 64) * chunks
+    # by default a power of two at most an eighth of a rank's tokens: 256 of 3072, 512 of 6144
+    assert template.embedding_tile_tokens(6144, tile) == (tile * chunks if tile else 512)
     assert max_load(real.buffers()) - max_load(instance.buffers()) == short
     (peak, phase, kinds), (real_peak, real_phase, real_kinds) = (
         memory.split_peak(instance), memory.split_peak(real))

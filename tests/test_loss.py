@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, resolve_loss, validate
-from memo.model.loss import auto_tile_tokens, tiled_cross_entropy
+from memo.model.loss import tiled_cross_entropy
+from memo.model.tiles import auto_tile_tokens
 from memo.profile.iteration import trace_iteration
 
 from conftest import compose_config, run_in_process, run_under_torchrun
@@ -32,11 +33,17 @@ def test_tiles_give_textbook_cross_entropy_and_its_gradients():
         tiled_cross_entropy(hidden, weight, labels, 0)
 
 
-def test_the_default_tile_holds_256_mib_of_fp32_logits():
-    assert auto_tile_tokens(50304, 1) == 1024  # 256 MiB / (4 B · 50304) = 1334 tokens
-    assert auto_tile_tokens(6288, 1) == 8192  # 7B's vocabulary over tp = 8: 10672 tokens
-    assert auto_tile_tokens(6288, 2) == 4096
-    assert auto_tile_tokens(2**30, 1) == 1
+def test_the_default_tile_holds_at_most_one_fc1_output_and_256_mib_of_fp32_logits():
+    # tiny model, 8k tokens, fp32: FC1 is 8192 · 1024 · 4 B = 32 MiB, 32 MiB / (4 B · 50304) = 166
+    assert auto_tile_tokens(8192, 1, 1, 50304, 1024, 4) == 128
+    # 7B at 1M tokens, tp = 8 with sequence parallelism, bf16: 256 MiB / (4 B · 6288 · 8) = 1334
+    # tokens of each rank (a gathered tile of 8 · 1024 tokens); FC1 (4 GiB) is no bound
+    assert auto_tile_tokens(2**17, 8, 1, 6288, 16384 // 8, 2) == 1024
+    assert auto_tile_tokens(2**17, 8, 2, 6288, 16384 // 8, 2) == 512  # two sequences a micro-batch
+    assert auto_tile_tokens(2**17, 1, 1, 6288, 16384 // 8, 2) == 8192  # no sequence parallelism
+    # short sequences: never thinner than 64 tokens
+    assert auto_tile_tokens(256, 1, 1, 50304, 1024, 4) == 64
+    assert auto_tile_tokens(100, 1, 1, 2**30, 1024, 4) == 64
 
 
 @pytest.mark.parametrize("tile", [None, 1000, 48, 256])
@@ -56,20 +63,25 @@ def test_tiled_loss_matches_megatron_with_tensor_and_sequence_parallelism():
     assert result.stdout.count("6 tiled losses match Megatron's") == 2
 
 
+def _phase_peak(trace, phases: tuple[str, ...]) -> int:
+    """Bytes that ``phases`` add, at their peak, to what was live as the first of them began."""
+    live, base, peak = 0, None, 0
+    for event in trace.events:
+        if event.phase in phases and base is None:
+            base = live
+        live += event.size if event.op == "malloc" else -event.size
+        if event.phase in phases:
+            peak = max(peak, live)
+    return peak - base
+
+
 def _loss_peak(loss: str) -> int:
     """Bytes the output layer and loss add, at their peak, to what the layers left live (fp32)."""
     model = ModelConfig(name="v50304", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                         num_attention_heads=4, vocab_size=50304)
     trace = trace_iteration(model, MethodConfig(name="none", loss=loss), ParallelConfig(), 16384, 1,
                             torch.float32, "fake")
-    live, base, peak = 0, None, 0
-    for event in trace.events:
-        if event.phase == "head.fwd" and base is None:
-            base = live
-        live += event.size if event.op == "malloc" else -event.size
-        if event.phase in ("head.fwd", "loss.fwd", "loss.bwd", "head.bwd"):
-            peak = max(peak, live)
-    return peak - base
+    return _phase_peak(trace, ("head.fwd", "loss.fwd", "loss.bwd", "head.bwd"))
 
 
 def test_tiled_loss_peak_is_at_most_an_eighth_of_megatrons_at_16k_tokens():
@@ -77,6 +89,31 @@ def test_tiled_loss_peak_is_at_most_an_eighth_of_megatrons_at_16k_tokens():
     logits = 16384 * 50304 * 4  # Megatron's fp32 logits of the sequence
     assert megatron > logits
     assert tiled * 8 <= megatron, (tiled, megatron)
+
+
+def _embedding_backward_peak(loss: str, parallel: ParallelConfig, seq: int) -> int:
+    """Bytes the embedding's backward pass adds, at its peak, to what was live as it began (fp32,
+    a vocabulary small enough that the [s, h] gradient is the largest thing there)."""
+    model = ModelConfig(name="v1024", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
+                        num_attention_heads=4, vocab_size=1024)
+    trace = trace_iteration(model, MethodConfig(name="none", loss=loss), parallel, seq, 1,
+                            torch.float32, "fake")
+    return _phase_peak(trace, ("embedding.bwd",))
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2, sequence_parallel=True)],
+                         ids=["tp1", "tp2-sp"])
+def test_the_tiled_embedding_backward_holds_no_gradient_of_the_whole_sequence(parallel):
+    seq, h = 16384, 256
+    sequence = seq * h * 4  # [s, b, h] fp32: every token's gradient, as Megatron gathers it
+    weight = 1024 // parallel.tp * h * 4  # one [v/tp, h] fp32 weight gradient
+    megatron = _embedding_backward_peak("megatron", parallel, seq)
+    tiled = _embedding_backward_peak("tiled", parallel, seq)
+    if parallel.tp > 1:  # the gathered gradient and its masked copy at once, less the shard freed
+        assert megatron >= sequence + sequence // parallel.tp, megatron
+    # a tile's gradient (an eighth of the tokens) and its masked copy, next to the accumulator
+    # and the tied weight's summed gradient
+    assert tiled <= 2 * weight + 2 * (sequence // 8), (tiled, megatron)
 
 
 def test_tiled_trace_has_the_phases_of_megatrons():

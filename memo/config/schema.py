@@ -40,7 +40,8 @@ class MethodConfig:
     recompute_modules: Optional[list[str]] = None  # selective only, e.g. ["core_attn"]
     # Our own layer (memo.model.layer): "megatron" leaves activations to Megatron (and the
     # recompute_* fields above); "swap" is MEMO's token-wise swapping and recomputation;
-    # "recompute" keeps each layer's input and recomputes the whole layer, attention included.
+    # "recompute" keeps each layer's input and recomputes the whole layer, attention included;
+    # "keep" is our layer keeping everything (what the fit planner traces for "swap").
     layer_activations: str = "megatron"
     # swap only: a fixed fraction of tokens swapped (full_swap: 1.0); None takes the run's `alpha`.
     alpha: Optional[float] = None

@@ -16,7 +16,7 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("auto", "te", "cudnn", "flash", "efficient", "math")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-LAYER_ACTIVATIONS = ("megatron", "swap", "recompute")
+LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 LOSSES = ("tiled", "megatron")
 
 

@@ -20,7 +20,9 @@ tracing each would take seconds. Two facts make them cheap and exact:
   requests before the next: the template traces one tile as long as the sequence, and a
   request made and freed inside one loss phase is sized at one tile of the predicted run. One
   such request is as long as the sequence, the fp32 gradient of the per-token loss: it is
-  counted at one tile too, 4 bytes a token short (4 MiB at 1M tokens; tested).
+  counted at one tile too, 4 bytes a token short (4 MiB at 1M tokens; tested). The tiled
+  embedding's backward pass runs in tiles of its own the same way: a request made and freed
+  inside ``embedding.bwd`` is sized at one of those.
 
 Gradients are left out: Megatron keeps them in one buffer allocated before training, which
 :mod:`memo.fit.memory` counts with the model states. Other requests alive at the end of the traced
@@ -39,7 +41,7 @@ import torch
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
 from memo.model.gpt import padded_vocab_size
-from memo.model.loss import auto_tile_tokens
+from memo.model.tiles import auto_tile_tokens, eighth_tile_tokens
 from memo.profile.iteration import trace_iteration
 from memo.profile.trace import Event, Trace, layer_phase
 
@@ -89,11 +91,12 @@ class IterationTemplate:
         self.events = small.events
         self.sizes = _affine(small.events, large.events, tokens)
         requests = small.requests()
-        # The tiled loss's per-tile requests: made and freed inside one loss phase.
+        # The tiled loss's and the tiled embedding backward's per-tile requests: made and freed
+        # inside one loss phase, or inside the embedding's backward: request -> whose tile
         self.per_tile = {
-            r.id for r in requests
-            if small.meta.get("loss") == "tiled" and r.malloc_phase.startswith("loss.")
-            and r.free_phase == r.malloc_phase
+            r.id: "embedding" if r.malloc_phase == "embedding.bwd" else "loss" for r in requests
+            if small.meta.get("loss") == "tiled" and r.free_phase == r.malloc_phase
+            and (r.malloc_phase.startswith("loss.") or r.malloc_phase == "embedding.bwd")
         }
         # Gradients live in buffers made before training (counted with the model states); the
         # other requests alive at the end persist between iterations and are counted here.
@@ -142,7 +145,18 @@ class IterationTemplate:
         parallel, model = self.meta["parallel"], self.meta["model"]
         chunks = parallel["tp"] if parallel["sequence_parallel"] else 1
         vocab = padded_vocab_size(ModelConfig(**model), parallel["tp"]) // parallel["tp"]
-        tile = loss_tile_tokens or auto_tile_tokens(vocab, self.meta["micro_batch_size"])
+        element = getattr(torch, self.meta["dtype"]).itemsize
+        tile = loss_tile_tokens or auto_tile_tokens(
+            tokens // chunks, chunks, self.meta["micro_batch_size"], vocab,
+            model["ffn_hidden_size"] // parallel["tp"], element)
+        return min(tokens, tile * chunks)
+
+    def embedding_tile_tokens(self, tokens: int, loss_tile_tokens: Optional[int] = None) -> int:
+        """The tokens of one tile of the tiled embedding's backward pass, counted as ``tokens`` is:
+        at most ``tokens``."""
+        parallel = self.meta["parallel"]
+        chunks = parallel["tp"] if parallel["sequence_parallel"] else 1
+        tile = loss_tile_tokens or eighth_tile_tokens(tokens // chunks)
         return min(tokens, tile * chunks)
 
     def instance(self, tokens: int, num_layers: int, swap: bool = False, recompute_bytes: int = 0,
@@ -167,7 +181,8 @@ class IterationTemplate:
         carried = [] if swap else [self.size(i, tokens) for i in self.carried] * extra
         start, end = layer_phase(MIDDLE, "fwd"), layer_phase(MIDDLE, "bwd")
         recompute = {layer_phase(layer, "bwd") for layer in swapped} if recompute_bytes else set()
-        tile = self.tile_tokens(tokens, loss_tile_tokens)
+        tiles = {"loss": self.tile_tokens(tokens, loss_tile_tokens),
+                 "embedding": self.embedding_tile_tokens(tokens, loss_tile_tokens)}
         fresh = itertools.count(max(self._size_of, default=0) + 1)
         carried_ids = [next(fresh) for _ in carried]
         events: list[Event] = []
@@ -190,7 +205,7 @@ class IterationTemplate:
                         Event("free", rid, recompute_bytes, phase),
                     ]
             if event.id not in dropped:
-                at = tile if event.id in self.per_tile else tokens
+                at = tiles[self.per_tile[event.id]] if event.id in self.per_tile else tokens
                 events.append(Event(event.op, event.id, size.at(at), event.phase))
         return Trace(
             events, {**self.meta, "seq": tokens, "model": {**self.meta["model"], "num_layers": num_layers}}
@@ -208,12 +223,13 @@ def iteration_template(
 ) -> IterationTemplate:
     """The template of ``num_layers`` layers (``model``'s shape) on one rank of ``tp``.
 
-    Swapping methods are traced as ``method=none`` (the same layer, everything kept): the
-    instance then takes their kept tensors out (:meth:`IterationTemplate.instance`).
+    Swapping methods are traced with ``method.layer_activations=keep`` (the same layer,
+    everything kept): the instance then takes their kept tensors out
+    (:meth:`IterationTemplate.instance`).
     Templates are cached per process, so a sweep traces each shape once.
     """
-    traced_method = MethodConfig(name="none", loss=method.loss) if method.layer_activations == "swap" \
-        else method
+    traced_method = MethodConfig(name=method.name, layer_activations="keep", loss=method.loss) \
+        if method.layer_activations == "swap" else method
     return _template(
         _frozen(model),
         _frozen(traced_method),

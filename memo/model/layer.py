@@ -6,6 +6,8 @@ layer spec, with control over what its forward pass keeps for the backward pass.
   recomputes its skeletal activations token-wise (methods ``memo`` and ``full_swap``).
 * ``activations="recompute"``: the layer keeps only its input and runs its forward again in
   the backward pass, attention included (method ``full_recompute``, the paper's ablation).
+* ``activations="keep"``: the layer keeps everything, as Megatron's would: the trace from which
+  the fit planner takes a swapping method's activations (:mod:`memo.fit.template`).
 
 The computation itself is Megatron's, unchanged; without grad (evaluation) both run plainly.
 """
@@ -14,7 +16,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.utils.checkpoint import checkpoint
 
-ACTIVATIONS = ("swap", "recompute")
+ACTIVATIONS = ("swap", "recompute", "keep")
 
 
 class MemoTransformerLayer(TransformerLayer):
@@ -35,7 +37,7 @@ class MemoTransformerLayer(TransformerLayer):
         """The layer's forward; Megatron's ``TransformerBlock`` passes keyword arguments only."""
         if args:
             raise TypeError("MemoTransformerLayer takes keyword arguments only")
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self.activations == "keep":
             return self.run(**kwargs)
         if self.activations == "recompute":
             # No dropout in our models, so there is no random state to replay.

@@ -14,7 +14,8 @@ The device holds one tile's logits (and their fp32 form) at a time, besides the 
 layer below hands over, their gradient, and the fp32 weight-gradient accumulator
 ``[v/tp, h]``. :class:`TiledLossGPTModel` is Megatron's ``GPTModel`` with this loss in place of
 its output layer and cross entropy when labels are given; without labels (evaluation, logits
-wanted) it is Megatron's own path.
+wanted) it is Megatron's own path. Its word embedding, the other end of the tied weight, runs its
+backward pass in tiles too (:class:`~memo.model.embedding.TiledVocabEmbedding`).
 """
 
 from typing import Optional
@@ -25,47 +26,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-# auto tile: the largest power of two of tokens whose fp32 logits take at most this many bytes
-_TILE_LOGITS_BYTES = 256 * 2**20
-
-
-def auto_tile_tokens(vocab_per_rank: int, micro_batch_size: int) -> int:
-    """Tokens per tile when none is configured: the fp32 logits of a tile fit in 256 MiB."""
-    tokens = max(_TILE_LOGITS_BYTES // (4 * vocab_per_rank * micro_batch_size), 1)
-    return 1 << (tokens.bit_length() - 1)
-
-
-def _gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    if size == 1:
-        return x
-    out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
-
-
-def _reduce_scatter(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    if size == 1:
-        return x
-    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-    return out
-
-
-def _tile_rows(t: torch.Tensor, start: int, end: int, chunks: int) -> torch.Tensor:
-    """The rows of ``t`` (``[s, ...]``, every token) that a gathered tile holds: rows ``start:end``
-    of each of the ``chunks`` sequence-parallel shards, as a ``[chunks, end − start, ...]`` view."""
-    return t.unflatten(0, (chunks, -1))[:, start:end]
-
-
-def _read_tile(t: torch.Tensor, start: int, end: int, chunks: int) -> torch.Tensor:
-    """:func:`_tile_rows` in the gathered tile's token order, ``[chunks·(end − start), ...]``."""
-    return _tile_rows(t, start, end, chunks).flatten(0, 1)
-
-
-def _write_tile(t: torch.Tensor, start: int, end: int, chunks: int, value: torch.Tensor) -> None:
-    """Write a gathered tile's ``value`` into its rows of ``t`` (a flattened view would copy)."""
-    _tile_rows(t, start, end, chunks).copy_(value.unflatten(0, (chunks, -1)))
-
+from memo.model.embedding import TiledVocabEmbedding
+from memo.model.tiles import auto_tile_tokens, gather, read_tile, reduce_scatter, write_tile
 
 class _Tiles:
     """The tiles of one call: which rows of this rank's hidden states, their labels, and the
@@ -85,12 +47,12 @@ class _Tiles:
 
     def logits(self, hidden, weight, start: int, end: int):
         """The tile's gathered input ``[T, b, h]`` and its fp32 logits ``[T, b, v/tp]``."""
-        x = _gather(hidden[start:end], self.group, self.chunks)
+        x = gather(hidden[start:end], self.group, self.chunks)
         return x, torch.nn.functional.linear(x, weight).float()
 
     def targets(self, start: int, end: int):
         """The tile's targets in this rank's vocabulary rows (0 where outside) and that mask."""
-        target = _read_tile(self.labels, start, end, self.chunks)
+        target = read_tile(self.labels, start, end, self.chunks)
         inside = (target >= self.first) & (target < self.first + self.vocab)
         return (target - self.first).masked_fill_(~inside, 0), inside
 
@@ -108,17 +70,17 @@ class _Tiles:
         if self.size > 1:
             dist.all_reduce(sums, group=self.group)
         log_sum = sums[0].log_()
-        _write_tile(loss, start, end, self.chunks, log_sum - sums[1])
-        _write_tile(lse, start, end, self.chunks, log_sum.add_(peak))
+        write_tile(loss, start, end, self.chunks, log_sum - sums[1])
+        write_tile(lse, start, end, self.chunks, log_sum.add_(peak))
 
     def backward(self, hidden, weight, start, end, lse, grad_loss, grad_weight) -> torch.Tensor:
         """The tile's input gradient (this rank's rows); adds its share to ``grad_weight``."""
         x, probs = self.logits(hidden, weight, start, end)
         # softmax from the kept log-sum-exp, minus the one-hot of the target, times dloss
-        probs.sub_(_read_tile(lse, start, end, self.chunks).unsqueeze(-1)).exp_()
+        probs.sub_(read_tile(lse, start, end, self.chunks).unsqueeze(-1)).exp_()
         local, inside = self.targets(start, end)
         probs.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1).to(probs.dtype))
-        probs.mul_(_read_tile(grad_loss, start, end, self.chunks).unsqueeze(-1))
+        probs.mul_(read_tile(grad_loss, start, end, self.chunks).unsqueeze(-1))
         grad_logits = probs.to(hidden.dtype)
         del probs
         rows, cols = grad_logits.flatten(0, 1).t(), x.flatten(0, 1)
@@ -126,7 +88,7 @@ class _Tiles:
             grad_weight.addmm_(rows, cols)
         else:  # the tile's share in the weight's dtype (as Megatron's GEMM), summed in fp32
             grad_weight.add_(rows @ cols)
-        return _reduce_scatter(grad_logits @ weight, self.group, self.chunks)
+        return reduce_scatter(grad_logits @ weight, self.group, self.chunks)
 
 
 class _TiledCrossEntropy(torch.autograd.Function):
@@ -183,13 +145,19 @@ class TiledLossGPTModel(GPTModel):
     """Megatron's ``GPTModel`` whose loss is :func:`tiled_cross_entropy` (see the module docstring).
 
     Args:
-        loss_tile_tokens: tokens per tile, or ``None`` for :func:`auto_tile_tokens`.
+        loss_tile_tokens: tokens per tile of the loss and of the embedding's backward pass, or
+            ``None`` for each one's own default (:func:`~memo.model.tiles.auto_tile_tokens`,
+            :func:`~memo.model.tiles.eighth_tile_tokens`).
     """
 
     def __init__(self, *args, loss_tile_tokens: Optional[int] = None, **kwargs):
         super().__init__(*args, **kwargs)
         # A module of its own so that profiling hooks can see the loss start and end.
-        self.tiled_loss = TiledLossHead(loss_tile_tokens, self.config.sequence_parallel)
+        config = self.config
+        self.tiled_loss = TiledLossHead(loss_tile_tokens, config.sequence_parallel,
+                                        config.ffn_hidden_size // config.tensor_model_parallel_size)
+        if self.pre_process:  # the other end of the tied weight
+            TiledVocabEmbedding.adopt(self.embedding.word_embeddings, loss_tile_tokens)
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         usable = (
@@ -205,16 +173,24 @@ class TiledLossGPTModel(GPTModel):
 
 class TiledLossHead(torch.nn.Module):
     """The output layer and the loss as one step: ``[s, b, h]`` hidden states, ``[b, s]`` labels
-    and the ``[v/tp, h]`` output weight in, ``[b, s]`` fp32 losses out. Holds no parameters."""
+    and the ``[v/tp, h]`` output weight in, ``[b, s]`` fp32 losses out. Holds no parameters.
 
-    def __init__(self, tile_tokens: Optional[int], sequence_parallel: bool):
+    Args:
+        tile_tokens: tokens per tile, or ``None`` for :func:`auto_tile_tokens`.
+        ffn_per_rank: the MLP's FC1 width on this rank, which bounds the automatic tile.
+    """
+
+    def __init__(self, tile_tokens: Optional[int], sequence_parallel: bool, ffn_per_rank: int):
         super().__init__()
         self.tile_tokens, self.sequence_parallel = tile_tokens, sequence_parallel
+        self.ffn_per_rank = ffn_per_rank
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-        tile = self.tile_tokens or auto_tile_tokens(weight.shape[0], hidden.shape[1])
+        tile = self.tile_tokens or auto_tile_tokens(
+            hidden.shape[0], tp if self.sequence_parallel else 1, hidden.shape[1], weight.shape[0],
+            self.ffn_per_rank, hidden.element_size())
         loss = tiled_cross_entropy(
             hidden, weight, labels.t().contiguous(), tile, self.sequence_parallel, group
         )

@@ -1,0 +1,89 @@
+"""A vocab-parallel word embedding whose backward pass never holds the whole sequence's gradient.
+
+Megatron's ``VocabParallelEmbedding`` under tensor parallelism zeroes the rows of tokens outside
+this rank's vocabulary with an in-place masked assignment, then (under sequence parallelism)
+reduce-scatters the ``[s, b, h]`` result. Its backward pass all-gathers the gradient of every
+token (``[s, b, h]``: 8 GiB at 1M tokens and h = 4096 in bf16), makes a masked copy of it for the
+assignment (8 GiB more) and hands that to ``embedding_dense_backward``.
+
+:class:`TiledVocabEmbedding` computes the same forward pass and a backward pass in tiles of
+tokens: per tile it all-gathers the tile's gradient over sequence parallelism, picks the rows of
+tokens in this rank's vocabulary, and adds them into an fp32 weight gradient. The device holds one
+tile's gradient at a time, besides the fp32 ``[v/tp, h]`` accumulator and each token's local id
+(8 bytes a token). With ``train.loss=tiled`` it is the word embedding of
+:class:`~memo.model.loss.TiledLossGPTModel`, with the loss's ``train.loss_tile_tokens`` if set.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+from memo.model.tiles import eighth_tile_tokens, gather, read_tile, reduce_scatter
+
+
+class _VocabEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, first, tile, scatter, group):
+        size = dist.get_world_size(group) if group is not None else 1
+        rows = weight.shape[0]
+        # [s, b]: the token-major order of the [s, b, h] output; -1 marks another rank's token
+        local = (ids.t() - first).contiguous()
+        outside = (local < 0) | (local >= rows)
+        out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+        if size > 1:
+            out.masked_fill_(outside.unsqueeze(-1), 0.0)
+            if scatter:
+                out = reduce_scatter(out, group, size)
+            else:
+                dist.all_reduce(out, group=group)
+        ctx.save_for_backward(local.masked_fill_(outside, -1))
+        ctx.rows, ctx.dtype, ctx.tile, ctx.group = rows, weight.dtype, tile, group
+        ctx.chunks = size if scatter else 1
+        return out if scatter else out.transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (local,) = ctx.saved_tensors
+        if ctx.chunks == 1:
+            grad = grad.transpose(0, 1)  # [s, b, h], as the ids
+        grad_weight = torch.zeros((ctx.rows, grad.shape[-1]), dtype=torch.float32, device=grad.device)
+        for start in range(0, grad.shape[0], ctx.tile):
+            end = min(start + ctx.tile, grad.shape[0])
+            rows = gather(grad[start:end], ctx.group, ctx.chunks).flatten(0, 1)
+            ids = read_tile(local, start, end, ctx.chunks).flatten()
+            # another rank's tokens add zeros to row 0: no data-dependent shapes (fake tensors)
+            mine = (ids >= 0).unsqueeze(-1)
+            grad_weight.index_add_(0, ids.clamp(min=0), torch.where(mine, rows, 0.0).float())
+        return None, grad_weight.to(ctx.dtype), None, None, None, None
+
+
+class TiledVocabEmbedding(VocabParallelEmbedding):
+    """Megatron's ``VocabParallelEmbedding`` with the backward pass described above.
+
+    Made from Megatron's module in place (:meth:`adopt`), so that its weight, its name in the
+    state dict and its tying to the output layer stay as they are.
+    """
+
+    tile_tokens: Optional[int]
+
+    @classmethod
+    def adopt(cls, embedding: VocabParallelEmbedding, tile_tokens: Optional[int]) -> "TiledVocabEmbedding":
+        """Turn ``embedding`` into this class. ``tile_tokens``: tokens of this rank's output per
+        tile of the backward pass (``None``: :func:`~memo.model.tiles.eighth_tile_tokens`)."""
+        if tile_tokens is not None and tile_tokens < 1:
+            raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
+        embedding.__class__ = cls
+        embedding.tile_tokens = tile_tokens
+        return embedding
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` token ids in; ``[s/tp, b, h]`` out under sequence parallelism, else
+        ``[b, s, h]`` (Megatron's layouts)."""
+        size = self.tp_group.size()
+        group: Optional[dist.ProcessGroup] = self.tp_group if size > 1 else None
+        chunks = size if self.reduce_scatter_embeddings else 1
+        tile = self.tile_tokens or eighth_tile_tokens(input_.shape[1] // chunks)
+        return _VocabEmbedding.apply(input_, self.weight, self.vocab_start_index, tile,
+                                     self.reduce_scatter_embeddings, group)
