@@ -283,7 +283,8 @@ def report(p: Prediction, problem: Problem) -> str:
         + (f"  (rounding buffers {_gib(p.rounding_buffers)})" if p.rounding_buffers else ""),
         f"  transient activations      {_gib(a.transient if a else None)}",
         f"  embedding/logits/loss      {_gib(a.head if a else None)}",
-        f"  persistent buffers         {_gib(a.persistent if a else None)}  (all-gather, RoPE)",
+        f"  persistent buffers         {_gib(a.persistent if a else None)}"
+        "  (RoPE tables, any all-gather buffer)",
         f"  other activations          {_gib(a.other if a else None)}",
         f"  context-parallel buffers   {_gib(p.cp_buffers)}",
         f"  allocator overhead         {_gib(a.overhead if a else None)}"

@@ -80,9 +80,9 @@ def test_a_template_instance_has_the_peak_of_the_real_iteration(method):
 def test_a_tiled_loss_template_stands_for_many_tiles(tp, sp, tile):
     """Traced with one tile per pass, the template stands for 6 (tp2+sp) or 12 tiles of 512 tokens
     a rank, or the default tiles of the loss (64 tokens) and of the embedding's backward pass
-    (512 tokens, all ranks together): every request but one is sized as a direct trace sizes it. The loss's fp32
-    gradient per token is made and freed in loss.bwd like a tile's requests and is sized at one
-    tile, 4 bytes a token short."""
+    (512 tokens, all ranks together): every request but one is sized as a direct trace sizes it.
+    The loss's fp32 gradient per token is made and freed in loss.bwd like a tile's requests and
+    is sized at one tile, 4 bytes a token short."""
     model = dataclasses.replace(
         TINY, num_layers=9, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8
     )
