@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-from memo.model.tiles import eighth_tile_tokens, gather, read_tile, reduce_scatter
+from memo.model.tiles import eighth_tile_tokens, gather, read_tile, reduce_scatter, spans
 
 
 class _VocabEmbedding(torch.autograd.Function):
@@ -49,8 +49,7 @@ class _VocabEmbedding(torch.autograd.Function):
         if ctx.chunks == 1:
             grad = grad.transpose(0, 1)  # [s, b, h], as the ids
         grad_weight = torch.zeros((ctx.rows, grad.shape[-1]), dtype=torch.float32, device=grad.device)
-        for start in range(0, grad.shape[0], ctx.tile):
-            end = min(start + ctx.tile, grad.shape[0])
+        for start, end in spans(grad.shape[0], ctx.tile):
             rows = gather(grad[start:end], ctx.group, ctx.chunks).flatten(0, 1)
             ids = read_tile(local, start, end, ctx.chunks).flatten()
             # another rank's tokens add zeros to row 0: no data-dependent shapes (fake tensors)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
-from memo.model.tiles import eighth_tile_tokens, gather, tile_rows
+from memo.model.tiles import accumulate_product, eighth_tile_tokens, gather, spans, tile_rows
 
 
 class _SequenceTiledLinear(torch.autograd.Function):
@@ -31,8 +31,7 @@ class _SequenceTiledLinear(torch.autograd.Function):
         tokens = x.shape[0]
         out = x.new_empty((size * tokens, *x.shape[1:-1], weight.shape[0]))
         rows = tile_rows(out, 0, tokens, size)  # [size, tokens, ...]: each rank's rows of out
-        for start in range(0, tokens, tile):
-            end = min(start + tile, tokens)
+        for start, end in spans(tokens, tile):
             gathered = gather(x[start:end], group, size).unflatten(0, (size, -1))
             for rank in range(size):
                 _linear_into(rows[rank, start:end], gathered[rank], weight, bias)
@@ -47,13 +46,12 @@ class _SequenceTiledLinear(torch.autograd.Function):
         grad_rows = tile_rows(grad_out, 0, tokens, size)
         grad_x = torch.empty_like(x)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, tokens, ctx.tile):
-            end = min(start + ctx.tile, tokens)
+        for start, end in spans(tokens, ctx.tile):
             gathered = gather(x[start:end], group, size).unflatten(0, (size, -1))
             partial = x.new_empty((size, end - start, *x.shape[1:]))
             for rank in range(size):
                 g = grad_rows[rank, start:end].flatten(0, -2)
-                _accumulate(grad_weight, g.t(), gathered[rank].flatten(0, -2))
+                accumulate_product(grad_weight, g.t(), gathered[rank].flatten(0, -2))
                 torch.matmul(g, weight, out=partial[rank].view(-1, x.shape[-1]))
             del gathered
             dist.reduce_scatter_tensor(grad_x[start:end], partial.flatten(0, 1), group=group)
@@ -68,15 +66,6 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias)
         torch.matmul(flat_x, weight.t(), out=flat_out)
     else:
         torch.addmm(bias, flat_x, weight.t(), out=flat_out)
-
-
-def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``total += a @ b`` in fp32: directly for fp32 operands, else the product in their dtype
-    (as Megatron's one GEMM makes it) summed in fp32."""
-    if a.dtype == torch.float32:
-        total.addmm_(a, b)
-    else:
-        total.add_(a @ b)
 
 
 class TiledColumnParallelLinear(ColumnParallelLinear):

@@ -27,7 +27,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.utils import VocabUtility
 
 from memo.model.embedding import TiledVocabEmbedding
-from memo.model.tiles import auto_tile_tokens, gather, read_tile, reduce_scatter, write_tile
+from memo.model.tiles import (
+    accumulate_product, auto_tile_tokens, gather, read_tile, reduce_scatter, spans, write_tile,
+)
 
 class _Tiles:
     """The tiles of one call: which rows of this rank's hidden states, their labels, and the
@@ -43,7 +45,7 @@ class _Tiles:
         self.labels = labels
 
     def spans(self, tokens: int):
-        return ((start, min(start + self.tile, tokens)) for start in range(0, tokens, self.tile))
+        return spans(tokens, self.tile)
 
     def logits(self, hidden, weight, start: int, end: int):
         """The tile's gathered input ``[T, b, h]`` and its fp32 logits ``[T, b, v/tp]``."""
@@ -83,11 +85,7 @@ class _Tiles:
         probs.mul_(read_tile(grad_loss, start, end, self.chunks).unsqueeze(-1))
         grad_logits = probs.to(hidden.dtype)
         del probs
-        rows, cols = grad_logits.flatten(0, 1).t(), x.flatten(0, 1)
-        if weight.dtype == torch.float32:
-            grad_weight.addmm_(rows, cols)
-        else:  # the tile's share in the weight's dtype (as Megatron's GEMM), summed in fp32
-            grad_weight.add_(rows @ cols)
+        accumulate_product(grad_weight, grad_logits.flatten(0, 1).t(), x.flatten(0, 1))
         return reduce_scatter(grad_logits @ weight, self.group, self.chunks)
 
 

@@ -40,6 +40,20 @@ def eighth_tile_tokens(tokens: int) -> int:
     return 1 << (fit.bit_length() - 1)
 
 
+def spans(tokens: int, tile: int):
+    """``(start, end)`` of each tile of ``tile`` rows over ``tokens`` rows (the last may be short)."""
+    return ((start, min(start + tile, tokens)) for start in range(0, tokens, tile))
+
+
+def accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b`` into an fp32 ``total``: in place for fp32 operands, else the product in
+    their dtype (as Megatron's one GEMM over all tiles makes it) summed in fp32."""
+    if a.dtype == torch.float32:
+        total.addmm_(a, b)
+    else:
+        total.add_(a @ b)
+
+
 def gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
     """``x`` of every one of the ``size`` ranks of ``group``, joined along the first dimension
     into a new tensor (``x`` itself when ``size`` is 1)."""
