@@ -270,3 +270,45 @@ def test_a_swapped_layer_does_not_run_fc2_again_when_recomputing(parallel_state)
     assert all(dst and src for dst, src in streams.side_copies)
     recomputed = sum(r["recomputed"] for r in runtime.take_accounting())
     assert recomputed == 4 * runtime.layout.bytes_of("tokens") // 2
+
+
+class _ComputeCopies(DeferredStreams):
+    """Deferred copies that add up the bytes copied on the compute stream (into the buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.compute_bytes = 0
+
+    def copy(self, stream, dst, src):
+        if stream == self.compute:
+            self.compute_bytes += dst.numel() * dst.element_size()
+        super().copy(stream, dst, src)
+
+
+def test_saved_tensors_are_made_in_the_buffers_but_the_residual_stream_and_attentions(parallel_state):
+    S, h, heads, k = 256, 256, 4, 128  # tiny in fp32, α = 0.5
+    streams = _ComputeCopies()
+    _, _, runtime = train_gradients("memo", *SIX, alpha=0.5, steps=1, streams=streams)
+    slots = runtime.layout.slots
+    copied = [s for s in slots if s.kind != "alias" and s.born is None]
+    # the layer input, the residual after attention, attention's output and log-sum-exp
+    assert sorted((s.kind, s.shape) for s in copied) == [
+        ("attention", (S, 1, heads)), ("attention", (S, 1, heads, h // heads)), ("input", (S, 1, h)),
+        ("tokens", (S, 1, h))]
+    # everything else is made in place: both norms (output, mean, rstd), q, k, v, FC1 and GeLU
+    assert sum(s.born is not None for s in slots) == 3 + 3 + 3 + 2
+    # only those four are copied: whole in the last two layers, the residual's first k tokens in
+    # the four swapped layers
+    whole = 4 * S * (3 * h + heads)
+    assert streams.compute_bytes == 2 * whole + 4 * (whole - 4 * (S - k) * h)
+
+
+def test_a_layers_forward_makes_none_of_its_saved_tensors_outside_the_buffers(parallel_state):
+    S, h, f = 1024, 256, 1024
+    trace, _ = _recorded_memo_step(4, S)
+    forward = [r for r in trace.requests()
+               if r.malloc_phase.startswith("layer.") and r.malloc_phase.endswith(".fwd")]
+    # the largest request a layer's forward makes is the fused QKV output (q, k and v are then
+    # made in the buffer from it); no FC1- or GeLU-sized output is ever a request
+    assert max(r.size for r in forward) == 4 * S * 3 * h
+    assert not [r for r in forward if r.size == 4 * S * f]

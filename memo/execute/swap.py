@@ -62,6 +62,7 @@ class Slot:
     alias_of: Optional[int] = None  # ALIAS: the slot whose memory this tensor views
     alias_stride: Optional[tuple[int, ...]] = None
     saved_shape: Optional[tuple[int, ...]] = None  # ALIAS: shape as saved
+    born: Optional[int] = None  # the layer's request for output memory whose tensor this is
     offset: int = 0  # bytes into a rounding buffer
     host_offset: int = 0  # bytes into a layer's host region
 
@@ -147,6 +148,8 @@ class _Capture:
     # its memory can be rebuilt from the slot's buffer range (an ALIAS)
     sources: dict = field(default_factory=dict)
     cursor: int = 0  # forward/replay: next slot
+    requests: int = 0  # requests for output memory so far (:meth:`SwapRuntime.output`)
+    requested: list = field(default_factory=list)  # discover: the memory each request got
     attention: Optional[tuple] = None  # (q, k, v) while attention runs
     outer: list = field(default_factory=list)  # replay: slot indices outside attention
 
@@ -185,6 +188,7 @@ class SwapRuntime:
         self.keep_tokens: Optional[int] = None  # k
         self._region_bytes = 0  # one layer's share of the slab
         self._roles: dict[str, int] = {}  # attention's "q", "k", "v", "out" -> slot
+        self._born: dict[int, int] = {}  # request for output memory -> the slot it is made in
         self.buffers: list[torch.Tensor] = []
         self.slab: Optional[torch.Tensor] = None
         self.layers: list = []
@@ -204,8 +208,11 @@ class SwapRuntime:
         self.layers = list(layers)
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         for layer in self.layers:
-            layer.runtime = self
-            layer.self_attention.core_attention.runtime = self
+            # every module of the layer that makes a saved tensor (norms, rotary, FC1, GeLU) or
+            # runs attention asks this runtime for memory (memo.model.placement)
+            for module in layer.modules():
+                if hasattr(module, "runtime"):
+                    module.runtime = self
 
     def discover(self, layer, kwargs: dict) -> LayerLayout:
         """Run ``layer`` forward once on ``kwargs`` and return the layout of what it saves.
@@ -230,6 +237,7 @@ class SwapRuntime:
         self.layout, self.keep_tokens = layout, keep_tokens
         self._region_bytes = layout.host_bytes(keep_tokens)
         self._roles = {slot.role: j for j, slot in enumerate(layout.slots) if slot.role}
+        self._born = {slot.born: j for j, slot in enumerate(layout.slots) if slot.born is not None}
         self.buffers = [
             torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)
         ]
@@ -311,6 +319,34 @@ class SwapRuntime:
         finally:
             self._capture = None
 
+    def output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Memory for a token-major tensor a layer's op is about to make (``shape``, ``dtype``):
+        its slot of the layer's rounding buffer when the layout says the layer saves it there
+        (the op writes it in place and nothing is copied), else new memory.
+
+        The layer's ops ask in the same order in every forward pass; :meth:`discover` finds
+        which request becomes which saved tensor. A recomputation gets new memory: its tokens
+        are copied into the dropped rows."""
+        capture = self._capture
+        if capture is None or capture.mode == "replay":
+            return torch.empty(shape, dtype=dtype, device=device)
+        request = capture.requests
+        capture.requests += 1
+        if capture.mode == "discover":
+            memory = torch.empty(shape, dtype=dtype, device=device)
+            capture.requested.append(memory)  # held, so that its address names it until the end
+            return memory
+        j = self._born.get(request)
+        if j is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        slot = self.layout.slots[j]
+        if (slot.shape, slot.dtype) != (tuple(shape), dtype):
+            raise RuntimeError(
+                f"layer {capture.state.index} asked for {tuple(shape)} {dtype} as its output #{request}, "
+                f"its layout has {slot.shape} {slot.dtype}: memo needs every layer to save the same tensors"
+            )
+        return _standalone(self._slot_tensor(capture.state.index % 2, j))
+
     def _offload(self, state: _LayerState) -> None:
         s = self.streams
         b = state.index % 2
@@ -358,6 +394,7 @@ class SwapRuntime:
         if slot is None:
             return t
         if capture.mode == "discover":
+            slot.born = _request_of(_canonical(t, slot.token_dim), capture) if slot.kind != ALIAS else None
             capture.slots.append(slot)
             self._remember_product(capture, len(capture.slots) - 1, slot, t)
             return t
@@ -372,13 +409,16 @@ class SwapRuntime:
             )
         capture.cursor += 1
         self._remember_product(capture, j, slot, t)
-        if slot.kind != ALIAS:
-            b, source = capture.state.index % 2, _canonical(t, expected.token_dim)
-            target = self._slot_tensor(b, j)  # the last two layers keep every token
-            if not self.resident(capture.state.index) and expected.kind == TOKENS:
-                source = _split(source, expected, capture.tokens, self.keep_tokens)[0]
-                target = self._swapped_part(b, j)
-            self.streams.copy(self.streams.compute, target, source)
+        if slot.kind == ALIAS:
+            return (capture.state, j)
+        b, source = capture.state.index % 2, _canonical(t, expected.token_dim)
+        target = self._slot_tensor(b, j)  # the last two layers keep every token
+        if source.data_ptr() == target.data_ptr():
+            return (capture.state, j)  # made in place (memo.model.placement)
+        if not self.resident(capture.state.index) and expected.kind == TOKENS:
+            source = _split(source, expected, capture.tokens, self.keep_tokens)[0]
+            target = self._swapped_part(b, j)
+        self.streams.copy(self.streams.compute, target, source)
         return (capture.state, j)
 
     @staticmethod
@@ -431,7 +471,16 @@ class SwapRuntime:
                 break
         else:
             raise RuntimeError("memo could not find attention's output among its saved tensors")
-        return out
+        if capture.mode == "discover":
+            return out
+        # The kernel wrote its own memory, which the buffer now copies: the layer goes on from
+        # the copy, so the kernel's output is freed here rather than when the layer ends.
+        kept = self._saved_view(capture.state.index % 2, j)
+        if kept.stride() != out.stride():
+            return out
+        del capture.products[j]
+        capture.sources[j] = self._slot_tensor(capture.state.index % 2, j)
+        return _Relocated.apply(out, _standalone(kept))
 
     # ---------------------------------------------------------------- backward
 
@@ -588,6 +637,35 @@ def _split(t: torch.Tensor, slot: Slot, tokens: int, k: int) -> tuple[torch.Tens
 def _tail_rows(t: torch.Tensor, chunks: int, k: int) -> torch.Tensor:
     """Rows ``k ..`` of every one of ``chunks`` equal chunks of ``t`` (token-major), joined."""
     return t.unflatten(0, (chunks, t.shape[0] // chunks))[:, k:].flatten(0, 1)
+
+
+class _Relocated(torch.autograd.Function):
+    """``kept``, an exact copy of ``x``, standing in for it in the autograd graph."""
+
+    @staticmethod
+    def forward(ctx, x, kept):
+        return kept.view_as(kept)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _standalone(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s memory that autograd does not take for a view of the rounding buffer:
+    an op's output made there must not share the buffer's version counter, which every copy into
+    another slot moves."""
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    return alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def _request_of(t: torch.Tensor, capture: _Capture) -> Optional[int]:
+    """The request for output memory (discover) that ``t``, token-major, is exactly, if any."""
+    for request, memory in enumerate(capture.requested):
+        if t.data_ptr() == memory.data_ptr() and t.shape == memory.shape and t.dtype == memory.dtype \
+                and t.is_contiguous() and memory.is_contiguous():
+            return request
+    return None
 
 
 class _ReplayDone(Exception):

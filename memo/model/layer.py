@@ -10,11 +10,15 @@ layer spec, with control over what its forward pass keeps for the backward pass.
   the fit planner takes a swapping method's activations (:mod:`memo.fit.template`).
 
 The computation itself is Megatron's, unchanged; without grad (evaluation) both run plainly.
+Under swapping the layer's own modules write the tensors it saves straight into the runtime's
+rounding buffer (:mod:`memo.model.placement`).
 """
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.utils.checkpoint import checkpoint
+
+from memo.model.placement import gelu
 
 ACTIVATIONS = ("swap", "recompute", "keep")
 
@@ -28,6 +32,14 @@ class MemoTransformerLayer(TransformerLayer):
             raise ValueError(f"activations={activations} is not one of {ACTIVATIONS}")
         self.activations = activations
         self.runtime = None
+        config = self.config
+        if (self.mlp.activation_func is torch.nn.functional.gelu and not config.gated_linear_unit
+                and not config.bias_activation_fusion and not config.use_te_activation_func):
+            # GeLU's output is saved by FC2: made where the runtime keeps it
+            self.mlp.activation_func = self._gelu
+
+    def _gelu(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu(x, self.runtime)
 
     def run(self, **kwargs):
         """Megatron's forward pass, as is: ``(hidden_states, context)``."""

@@ -13,6 +13,10 @@ input gradient into its rows. Nothing is kept between iterations, and the device
 gathered input and input gradient at a time besides the layer's output (or its gradient) and
 the fp32 ``[o/tp, h]`` weight-gradient accumulator. What the backward pass saves is Megatron's:
 the input shard and the weight.
+
+With a swap runtime attached (``runtime``), the output is written where the runtime places it
+(FC1's output is saved by GeLU, so it is made in its rounding buffer), with or without sequence
+parallelism.
 """
 
 from typing import Optional
@@ -21,15 +25,16 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
+from memo.model.placement import new_output
 from memo.model.tiles import accumulate_product, eighth_tile_tokens, gather, spans, tile_rows
 
 
 class _SequenceTiledLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, tile):
+    def forward(ctx, x, weight, bias, group, tile, runtime):
         size = dist.get_world_size(group)
         tokens = x.shape[0]
-        out = x.new_empty((size * tokens, *x.shape[1:-1], weight.shape[0]))
+        out = new_output(runtime, (size * tokens, *x.shape[1:-1], weight.shape[0]), x.dtype, x.device)
         rows = tile_rows(out, 0, tokens, size)  # [size, tokens, ...]: each rank's rows of out
         for start, end in spans(tokens, tile):
             gathered = gather(x[start:end], group, size).unflatten(0, (size, -1))
@@ -56,22 +61,47 @@ class _SequenceTiledLinear(torch.autograd.Function):
             del gathered
             dist.reduce_scatter_tensor(grad_x[start:end], partial.flatten(0, 1), group=group)
         grad_bias = grad_out.flatten(0, -2).sum(dim=0) if ctx.has_bias else None
-        return grad_x, grad_weight.to(weight.dtype), grad_bias, None, None
+        return grad_x, grad_weight.to(weight.dtype), grad_bias, None, None, None
+
+
+class _PlacedLinear(torch.autograd.Function):
+    """Megatron's column-parallel product without sequence parallelism, its output written where
+    a swap runtime places it; the input gradient all-reduced over ``group`` when asked
+    (Megatron's ``allreduce_dgrad``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, allreduce_dgrad, runtime):
+        out = new_output(runtime, (*x.shape[:-1], weight.shape[0]), x.dtype, x.device)
+        _linear_into(out, x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.allreduce_dgrad, ctx.has_bias = group, allreduce_dgrad, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        g = grad_out.flatten(0, -2)
+        grad_x = (g @ weight).view(x.shape)
+        if ctx.allreduce_dgrad:
+            dist.all_reduce(grad_x, group=ctx.group)
+        grad_weight = g.t() @ x.flatten(0, -2)
+        grad_bias = g.sum(dim=0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
-    """``out = x @ weightᵀ (+ bias)``, written into ``out`` (contiguous rows)."""
-    flat_out, flat_x = out.view(-1, weight.shape[0]), x.flatten(0, -2)
-    if bias is None:
-        torch.matmul(flat_x, weight.t(), out=flat_out)
-    else:
-        torch.addmm(bias, flat_x, weight.t(), out=flat_out)
+    """``out = x @ weightᵀ (+ bias)``, written into ``out`` (contiguous rows). The bias is added
+    after the product, rounded as Megatron's ``output + bias`` is, not inside the GEMM."""
+    torch.matmul(x.flatten(0, -2), weight.t(), out=out.view(-1, weight.shape[0]))
+    if bias is not None:
+        out.add_(bias)
 
 
 class TiledColumnParallelLinear(ColumnParallelLinear):
     """Megatron's ``ColumnParallelLinear`` whose sequence-parallel product runs in tiles (see the
-    module docstring); every other case (no sequence parallelism, a frozen weight, Megatron's
-    fused or deferred weight gradients) is Megatron's own.
+    module docstring) and whose output, under swapping, is made where the runtime places it; every
+    other case (a frozen weight, Megatron's fused or deferred weight gradients) is Megatron's own.
+    The bias is always added in the product: it is never returned apart.
 
     Args:
         tile_tokens: tokens of this rank's input per tile (``None``:
@@ -79,18 +109,25 @@ class TiledColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, *args, tile_tokens: Optional[int] = None, **kwargs):
+        # The bias is added in place to the product, never returned for the caller to add:
+        # Megatron's MLP would otherwise make FC1's output a second time, as output + bias.
+        kwargs["skip_bias_add"] = False
         super().__init__(*args, **kwargs)
         if tile_tokens is not None and tile_tokens < 1:
             raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
         self.tile_tokens = tile_tokens
+        self.runtime = None  # a SwapRuntime, attached after the model is built
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        tiled = (
-            kwargs.get("sequence_parallel") and weight.requires_grad
-            and not kwargs.get("gradient_accumulation_fusion") and kwargs.get("grad_output_buffer") is None
-            and not args
+        ours = (
+            weight.requires_grad and not kwargs.get("gradient_accumulation_fusion")
+            and kwargs.get("grad_output_buffer") is None and not args
         )
-        if not tiled:
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        tile = self.tile_tokens or eighth_tile_tokens(input.shape[0])
-        return _SequenceTiledLinear.apply(input, weight, kwargs.get("bias"), kwargs["tp_group"], tile)
+        bias, group = kwargs.get("bias"), kwargs.get("tp_group")
+        if ours and kwargs.get("sequence_parallel"):
+            tile = self.tile_tokens or eighth_tile_tokens(input.shape[0])
+            return _SequenceTiledLinear.apply(input, weight, bias, group, tile, self.runtime)
+        if ours and self.runtime is not None:
+            return _PlacedLinear.apply(input, weight, bias, group, bool(kwargs.get("allreduce_dgrad")),
+                                       self.runtime)
+        return super()._forward_impl(input, weight, *args, **kwargs)

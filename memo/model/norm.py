@@ -4,9 +4,14 @@ Megatron-core's ``WrappedTorchNorm`` refuses sequence parallelism. Under it each
 rank normalizes its own slice of the sequence, so the norm's weight gradients are partial sums;
 marking the weights ``sequence_parallel`` makes Megatron's ``finalize_model_grads`` all-reduce
 them over the tensor-parallel group, as Transformer Engine's norms are treated.
+
+With a swap runtime attached (``runtime``), the output and statistics are written into the
+rounding buffer that keeps them (:func:`memo.model.placement.layer_norm`).
 """
 
 import torch
+
+from memo.model.placement import layer_norm
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -16,3 +21,7 @@ class LayerNorm(torch.nn.LayerNorm):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
+        self.runtime = None  # a SwapRuntime, attached after the model is built
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps, self.runtime)

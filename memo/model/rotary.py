@@ -17,6 +17,8 @@ import weakref
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
+from memo.model.placement import copy_into, new_output
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = torch.chunk(x, 2, dim=-1)
@@ -47,26 +49,29 @@ class _Rotate(torch.autograd.Function):
     """``t·cos + rotate_half(t)·sin``; the table is held by reference, not saved per call."""
 
     @staticmethod
-    def forward(ctx, t, cos, sin):
+    def forward(ctx, t, cos, sin, runtime):
         ctx.table = (cos, sin)  # not save_for_backward: saved-tensor hooks must not copy it
-        return t * cos + _rotate_half(t) * sin
+        out = new_output(runtime, t.shape, t.dtype, t.device)
+        return torch.add(t * cos, _rotate_half(t) * sin, out=out)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.table
         # rotate_half is a signed permutation whose transpose is -rotate_half
-        return grad * cos - _rotate_half(grad * sin), None, None
+        return grad * cos - _rotate_half(grad * sin), None, None, None
 
 
-def rotate(t: torch.Tensor, freqs: torch.Tensor, table: RotaryTable) -> torch.Tensor:
-    """``t`` (``[s, b, heads, d]``) rotated by the angles ``freqs`` (``[s, 1, 1, d]``)."""
+def rotate(t: torch.Tensor, freqs: torch.Tensor, table: RotaryTable, runtime=None) -> torch.Tensor:
+    """``t`` (``[s, b, heads, d]``) rotated by the angles ``freqs`` (``[s, 1, 1, d]``), written
+    where ``runtime`` (a swap runtime or ``None``) places it."""
     cos, sin = table(freqs, t.dtype)
-    return _Rotate.apply(t, cos, sin)
+    return _Rotate.apply(t, cos, sin, runtime)
 
 
 class RotarySelfAttention(SelfAttention):
     """Megatron's ``SelfAttention`` rotating q and k with a shared :class:`RotaryTable`, and
-    giving v its own storage so that the fused QKV output is not kept alive behind it.
+    giving v its own storage so that the fused QKV output is not kept alive behind it. With a
+    swap runtime attached (``runtime``) q, k and v are made in the rounding buffer that keeps them.
 
     ``rotary_table`` is bound in the layer spec. Inference, packed sequences and interleaved or
     partial rotations are left to Megatron's own path.
@@ -75,6 +80,7 @@ class RotarySelfAttention(SelfAttention):
     def __init__(self, *args, rotary_table: RotaryTable, **kwargs):
         super().__init__(*args, **kwargs)
         self.rotary_table = rotary_table
+        self.runtime = None  # a SwapRuntime, attached after the model is built
         self._freqs = None
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
@@ -105,5 +111,6 @@ class RotarySelfAttention(SelfAttention):
         freqs = self._freqs
         if freqs.shape[-1] != query.shape[-1]:
             raise ValueError("RotarySelfAttention rotates whole heads only (rotary_percent=1)")
-        return rotate(query, freqs, self.rotary_table), rotate(key, freqs, self.rotary_table), \
-            value.contiguous()
+        table, runtime = self.rotary_table, self.runtime
+        return rotate(query, freqs, table, runtime), rotate(key, freqs, table, runtime), \
+            copy_into(value, runtime)
