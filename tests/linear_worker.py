@@ -1,16 +1,17 @@
-"""Under torchrun (2 processes): the sequence-tiled column-parallel linear layer against Megatron's,
-under sequence parallelism, in fp32. Exits non-zero at the first difference."""
+"""Under torchrun (2 processes): the sequence-tiled column- and row-parallel linear layers against
+Megatron's, under sequence parallelism, in fp32. Exits non-zero at the first difference."""
 
+import itertools
 import sys
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from memo.execute import distributed
 from memo.model.gpt import transformer_config
 from memo.model.host import run_megatron_on_host
-from memo.model.linear import TiledColumnParallelLinear
+from memo.model.linear import TiledColumnParallelLinear, TiledRowParallelLinear
 
 from conftest import compose_config
 
@@ -20,8 +21,12 @@ CASES = [(None, True), (24, True), (24, False), (7, True)]  # (tile tokens, bias
 def run(cls, config, bias: bool, x: torch.Tensor, grad: torch.Tensor, **extra):
     """Output, input gradient and weight (and bias) gradients of one forward and backward."""
     torch.manual_seed(1)
-    layer = cls(64, 96, config=config, init_method=torch.nn.init.normal_, bias=bias,
-                gather_output=False, **extra)
+    if issubclass(cls, RowParallelLinear):
+        layer = cls(96, 64, config=config, init_method=torch.nn.init.normal_, bias=bias,
+                    input_is_parallel=True, skip_bias_add=False, **extra)
+    else:
+        layer = cls(64, 96, config=config, init_method=torch.nn.init.normal_, bias=bias,
+                    gather_output=False, **extra)
     x = x.detach().requires_grad_(True)
     out, _ = layer(x)
     out.backward(grad)
@@ -38,10 +43,14 @@ def main() -> int:
     torch.manual_seed(0)
     x = torch.randn(2 * 100, 3, 64)  # 100 tokens a rank, micro-batch 3
     grad = torch.randn(2 * 100, 3, 96 // 2)
-    mine = x[rank * 100:(rank + 1) * 100]
-    for tile, bias in CASES:
-        expected = run(ColumnParallelLinear, config, bias, mine, grad)
-        got = run(TiledColumnParallelLinear, config, bias, mine, grad, tile_tokens=tile)
+    column = (ColumnParallelLinear, TiledColumnParallelLinear, x[rank * 100:(rank + 1) * 100], grad)
+    # a row-parallel layer takes every token of its share of the features, gives its own tokens
+    row_x = torch.randn(2, 2 * 100, 3, 96 // 2)[rank]
+    row_grad = torch.randn(2 * 100, 3, 64)[rank * 100:(rank + 1) * 100]
+    row = (RowParallelLinear, TiledRowParallelLinear, row_x, row_grad)
+    for (megatron, tiled, inputs, out_grad), (tile, bias) in itertools.product((column, row), CASES):
+        expected = run(megatron, config, bias, inputs, out_grad)
+        got = run(tiled, config, bias, inputs, out_grad, tile_tokens=tile)
         for what, a, b in zip(("output", "input grad", "weight grad", "bias grad"), got, expected):
             # the weight gradient sums 600 products of N(0, 1) values per entry, over tiles in
             # another order than one GEMM: fp32 rounding of about 1e-5 of the sum
@@ -49,10 +58,10 @@ def main() -> int:
             try:
                 torch.testing.assert_close(a, b, **loose)
             except AssertionError as error:
-                print(f"rank {info.rank}: tile={tile} bias={bias} {what}: {error}")
+                print(f"rank {info.rank}: {tiled.__name__} tile={tile} bias={bias} {what}: {error}")
                 return 1
     distributed.shutdown()
-    print(f"rank {info.rank}: {len(CASES)} tiled linear layers match Megatron's")
+    print(f"rank {info.rank}: {2 * len(CASES)} tiled linear layers match Megatron's")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The sequence-tiled column-parallel linear layer of MEMO's layers (memo.model.linear)."""
+"""The sequence-tiled column- and row-parallel linear layers of MEMO's layers (memo.model.linear)."""
 
 import pytest
 import torch
@@ -10,9 +10,9 @@ from memo.profile.iteration import trace_iteration
 
 
 @pytest.mark.slow
-def test_tiled_column_linear_matches_megatron_under_sequence_parallelism():
+def test_tiled_linear_layers_match_megatron_under_sequence_parallelism():
     result = run_under_torchrun("linear_worker.py")
-    assert result.stdout.count("4 tiled linear layers match Megatron's") == 2
+    assert result.stdout.count("8 tiled linear layers match Megatron's") == 2
 
 
 def test_the_default_tile_is_an_eighth_of_the_tokens_and_at_least_64():
@@ -21,15 +21,20 @@ def test_the_default_tile_is_an_eighth_of_the_tokens_and_at_least_64():
     assert eighth_tile_tokens(100) == 64
 
 
-def _persistent_bytes(layer_activations: str, seq: int) -> int:
-    """Bytes of the requests of one traced iteration (tp = 2 with sequence parallelism, fp32)
-    still alive at its end that are not gradients: what persists from one iteration to the next."""
+def _traced(layer_activations: str, seq: int):
+    """One fake-traced iteration of a small model, tp = 2 with sequence parallelism, fp32."""
     model = ModelConfig(name="small", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                         num_attention_heads=4, vocab_size=1024)
     # the tiled loss: Megatron's output layer would gather into the buffer too
     method = MethodConfig(name=layer_activations, layer_activations=layer_activations, loss="tiled")
-    trace = trace_iteration(model, method, ParallelConfig(tp=2, sequence_parallel=True), seq, 1,
-                            torch.float32, "fake")
+    return trace_iteration(model, method, ParallelConfig(tp=2, sequence_parallel=True), seq, 1,
+                           torch.float32, "fake")
+
+
+def _persistent_bytes(layer_activations: str, seq: int) -> int:
+    """Bytes of the requests of one traced iteration still alive at its end that are not
+    gradients: what persists from one iteration to the next."""
+    trace = _traced(layer_activations, seq)
     gradients = set(trace.meta["gradient_requests"])
     return sum(r.size for r in trace.requests() if r.free_phase is None and r.id not in gradients)
 
@@ -41,3 +46,17 @@ def test_memos_layers_keep_no_all_gather_buffer_between_iterations():
     megatron, ours = _persistent_bytes("megatron", seq), _persistent_bytes("keep", seq)
     assert megatron >= gathered
     assert ours <= rope < gathered, (ours, megatron)
+
+
+def test_memos_layers_make_no_whole_sequence_partial_product_or_gathered_gradient():
+    seq, h = 8192, 256
+    whole = seq * h * 4  # [s, b, h] in fp32: every token, every feature
+    counts = {}
+    for activations in ("megatron", "keep"):
+        trace = _traced(activations, seq)
+        counts[activations] = [r.malloc_phase.split(".")[-1] for r in trace.requests()
+                               if r.malloc_phase.startswith("layer.") and r.size == whole]
+    # Megatron's row-parallel layers (attention's projection, FC2): the partial product before
+    # its reduce-scatter in each forward, the gathered output gradient in each backward
+    assert counts["megatron"].count("fwd") >= 2 * 2 and counts["megatron"].count("bwd") >= 2 * 2
+    assert counts["keep"] == []

@@ -29,7 +29,7 @@ from memo.config.validate import LOSSES
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.host import HostRotaryEmbedding, run_megatron_on_host
 from memo.model.layer import MemoTransformerLayer
-from memo.model.linear import TiledColumnParallelLinear
+from memo.model.linear import TiledColumnParallelLinear, TiledRowParallelLinear
 from memo.model.loss import TiledLossGPTModel
 from memo.model.rotary import RotarySelfAttention, RotaryTable
 from memo.model.norm import LayerNorm
@@ -144,9 +144,12 @@ def _local_block_spec(
     if layer_activations != "megatron":
         layer.module = MemoTransformerLayer
         layer.params = {**layer.params, "activations": layer_activations}
-        # no persistent all-gather buffer: the gathered input is a transient of one tile
+        # no persistent all-gather buffer, no whole-sequence partial product or gathered
+        # gradient: under sequence parallelism these are transients of one tile
         layer.submodules.self_attention.submodules.linear_qkv = TiledColumnParallelLinear
+        layer.submodules.self_attention.submodules.linear_proj = TiledRowParallelLinear
         layer.submodules.mlp.submodules.linear_fc1 = TiledColumnParallelLinear
+        layer.submodules.mlp.submodules.linear_fc2 = TiledRowParallelLinear
     layer.submodules.input_layernorm = LayerNorm
     layer.submodules.pre_mlp_layernorm = LayerNorm
     attention = layer.submodules.self_attention

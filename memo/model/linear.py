@@ -1,4 +1,4 @@
-"""A column-parallel linear layer that, under sequence parallelism, gathers its input in tiles.
+"""Column- and row-parallel linear layers that, under sequence parallelism, run in tiles of tokens.
 
 Megatron's ``ColumnParallelLinear`` with sequence parallelism all-gathers its ``[s/tp, b, h]``
 input into one ``[s, b, h]`` buffer (``get_global_memory_buffer``: allocated once and kept for the
@@ -17,16 +17,25 @@ the input shard and the weight.
 With a swap runtime attached (``runtime``), the output is written where the runtime places it
 (FC1's output is saved by GeLU, so it is made in its rounding buffer), with or without sequence
 parallelism.
+
+Megatron's ``RowParallelLinear`` (attention's projection, FC2) with sequence parallelism makes the
+whole ``[s, b, h]`` partial product before its reduce-scatter, and in the backward pass
+all-gathers the whole ``[s, b, h]`` output gradient: ``s·h`` elements where a rank's share is
+``s·h/tp`` (8 GiB against 1 GiB at 1M tokens, tp = 8, bf16), the largest tensors of a MEMO layer's
+backward. :class:`TiledRowParallelLinear` reduce-scatters the partial product a tile at a time
+into the tile's output rows, and in the backward pass gathers one tile of the output gradient,
+writes its rows of the input gradient and adds its share of the weight gradient (fp32).
 """
 
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from memo.model.placement import new_output
-from memo.model.tiles import accumulate_product, eighth_tile_tokens, gather, spans, tile_rows
+from memo.model.tiles import (
+    accumulate_product, eighth_tile_tokens, gather, read_tile, spans, tile_rows, write_tile)
 
 
 class _SequenceTiledLinear(torch.autograd.Function):
@@ -62,6 +71,37 @@ class _SequenceTiledLinear(torch.autograd.Function):
             dist.reduce_scatter_tensor(grad_x[start:end], partial.flatten(0, 1), group=group)
         grad_bias = grad_out.flatten(0, -2).sum(dim=0) if ctx.has_bias else None
         return grad_x, grad_weight.to(weight.dtype), grad_bias, None, None, None
+
+
+class _SequenceTiledRowLinear(torch.autograd.Function):
+    """``reduce_scatter(x @ weightᵀ)`` over ``group``, a tile of output rows at a time: ``x`` is
+    ``[tp·S, b, k/tp]`` (every token), the output ``[S, b, h]`` (this rank's tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, tile):
+        size = dist.get_world_size(group)
+        tokens = x.shape[0] // size
+        out = x.new_empty((tokens, *x.shape[1:-1], weight.shape[0]))
+        for start, end in spans(tokens, tile):
+            partial = torch.matmul(read_tile(x, start, end, size), weight.t())
+            dist.reduce_scatter_tensor(out[start:end], partial, group=group)
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.tile = group, tile
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group, size = ctx.group, dist.get_world_size(ctx.group)
+        tokens = grad_out.shape[0]
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start, end in spans(tokens, ctx.tile):
+            g = gather(grad_out[start:end].contiguous(), group, size)  # [tp·T, b, h]
+            write_tile(grad_x, start, end, size, torch.matmul(g, weight))
+            tile_input = read_tile(x, start, end, size).flatten(0, -2)
+            accumulate_product(grad_weight, g.flatten(0, -2).t(), tile_input)
+        return grad_x, grad_weight.to(weight.dtype), None, None
 
 
 class _PlacedLinear(torch.autograd.Function):
@@ -131,3 +171,35 @@ class TiledColumnParallelLinear(ColumnParallelLinear):
             return _PlacedLinear.apply(input, weight, bias, group, bool(kwargs.get("allreduce_dgrad")),
                                        self.runtime)
         return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class TiledRowParallelLinear(RowParallelLinear):
+    """Megatron's ``RowParallelLinear`` whose sequence-parallel product and reduce-scatter run in
+    tiles (see the module docstring); every other case (no sequence parallelism, a frozen weight,
+    Megatron's fused weight gradients, expert communication) is Megatron's own.
+
+    Args:
+        tile_tokens: tokens of this rank's output per tile (``None``:
+            :func:`~memo.model.tiles.eighth_tile_tokens`).
+    """
+
+    def __init__(self, *args, tile_tokens: Optional[int] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if tile_tokens is not None and tile_tokens < 1:
+            raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
+        self.tile_tokens = tile_tokens
+
+    def forward(self, input_):
+        ours = (
+            self.sequence_parallel and self.input_is_parallel and self.weight.requires_grad
+            and not self.gradient_accumulation_fusion and not self.explicit_expert_comm
+            and not self.config.cpu_offloading
+        )
+        if not ours:
+            return super().forward(input_)
+        size = dist.get_world_size(self.tp_group)
+        tile = self.tile_tokens or eighth_tile_tokens(input_.shape[0] // size)
+        output = _SequenceTiledRowLinear.apply(input_, self.weight, self.tp_group, tile)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
