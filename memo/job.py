@@ -60,9 +60,14 @@ def _now() -> str:
 
 
 def _is_oom(error: BaseException) -> bool:
+    """Whether ``error`` says the device or the host ran out of memory: the allocators' own errors,
+    and a CUDA runtime error ("CUDA error: out of memory", raised by the kernel that first met a
+    request the plan's allocator could not satisfy)."""
     if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "can't allocate memory" in text or "CUDA error: out of memory" in text)
 
 
 def _check_device_visible(hw: hardware.Hardware) -> None:

@@ -32,9 +32,14 @@ def test_out_of_memory_is_a_result_and_the_next_job_runs(tmp_path, monkeypatch):
     assert run_in_process(tmp_path / "next", *SHORT)["status"] == "ok"
 
 
-def test_host_allocator_failure_is_out_of_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(memo.job, "run_steps", _raise(RuntimeError(
-        "[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory")))
+@pytest.mark.parametrize("message", [
+    "[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory",
+    # a CUDA runtime error (torch.AcceleratorError, a RuntimeError), as a kernel raises it when the
+    # plan's allocator had no memory for one of its tensors
+    "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+])
+def test_allocator_failures_are_out_of_memory(tmp_path, monkeypatch, message):
+    monkeypatch.setattr(memo.job, "run_steps", _raise(RuntimeError(message)))
     assert run_in_process(tmp_path, *SHORT)["status"] == "oom"
 
 

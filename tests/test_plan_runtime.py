@@ -80,7 +80,7 @@ def test_the_native_allocator_places_planned_requests_in_the_arena_and_the_rest_
     server = PlanServer(memory_plan)
     arena = ctypes.create_string_buffer(server.arena_bytes)
     base = ctypes.addressof(arena)
-    allocator.configure(base, server.arena_bytes)
+    allocator.set_arena(base, server.arena_bytes)
     allocator.server = server
     planned = addresses(memory_plan, trace)
 
@@ -141,3 +141,76 @@ def test_without_a_c_compiler_plan_true_says_what_to_install(tmp_path, monkeypat
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(ConfigError, match="finds no C compiler"):
         build_library(tmp_path / "empty-cache")
+
+
+class _HostCudart:
+    """The CUDA runtime functions the plan's allocator calls, on host memory: ``refuse`` makes the
+    next that many ``cudaMallocAsync`` calls fail for want of memory; ``calls`` logs the others."""
+
+    def __init__(self, arena_bytes: int = 0):
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        self.refuse, self.calls = 0, []
+        self.arena = ctypes.create_string_buffer(max(arena_bytes, 1))
+        status = ctypes.c_int
+
+        def malloc_async(ptr, size, stream):
+            if self.refuse:
+                self.refuse -= 1
+                return 2  # cudaErrorMemoryAllocation
+            ptr[0] = libc.malloc(size)
+            return 0
+
+        def log(name, result=0):
+            return lambda *args: self.calls.append(name) or result
+
+        def cuda_malloc(ptr, size):
+            self.calls.append("cudaMalloc")
+            ptr[0] = ctypes.addressof(self.arena)
+            return 0
+
+        self.cudaMallocAsync = ctypes.CFUNCTYPE(status, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                                ctypes.c_void_p)(malloc_async)
+        self.cudaFreeAsync = ctypes.CFUNCTYPE(status, ctypes.c_void_p, ctypes.c_void_p)(
+            lambda ptr, stream: libc.free(ptr) or 0)
+        self.cudaDeviceSynchronize = ctypes.CFUNCTYPE(status)(log("synchronize"))
+        self.cudaMemPoolTrimTo = ctypes.CFUNCTYPE(status, ctypes.c_void_p, ctypes.c_size_t)(log("trim"))
+        self.cudaGetLastError = ctypes.CFUNCTYPE(status)(log("get_last_error"))
+        pointer = ctypes.POINTER(ctypes.c_void_p)
+        self.cudaMalloc = ctypes.CFUNCTYPE(status, pointer, ctypes.c_size_t)(cuda_malloc)
+        set_attribute = ctypes.CFUNCTYPE(status, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+        self.cudaMemPoolSetAttribute = set_attribute(log("reset_high_water_mark"))
+
+
+def test_unplanned_requests_still_reach_cudas_allocator_once_the_arena_is_set(tmp_path):
+    from memo.execute.cuda_arena import allocate_arena
+
+    cudart = _HostCudart(arena_bytes=4096)
+    allocator = ArenaAllocator(build_library(tmp_path), lambda: "setup")
+    allocator.use_cuda_fallback(cudart, ctypes.c_void_p(1))
+    allocator.fallback_pool = (cudart, ctypes.c_void_p(1))
+    allocator.set_modes(serve=True, record=False)  # no server: every request is unplanned
+    before = allocator.lib.memo_alloc(1000, 0, None)
+    allocate_arena(allocator, 4096)
+    # the recorded step's cache is given back before the arena is reserved; then the peaks restart
+    assert cudart.calls == ["synchronize", "trim", "cudaMalloc", "reset_high_water_mark"]
+    after = allocator.lib.memo_alloc(1000, 0, None)
+    assert before and after and after != before  # before the fix the arena's set-up dropped the fallback
+    assert allocator.counters()["peak_allocated_bytes"] == 2000
+    for ptr in (before, after):
+        allocator.lib.memo_free(ptr, 1000, 0, None)
+
+
+def test_a_refused_request_is_retried_once_on_a_trimmed_pool_then_counted(tmp_path):
+    cudart = _HostCudart()
+    allocator = ArenaAllocator(build_library(tmp_path), lambda: "setup")
+    allocator.use_cuda_fallback(cudart, ctypes.c_void_p(1))
+    cudart.refuse = 1
+    ptr = allocator.lib.memo_alloc(512, 0, None)
+    assert ptr and cudart.calls == ["get_last_error", "synchronize", "trim"]
+    allocator.lib.memo_free(ptr, 512, 0, None)
+    cudart.refuse = 2
+    assert allocator.lib.memo_alloc(777, 0, None) is None
+    counters = allocator.counters()
+    assert (counters["fallback_refused"], counters["last_refused_bytes"]) == (1, 777)

@@ -312,3 +312,40 @@ def test_a_layers_forward_makes_none_of_its_saved_tensors_outside_the_buffers(pa
     # made in the buffer from it); no FC1- or GeLU-sized output is ever a request
     assert max(r.size for r in forward) == 4 * S * 3 * h
     assert not [r for r in forward if r.size == 4 * S * f]
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_saved_tensors_come_back_in_the_layout_they_were_saved_in(parallel_state, monkeypatch,
+                                                                   micro_batch_size):
+    # CUDA's fused attention backward kernels take their forward's layouts for granted (the CPU
+    # kernel honours any strides, so only the strides themselves can show it here)
+    saved, handed = {}, []
+    pack, unpack = SwapRuntime._pack, SwapRuntime._unpack
+
+    def spy_pack(self, t):
+        handle = pack(self, t)
+        if isinstance(handle, tuple):
+            saved[id(handle[0]), handle[1]] = (tuple(t.shape), t.stride())
+        return handle
+
+    def spy_unpack(self, handle):
+        t = unpack(self, handle)
+        if isinstance(handle, tuple):
+            handed.append((saved[id(handle[0]), handle[1]], (tuple(t.shape), t.stride())))
+        return t
+
+    monkeypatch.setattr(SwapRuntime, "_pack", spy_pack)
+    monkeypatch.setattr(SwapRuntime, "_unpack", spy_unpack)
+    cfg = compose_config("method=memo", *SIX)
+    torch.manual_seed(0)
+    model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu", loss="tiled").module
+    runtime = SwapRuntime(6, InlineStreams(), torch.device("cpu"))
+    prepare_swap(runtime, model, 256, micro_batch_size, torch.float32, 0.5, 2**40)
+    batches = micro_batches(SyntheticTokens(50257, 0), 256, micro_batch_size, 1, 0, 1, torch.device("cpu"))
+    (batch,) = next(batches)
+    model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean().backward()
+    assert len(handed) == 6 * sum(s.kind != "alias" for s in runtime.layout.slots) + 6  # + aliases
+    for (shape, stride), (got_shape, got_stride) in handed:
+        assert got_shape == shape
+        wide = [d for d, n in enumerate(shape) if n > 1]
+        assert [got_stride[d] for d in wide] == [stride[d] for d in wide]

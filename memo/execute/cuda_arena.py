@@ -76,8 +76,10 @@ class ArenaAllocator:
     def __init__(self, library: Path, phase: Callable[[], str],
                  fallback: Optional[tuple[Callable, Callable]] = None):
         self.lib = ctypes.CDLL(str(library))
-        self.lib.memo_configure.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _SERVE, _RELEASE, _RECORD_ALLOC,
-                                            _RECORD_FREE, _FALLBACK_ALLOC, _FALLBACK_FREE]
+        self.lib.memo_configure.argtypes = [_SERVE, _RELEASE, _RECORD_ALLOC, _RECORD_FREE, _FALLBACK_ALLOC,
+                                            _FALLBACK_FREE]
+        self.lib.memo_set_arena.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.lib.memo_use_cuda_fallback.argtypes = [ctypes.c_void_p] * 6
         self.lib.memo_alloc.restype = ctypes.c_void_p
         self.lib.memo_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         self.lib.memo_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
@@ -94,17 +96,21 @@ class ArenaAllocator:
                            _RECORD_FREE(self._record_free)]
         host = fallback or (lambda size, stream: None, lambda ptr, stream: None)
         self._fallback = [_FALLBACK_ALLOC(host[0]), _FALLBACK_FREE(host[1])]
-        self.configure(0, 0)
+        self.lib.memo_configure(*self._callbacks, *self._fallback)
 
-    def configure(self, arena_address: int, arena_bytes: int) -> None:
-        """Point the native side at the arena (``arena_bytes`` bytes at ``arena_address``)."""
+    def set_arena(self, arena_address: int, arena_bytes: int) -> None:
+        """Point the native side at the arena (``arena_bytes`` bytes at ``arena_address``); the
+        fallback stays as it is."""
         self.arena_bytes = arena_bytes
-        self.lib.memo_configure(arena_address, arena_bytes, *self._callbacks, *self._fallback)
+        self.lib.memo_set_arena(arena_address, arena_bytes)
 
-    def use_cuda_fallback(self, cudart: ctypes.CDLL) -> None:
-        """Send unplanned requests to ``cudaMallocAsync`` / ``cudaFreeAsync`` of ``cudart``."""
-        self.lib.memo_use_cuda_fallback(ctypes.cast(cudart.cudaMallocAsync, ctypes.c_void_p),
-                                        ctypes.cast(cudart.cudaFreeAsync, ctypes.c_void_p))
+    def use_cuda_fallback(self, cudart, pool: ctypes.c_void_p) -> None:
+        """Send unplanned requests to ``cudaMallocAsync`` / ``cudaFreeAsync`` of ``cudart`` (a
+        request refused for want of memory is tried once more after ``cudaDeviceSynchronize`` and
+        ``cudaMemPoolTrimTo(pool, 0)``, then counted as refused)."""
+        functions = (cudart.cudaMallocAsync, cudart.cudaFreeAsync, cudart.cudaDeviceSynchronize,
+                     cudart.cudaMemPoolTrimTo, cudart.cudaGetLastError)
+        self.lib.memo_use_cuda_fallback(*(ctypes.cast(f, ctypes.c_void_p) for f in functions), pool)
 
     def set_modes(self, serve: bool, record: bool) -> None:
         """Serve planned requests from the arena; report fallback requests and frees as events."""
@@ -112,10 +118,12 @@ class ArenaAllocator:
 
     def counters(self) -> dict:
         """Requests served and sent to the fallback, fallback frees, bytes allocated now and at
-        most since :meth:`reset_peak`."""
-        out = (ctypes.c_int64 * 5)()
+        most since :meth:`reset_peak`, fallback requests refused for want of memory and the size
+        of the last one."""
+        out = (ctypes.c_int64 * 7)()
         self.lib.memo_counters(out)
-        names = ("served", "fallback_mallocs", "fallback_frees", "allocated_bytes", "peak_allocated_bytes")
+        names = ("served", "fallback_mallocs", "fallback_frees", "allocated_bytes", "peak_allocated_bytes",
+                 "fallback_refused", "last_refused_bytes")
         return dict(zip(names, out, strict=True))
 
     def reset_peak(self) -> None:
@@ -200,10 +208,12 @@ def install(phase: Callable[[], str]) -> ArenaAllocator:
                           "(e.g. python run.py ... plan=true without -m, or hydra/launcher=slurm)")
     allocator = ArenaAllocator(build_library(), phase)
     cudart = _cudart()
-    allocator.use_cuda_fallback(cudart)
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(allocator.lib._name), "memo_alloc", "memo_free")
     torch.cuda.memory.change_current_allocator(pluggable)
-    allocator.fallback_pool = (cudart, _cache_fallback_pool(cudart, torch.cuda.current_device()))
+    # No tensor is made before the fallback is set: current_device() initialises CUDA, not memory.
+    pool = _cache_fallback_pool(cudart, torch.cuda.current_device())
+    allocator.use_cuda_fallback(cudart, pool)
+    allocator.fallback_pool = (cudart, pool)
     return allocator
 
 
@@ -223,16 +233,24 @@ def _cache_fallback_pool(cudart: ctypes.CDLL, device: int) -> ctypes.c_void_p:
 
 
 def allocate_arena(allocator: ArenaAllocator, arena_bytes: int) -> None:
-    """Reserve the arena with one ``cudaMalloc`` (outside the fallback pool) and point the
-    allocator at it.
+    """Reserve the arena with one ``cudaMalloc`` (outside the fallback pool), point the allocator at
+    it and start its peaks afresh.
+
+    The fallback pool still caches the recorded step's peak; it gives that back first (after the
+    device is idle), or the arena would need a second copy of it.
 
     Raises:
         torch.cuda.OutOfMemoryError: if the device has no room for it.
     """
     import torch
 
-    cudart = allocator.fallback_pool[0]  # the runtime library found at install
+    cudart, pool = allocator.fallback_pool  # the runtime library found at install
+    cudart.cudaDeviceSynchronize()
+    cudart.cudaMemPoolTrimTo(pool, ctypes.c_size_t(0))
     address = ctypes.c_void_p()
     if cudart.cudaMalloc(ctypes.byref(address), ctypes.c_size_t(arena_bytes)) != 0:
+        cudart.cudaGetLastError()  # the failure must not surface at the next, unrelated CUDA call
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: the plan's arena of {arena_bytes} bytes")
-    allocator.configure(address.value, arena_bytes)
+    allocator.set_arena(address.value, arena_bytes)
+    # the recorded step ran before the arena: its peak is not the served steps'
+    allocator.reset_peak()

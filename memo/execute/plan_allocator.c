@@ -33,13 +33,14 @@ static fallback_free_fn fallback_free;
 static int serving, recording;
 
 /* counters[]: served requests, fallback requests, fallback frees, bytes allocated now (served and
- * fallback, as asked for), most bytes allocated at once. */
-static int64_t counters[5];
+ * fallback, as asked for), most bytes allocated at once, fallback requests refused (out of memory),
+ * the size of the last one refused. */
+static int64_t counters[7];
 
-void memo_configure(void *arena_ptr, size_t arena_size, serve_fn s, release_fn r, record_alloc_fn ra,
-                    record_free_fn rf, fallback_alloc_fn fa, fallback_free_fn ff) {
-    arena = arena_ptr;
-    arena_bytes = arena_size;
+/* The callbacks and the fallback, once; the arena comes later (memo_set_arena), so that a fallback
+ * set in between (memo_use_cuda_fallback) stays. */
+void memo_configure(serve_fn s, release_fn r, record_alloc_fn ra, record_free_fn rf, fallback_alloc_fn fa,
+                    fallback_free_fn ff) {
     serve = s;
     release = r;
     record_alloc = ra;
@@ -48,22 +49,52 @@ void memo_configure(void *arena_ptr, size_t arena_size, serve_fn s, release_fn r
     fallback_free = ff;
 }
 
+void memo_set_arena(void *arena_ptr, size_t arena_size) {
+    arena = arena_ptr;
+    arena_bytes = arena_size;
+}
+
 /* On a GPU the fallback is CUDA's stream-ordered allocator (cudaMallocAsync, whose pool caches). */
 typedef int (*cuda_malloc_async_fn)(void **ptr, size_t size, void *stream);
 typedef int (*cuda_free_async_fn)(void *ptr, void *stream);
+typedef int (*cuda_synchronize_fn)(void);
+typedef int (*cuda_pool_trim_fn)(void *pool, size_t keep);
+typedef int (*cuda_get_last_error_fn)(void);
 static cuda_malloc_async_fn cuda_malloc_async;
 static cuda_free_async_fn cuda_free_async;
+static cuda_synchronize_fn cuda_synchronize;
+static cuda_pool_trim_fn cuda_pool_trim;
+static cuda_get_last_error_fn cuda_get_last_error;
+static void *cuda_pool;
 
+/* Out of memory, once more after the device is idle and the pool has given back what it caches
+ * (frees still in flight on other streams, blocks no stream order lets it reuse). The refusal is
+ * counted, so the caller can tell an out-of-memory from another failure: PyTorch's pluggable
+ * allocator passes the NULL on unchecked. */
 static void *cuda_fallback_alloc(size_t size, void *stream) {
     void *ptr = NULL;
-    return cuda_malloc_async(&ptr, size, stream) == 0 ? ptr : NULL;
+    if (cuda_malloc_async(&ptr, size, stream) == 0) return ptr;
+    cuda_get_last_error(); /* clear the sticky-until-read error of the failed call */
+    cuda_synchronize();
+    cuda_pool_trim(cuda_pool, 0);
+    ptr = NULL;
+    if (cuda_malloc_async(&ptr, size, stream) == 0) return ptr;
+    cuda_get_last_error();
+    __atomic_add_fetch(&counters[5], 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&counters[6], (int64_t)size, __ATOMIC_SEQ_CST);
+    return NULL;
 }
 
 static void cuda_fallback_free(void *ptr, void *stream) { cuda_free_async(ptr, stream); }
 
-void memo_use_cuda_fallback(cuda_malloc_async_fn m, cuda_free_async_fn f) {
+void memo_use_cuda_fallback(cuda_malloc_async_fn m, cuda_free_async_fn f, cuda_synchronize_fn sync,
+                            cuda_pool_trim_fn trim, cuda_get_last_error_fn last_error, void *pool) {
     cuda_malloc_async = m;
     cuda_free_async = f;
+    cuda_synchronize = sync;
+    cuda_pool_trim = trim;
+    cuda_get_last_error = last_error;
+    cuda_pool = pool;
     fallback_alloc = cuda_fallback_alloc;
     fallback_free = cuda_fallback_free;
 }
@@ -73,8 +104,8 @@ void memo_set_modes(int serve_on, int record_on) {
     __atomic_store_n(&recording, record_on, __ATOMIC_SEQ_CST);
 }
 
-void memo_counters(int64_t out[5]) {
-    for (int i = 0; i < 5; i++) out[i] = __atomic_load_n(&counters[i], __ATOMIC_SEQ_CST);
+void memo_counters(int64_t out[7]) {
+    for (int i = 0; i < 7; i++) out[i] = __atomic_load_n(&counters[i], __ATOMIC_SEQ_CST);
 }
 
 void memo_reset_peak(void) {

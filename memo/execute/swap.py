@@ -62,6 +62,7 @@ class Slot:
     alias_of: Optional[int] = None  # ALIAS: the slot whose memory this tensor views
     alias_stride: Optional[tuple[int, ...]] = None
     saved_shape: Optional[tuple[int, ...]] = None  # ALIAS: shape as saved
+    saved_stride: Optional[tuple[int, ...]] = None  # strides of the tensor as saved
     born: Optional[int] = None  # the layer's request for output memory whose tensor this is
     offset: int = 0  # bytes into a rounding buffer
     host_offset: int = 0  # bytes into a layer's host region
@@ -395,6 +396,7 @@ class SwapRuntime:
             return t
         if capture.mode == "discover":
             slot.born = _request_of(_canonical(t, slot.token_dim), capture) if slot.kind != ALIAS else None
+            slot.saved_stride = t.stride()
             capture.slots.append(slot)
             self._remember_product(capture, len(capture.slots) - 1, slot, t)
             return t
@@ -438,7 +440,7 @@ class SwapRuntime:
             raise RuntimeError(
                 f"layer {state.index}'s activations were read before they were reloaded"
             )
-        return self._saved_view(state.index % 2, j)
+        return self._saved_tensor(state.index % 2, j)
 
     # --------------------------------------------------------------- attention
 
@@ -600,6 +602,16 @@ class SwapRuntime:
             return flat.as_strided(slot.saved_shape, slot.alias_stride)
         return self._slot_tensor(b, j).movedim(0, slot.token_dim)
 
+    def _saved_tensor(self, b: int, j: int) -> torch.Tensor:
+        """Slot ``j`` as its layer saved it, strides included. The buffer keeps tokens first; a
+        tensor saved in another layout (attention's log-sum-exp ``[b, heads, s]``, its output with
+        a micro-batch of more than one) comes back as a copy in that layout: CUDA's fused attention
+        backward kernels take the layout of their forward for granted."""
+        view, slot = self._saved_view(b, j), self.layout.slots[j]
+        if slot.saved_stride is None or _same_layout(view, slot.saved_stride):
+            return view
+        return _empty_in_layout(view, slot.saved_stride).copy_(view)
+
     def _swapped_part(self, b: int, j: int) -> torch.Tensor:
         """The rows of slot ``j`` in buffer ``b`` that the host keeps, ``[chunks, k, ...]`` for TOKENS."""
         slot, full = self.layout.slots[j], self._slot_tensor(b, j)
@@ -649,6 +661,19 @@ class _Relocated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def _same_layout(t: torch.Tensor, stride: tuple[int, ...]) -> bool:
+    """Whether ``t`` has ``stride`` in every dimension of more than one element."""
+    return all(a == b for n, a, b in zip(t.shape, t.stride(), stride, strict=True) if n > 1)
+
+
+def _empty_in_layout(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """A new dense tensor shaped as ``t`` whose dimensions lie in memory in the order ``stride``
+    gives (outermost first): exactly ``stride`` when that layout was dense."""
+    order = sorted(range(t.dim()), key=lambda d: (-stride[d], d))
+    dense = torch.empty([t.shape[d] for d in order], dtype=t.dtype, device=t.device)
+    return dense.permute([order.index(d) for d in range(t.dim())])
 
 
 def _standalone(t: torch.Tensor) -> torch.Tensor:
