@@ -231,20 +231,16 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
         row["device_name"] = torch.cuda.get_device_name()
 
     distributed.initialize(cfg.parallel, device_type, info)
-    torch.manual_seed(cfg.train.seed)
-    if device_type == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     memory = PeakMemory(device_type, arena)
     memory.reset()
+    swap = None
     try:
         built = build_gpt(
             cfg.model, cfg.method, cfg.parallel, seq, dtype, device_type, cfg.train.attention_backend,
             loss, cfg.train.loss_tile_tokens,
         )
         optimizer = build_optimizer(built.module, cfg.train, device_type)
-        swap = None
         if cfg.method.layer_activations == "swap":
             swap, report = _prepare_swap(cfg, built.module, seq, dtype, hw)
             row.update({f"swap.{k}": _finite(v) for k, v in dataclasses.asdict(report).items()})
@@ -307,6 +303,12 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone
         raise
+    finally:
+        if swap is not None:
+            # copies still in flight read the slab; then its pages are unregistered, so the next
+            # job of a sweep in this process can register a slab at the same address
+            swap.streams.synchronize()
+            swap.release()
     row.update(_max_over_ranks(memory.read(), device_type))
     if device_type == "cuda":
         row.update(measured_allocator_row(row, arena is not None))

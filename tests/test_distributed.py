@@ -1,5 +1,7 @@
 """The process layout is read from torchrun, SLURM, or nothing."""
 
+import torch
+
 from memo.execute import distributed
 from memo.execute.distributed import ProcessInfo, process_info
 
@@ -27,3 +29,26 @@ def test_slurm_step_variables(monkeypatch):
 def test_a_lone_slurm_task_is_a_single_process():
     # A batch script (one task) runs without srun: no rendezvous to wait for.
     assert process_info({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}).world_size == 1
+
+
+def test_a_cpu_job_gets_the_host_adapters_on_a_gpu_machine_and_a_gpu_job_seeds_megatron(monkeypatch):
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    import memo.model.gpt as gpt
+    from memo.model import host
+
+    # what is patched here is put back after the test, whatever it leaves
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
+        monkeypatch.setattr(megatron_random, name, getattr(megatron_random, name))
+    monkeypatch.setattr(torch.cuda, "current_device", torch.cuda.current_device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    gpt._prepare_megatron("cpu")
+    assert torch.cuda.current_device() == "cpu"  # Megatron's buffers land on the job's device
+    assert megatron_random._get_cuda_rng_state is host._no_cuda_rng_state
+    seeds = []
+    monkeypatch.setattr(gpt, "model_parallel_cuda_manual_seed", seeds.append)
+    torch.manual_seed(1234)
+    gpt._prepare_megatron("cuda")  # e.g. profile.backend=cuda, which never seeded before
+    assert seeds == [1234]
+    assert megatron_random._get_cuda_rng_state is host._ORIGINALS["get_rng"]
+    assert torch.cuda.current_device is host._ORIGINALS["current_device"]

@@ -86,3 +86,15 @@ def test_training_on_a_text_file(tmp_path):
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     row = run_in_process(tmp_path / "run", *SHORT, f"train.data={corpus}")
     assert row["status"] == "ok" and row["train.data"] == str(corpus)
+
+
+def test_a_failed_swap_job_releases_its_slab(tmp_path, monkeypatch):
+    from memo.execute.swap import SwapRuntime
+
+    released = []
+    original = SwapRuntime.release
+    monkeypatch.setattr(SwapRuntime, "release", lambda self: released.append(self.slab) or original(self))
+    monkeypatch.setattr(memo.job, "run_steps", _raise(ValueError("bad shape")))
+    row = run_in_process(tmp_path, *SHORT, "method=memo")
+    assert row["status"] == "error"
+    assert released and released[-1] is not None  # the job's slab, given back in spite of the error

@@ -349,3 +349,42 @@ def test_saved_tensors_come_back_in_the_layout_they_were_saved_in(parallel_state
         assert got_shape == shape
         wide = [d for d, n in enumerate(shape) if n > 1]
         assert [got_stride[d] for d in wide] == [stride[d] for d in wide]
+
+
+class _FakeCudart:
+    def __init__(self, register_error: int = 0):
+        self.register_error, self.calls = register_error, []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls.append(("register", ptr, size))
+        return self.register_error
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+    def cudaGetLastError(self):
+        self.calls.append(("get_last_error",))
+        return 0
+
+
+def test_a_pinned_slab_is_unregistered_once_when_released(parallel_state, monkeypatch):
+    _, _, runtime = train_gradients("memo", *SIX, alpha=0.5, steps=1)
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    runtime.allocate(runtime.layout, runtime.keep_tokens, pin=True)
+    slab = (runtime.slab.data_ptr(), runtime.slab.numel())
+    runtime.release()
+    runtime.release()  # idempotent: a job's cleanup after an earlier release
+    assert cudart.calls == [("register", *slab), ("unregister", slab[0])]
+
+
+def test_a_refused_registration_is_out_of_host_memory_and_clears_cudas_error(parallel_state, monkeypatch):
+    _, _, runtime = train_gradients("memo", *SIX, alpha=0.5, steps=1)
+    cudart = _FakeCudart(register_error=2)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with pytest.raises(HostMemoryError, match="ulimit -l"):
+        runtime.allocate(runtime.layout, runtime.keep_tokens, pin=True)
+    assert [c[0] for c in cudart.calls] == ["register", "get_last_error"]
+    runtime.release()
+    assert [c[0] for c in cudart.calls] == ["register", "get_last_error"]  # nothing to unregister

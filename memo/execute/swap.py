@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import torch
 
 from memo.execute.streams import Streams
+from memo.plan.alpha import HostMemoryError
 
 INPUT, ATTENTION, TOKENS, ALIAS = "input", "attention", "tokens", "alias"
 _ALIGN = 256  # bytes; each rounding-buffer slot starts at a multiple, as allocator blocks do
@@ -192,6 +193,7 @@ class SwapRuntime:
         self._born: dict[int, int] = {}  # request for output memory -> the slot it is made in
         self.buffers: list[torch.Tensor] = []
         self.slab: Optional[torch.Tensor] = None
+        self._pinned = False  # the slab is registered with CUDA (cudaHostRegister)
         self.layers: list = []
         self._index: dict[int, int] = {}  # id(layer) -> its place in the model
         self._states: dict[int, _LayerState] = {}
@@ -246,11 +248,14 @@ class SwapRuntime:
         self.slab = torch.empty(self.swapped_layers * self._region_bytes, dtype=torch.uint8)
         if pin and self.slab.numel():
             _register(self.slab)
+            self._pinned = True
 
     def release(self) -> None:
-        """Give back the buffers and the slab."""
-        if self.slab is not None and self.device.type == "cuda" and self.slab.numel():
+        """Give back the buffers and the slab, unregistering a pinned slab (idempotent). Copies
+        in flight must be done (``streams.synchronize()``)."""
+        if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
+            self._pinned = False
         self.buffers, self.slab = [], None
 
     # ------------------------------------------------------------- accounting
@@ -722,9 +727,12 @@ def _place_host(layout: LayerLayout, k: int) -> None:
 def _register(slab: torch.Tensor) -> None:
     """Page-lock ``slab`` in place: one registration of the exact size, where the pinned
     allocator would round a request up to a power of two."""
-    error = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0)
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(slab.data_ptr(), slab.numel(), 0)
     if int(error) != 0:
-        raise RuntimeError(
+        if hasattr(cudart, "cudaGetLastError"):
+            cudart.cudaGetLastError()  # the failure must not surface at the next CUDA call
+        raise HostMemoryError(
             f"cudaHostRegister of {slab.numel() / 2**30:.2f} GiB failed (error {int(error)}): "
             "raise the locked-memory limit (ulimit -l) or lower hardware.host_memory_gib"
         )

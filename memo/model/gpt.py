@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
@@ -27,7 +28,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
 from memo.config.validate import LOSSES
 from memo.model.attention import SdpaAttention, select_backend
-from memo.model.host import HostRotaryEmbedding, run_megatron_on_host
+from memo.model.host import HostRotaryEmbedding, run_megatron_on_device, run_megatron_on_host
 from memo.model.layer import MemoTransformerLayer
 from memo.model.linear import TiledColumnParallelLinear, TiledRowParallelLinear
 from memo.model.loss import TiledLossGPTModel
@@ -218,6 +219,17 @@ def uses_transformer_engine(
     return use_te
 
 
+def _prepare_megatron(device_type: str) -> None:
+    """Megatron's device functions for a job on ``device_type``: the host adapters on the CPU
+    (whether or not the machine has CUDA); on a GPU Megatron's own, with the CUDA generators its
+    weight initialisation draws from seeded from the torch seed, as every GPU entry point needs."""
+    if device_type == "cpu":
+        run_megatron_on_host()
+        return
+    run_megatron_on_device()
+    model_parallel_cuda_manual_seed(torch.initial_seed())
+
+
 def build_gpt(
     model: ModelConfig,
     method: MethodConfig,
@@ -236,11 +248,13 @@ def build_gpt(
     for its default).
 
     Megatron's parallel state must be initialized (see :mod:`memo.execute.distributed`) and
-    the torch seed set: on the CPU the weights are drawn from it.
+    the torch seed set: the weights are drawn from it (on a GPU, from Megatron's CUDA generators,
+    seeded here with it).
 
     Raises:
         ConfigError: if the attention backend asked for is not available here.
     """
+    _prepare_megatron(device_type)
     config = transformer_config(model, method, parallel, dtype, device_type)
     use_te = uses_transformer_engine(parallel, device_type, attention_backend, method)
     if use_te:
@@ -268,7 +282,6 @@ def build_gpt(
         **extra,
     )
     if device_type == "cpu":
-        run_megatron_on_host()
         gpt.rotary_pos_emb = HostRotaryEmbedding(
             kv_channels=config.kv_channels,
             rotary_percent=1.0,

@@ -13,7 +13,9 @@ Three places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
   gather and reduce-scatter outputs on ``torch.cuda.current_device()``. On a build without
   CUDA that call can only fail, so :func:`run_megatron_on_host` answers it with the host device.
 
-All are no-ops for runs on a GPU.
+They are installed by the run's device, not by whether this machine has CUDA: a CPU job on a GPU
+machine (the gloo tests, ``hardware=cpu``) needs them too, and a GPU job built after it in the same
+process gets Megatron's own functions back (:func:`run_megatron_on_device`).
 """
 
 import torch
@@ -46,17 +48,33 @@ def _host_device() -> str:
     return "cpu"
 
 
+_ORIGINALS = {
+    "get_rng": megatron_random._get_cuda_rng_state,
+    "set_rng": megatron_random._set_cuda_rng_state,
+    "current_device": torch.cuda.current_device,
+}
+
+
 def run_megatron_on_host() -> None:
-    """Let Megatron-core's checkpointing and tensor-parallel layers run without CUDA (idempotent).
+    """Let Megatron-core's checkpointing and tensor-parallel layers run on the host (idempotent),
+    for a job whose device is the CPU, whether or not the machine has CUDA.
 
     Only the CUDA generator's bookkeeping is replaced; the CPU generator is still saved before
     and restored for every recomputation, so dropout masks (if any) are replayed exactly.
     """
-    if torch.cuda.is_available():
-        return
     megatron_random._get_cuda_rng_state = _no_cuda_rng_state
     megatron_random._set_cuda_rng_state = _ignore_cuda_rng_state
     tracker = megatron_random.get_cuda_rng_tracker()
     names = ("model-parallel-rng", "data-parallel-rng", "expert-parallel-rng")
     tracker.set_states({name: _no_cuda_rng_state() for name in names})
     torch.cuda.current_device = _host_device
+
+
+def run_megatron_on_device() -> None:
+    """Undo :func:`run_megatron_on_host` (idempotent), for a GPU job after a CPU job in one process.
+    The CUDA generator's states are Megatron's to add again (``model_parallel_cuda_manual_seed``)."""
+    if megatron_random._get_cuda_rng_state is _no_cuda_rng_state:
+        megatron_random.get_cuda_rng_tracker().reset()
+    megatron_random._get_cuda_rng_state = _ORIGINALS["get_rng"]
+    megatron_random._set_cuda_rng_state = _ORIGINALS["set_rng"]
+    torch.cuda.current_device = _ORIGINALS["current_device"]
