@@ -12,6 +12,7 @@ import os
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -53,6 +54,9 @@ HARDWARE: dict[str, Hardware] = {
 
 # How torch.cuda.get_device_name() spells each table entry.
 _GPU_NAMES = {"A800": "a800", "A100": "a100", "H100": "h100", "H200": "h200"}
+# Variants of an entry with another dense bf16 peak (the entry's is the SXM part's), by a word of
+# their device name: H100 PCIe 756 TFLOP/s, H100 NVL 835 TFLOP/s.
+_VARIANT_PEAKS = {("h100", "PCIe"): 756e12, ("h100", "NVL"): 835e12}
 
 
 def host_memory_bytes() -> int:
@@ -60,11 +64,30 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def pinnable_memory_bytes() -> int:
-    """Bytes this process can page-lock now: memory available, capped by ``ulimit -l``."""
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+def pinnable_memory_bytes(meminfo: Path = Path("/proc/meminfo"),
+                          cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes this process can page-lock now: the kernel's ``MemAvailable`` (free memory plus what
+    the page cache would give back), within what this process's memory cgroup still allows (v2
+    ``memory.max − memory.current``, or v1's limit and usage). ``cudaHostRegister`` does not
+    obey ``ulimit -l``, so the lock limit does not bound it (see :func:`memlock_limit_bytes`)."""
+    fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        limit, usage = cgroup / limit_file, cgroup / usage_file
+        if limit.exists() and usage.exists():
+            text = limit.read_text().strip()
+            if text != "max" and int(text) < 2**62:  # v1 writes a huge number for "no limit"
+                return min(available, max(int(text) - int(usage.read_text()), 0))
+            break
+    return available
+
+
+def memlock_limit_bytes() -> Optional[int]:
+    """``ulimit -l`` in bytes, ``None`` when unlimited: some container runtimes enforce it on
+    page-locked memory although ``cudaHostRegister`` does not ask for it."""
     limit, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return available if limit == resource.RLIM_INFINITY else min(available, limit)
+    return None if limit == resource.RLIM_INFINITY else limit
 
 
 def _this_host() -> Hardware:
@@ -81,18 +104,40 @@ def detect() -> Hardware:
     if not torch.cuda.is_available():
         return _this_host()
     gpu = torch.cuda.get_device_name()
+    return dataclasses.replace(
+        table_entry(gpu),
+        device_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
+        host_memory_bytes=host_memory_bytes(),
+        devices_per_node=torch.cuda.device_count(),
+    )
+
+
+def table_entry(gpu: str) -> Hardware:
+    """The :data:`HARDWARE` entry of a GPU named ``gpu`` (as ``torch.cuda.get_device_name()`` spells
+    it), with the peak of its variant where that differs.
+
+    Raises:
+        ConfigError: if the GPU is not in the table.
+    """
     key = next((k for spelling, k in _GPU_NAMES.items() if spelling in gpu), None)
     if key is None:
         raise ConfigError(
             f"hardware=auto found the GPU '{gpu}', which has no entry in memo/hardware.py; "
             f"pick one of {', '.join(HARDWARE)} or set hardware.name and hardware.peak_flops"
         )
-    return dataclasses.replace(
-        HARDWARE[key],
-        device_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
-        host_memory_bytes=host_memory_bytes(),
-        devices_per_node=torch.cuda.device_count(),
-    )
+    entry = HARDWARE[key]
+    for (variant_of, word), peak in _VARIANT_PEAKS.items():
+        if variant_of == key and word.lower() in gpu.lower():
+            return dataclasses.replace(entry, peak_flops=peak)
+    return entry
+
+
+def device_type_of(cfg: HardwareConfig) -> str:
+    """"cuda" or "cpu": where a job with this ``hardware`` config runs, found without initialising
+    CUDA (``plan=true`` must install its allocator before that)."""
+    if cfg.name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return HARDWARE[cfg.name].device_type if cfg.name in HARDWARE else "cuda"
 
 
 def _bytes(value: Optional[float], unit: int) -> Optional[int]:

@@ -70,10 +70,10 @@ def _is_oom(error: BaseException) -> bool:
         "can't allocate memory" in text or "CUDA error: out of memory" in text)
 
 
-def _check_device_visible(hw: hardware.Hardware) -> None:
-    if hw.device_type == "cuda" and not torch.cuda.is_available():
+def _check_device_visible(name: str, device_type: str) -> None:
+    if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
-            f"hardware={hw.name} trains on a GPU and none is visible here; "
+            f"hardware={name} trains on a GPU and none is visible here; "
             "use hardware=auto or hardware=cpu"
         )
 
@@ -98,11 +98,16 @@ def _prepare_swap(cfg: DictConfig, model, seq: int, dtype: torch.dtype, hw: hard
     chunks = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
     runtime = SwapRuntime(cfg.model.num_layers, streams_for(device), device, chunks)
     fixed = cfg.method.alpha if cfg.method.alpha is not None else parse_alpha(cfg.alpha)
-    devices = hw.devices_per_node or 1
-    budget = (hw.host_memory_bytes or hardware.host_memory_bytes()) / devices
+    budget = (hw.host_memory_bytes or hardware.host_memory_bytes()) / (hw.devices_per_node or 1)
     if device.type == "cuda":
-        # Swapped activations live in page-locked memory: what can be pinned here bounds them.
-        budget = min(budget, hardware.pinnable_memory_bytes() / devices)
+        # Swapped activations live in page-locked memory: what can be pinned here now bounds
+        # them, shared by the GPUs this node's processes see (a one-GPU box: all of it).
+        budget = min(budget, hardware.pinnable_memory_bytes() / max(torch.cuda.device_count(), 1))
+        memlock = hardware.memlock_limit_bytes()
+        if memlock is not None and memlock < budget:
+            log.warning("ulimit -l is %.2f GiB, below the %.2f GiB of swapped activations this GPU may "
+                        "pin; where the container enforces it, raise it (ulimit -l unlimited)",
+                        memlock / 2**30, budget / 2**30)
     report = prepare_swap(runtime, model, seq, cfg.train.micro_batch_size, dtype, fixed, budget)
     return runtime, report
 
@@ -214,16 +219,18 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
     seq = validate(cfg)
     row["seq"] = seq
     row["train.loss"] = loss = resolve_loss(cfg)
-    hw = hardware.resolve(cfg.hardware)
-    _check_device_visible(hw)
-    device_type = hw.device_type
-    _check_runtime_support(cfg, device_type)
-    dtype = resolve_dtype(cfg.train.dtype, device_type)
+    device_type = hardware.device_type_of(cfg.hardware)
+    _check_device_visible(cfg.hardware.name, device_type)
     arena = None
     if cfg.plan and device_type == "cuda":
         from memo.execute import cuda_arena
 
-        arena = cuda_arena.install(phase=lambda: "setup")  # before this process's first CUDA tensor
+        # before this process's first CUDA tensor, and before anything (reading the GPU's name
+        # for hardware=auto, say) initialises CUDA
+        arena = cuda_arena.install(phase=lambda: "setup")
+    hw = hardware.resolve(cfg.hardware)
+    _check_runtime_support(cfg, device_type)
+    dtype = resolve_dtype(cfg.train.dtype, device_type)
     hw = hardware.with_measured_peak(hw, dtype)
     row["dtype"] = str(dtype).removeprefix("torch.")
     row.update({f"hardware.{k}": v for k, v in dataclasses.asdict(hw).items()})

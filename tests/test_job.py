@@ -98,3 +98,25 @@ def test_a_failed_swap_job_releases_its_slab(tmp_path, monkeypatch):
     row = run_in_process(tmp_path, *SHORT, "method=memo")
     assert row["status"] == "error"
     assert released and released[-1] is not None  # the job's slab, given back in spite of the error
+
+
+def test_plan_true_installs_its_allocator_before_anything_reads_the_gpu(tmp_path, monkeypatch):
+    # hardware=auto on a GPU machine: reading the GPU's name initialises CUDA, after which the
+    # plan's allocator can no longer be installed
+    from memo import hardware
+    from memo.execute import cuda_arena
+
+    order = []
+
+    class _Stop(Exception):
+        pass
+
+    def install(phase):
+        order.append("install")
+        raise _Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_arena, "install", install)
+    monkeypatch.setattr(hardware, "detect", lambda: order.append("detect"))
+    row = run_in_process(tmp_path, *SHORT, "plan=true")
+    assert order == ["install"] and "_Stop" in row["error"]

@@ -106,12 +106,34 @@ def test_peak_rss_tracks_a_large_allocation_and_resets():
     assert memory.read()["peak_rss_bytes"] < grown - 32 * 2**20
 
 
-def test_pinnable_memory_is_available_memory_capped_by_the_lock_limit(monkeypatch):
+def test_pinnable_memory_is_available_memory_within_the_cgroups_room(tmp_path, monkeypatch):
     import resource
 
     from memo import hardware
 
-    free = hardware.pinnable_memory_bytes()
-    assert 0 < free <= hardware.host_memory_bytes()
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemFree:         1000000 kB\n"
+                       "MemAvailable:   20000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    # no cgroup files: MemAvailable (the page cache counts, where MemFree would not)
+    assert hardware.pinnable_memory_bytes(meminfo, cgroup) == 20000000 * 1024
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("5000\n")
+    assert hardware.pinnable_memory_bytes(meminfo, cgroup) == 20000000 * 1024  # no limit
+    (cgroup / "memory.max").write_text(f"{8 * 2**30}\n")
+    (cgroup / "memory.current").write_text(f"{3 * 2**30}\n")
+    assert hardware.pinnable_memory_bytes(meminfo, cgroup) == 5 * 2**30  # the cgroup's room
+    # the lock limit does not bound cudaHostRegister: it is reported, not applied
     monkeypatch.setattr(resource, "getrlimit", lambda which: (64 * 2**20, resource.RLIM_INFINITY))
-    assert hardware.pinnable_memory_bytes() == 64 * 2**20  # far less than this machine has free
+    assert hardware.memlock_limit_bytes() == 64 * 2**20
+    assert hardware.pinnable_memory_bytes(meminfo, cgroup) == 5 * 2**30
+    assert 0 < hardware.pinnable_memory_bytes() <= hardware.host_memory_bytes()  # this machine
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+])
+def test_a_detected_gpu_gets_the_peak_of_its_variant(name, peak):
+    assert hardware.table_entry(name).peak_flops == peak
