@@ -227,7 +227,7 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
 
         # before this process's first CUDA tensor, and before anything (reading the GPU's name
         # for hardware=auto, say) initialises CUDA
-        arena = cuda_arena.install(phase=lambda: "setup")
+        arena = cuda_arena.install(phase=lambda: "setup", device=distributed.device_index(info))
     hw = hardware.resolve(cfg.hardware)
     _check_runtime_support(cfg, device_type)
     dtype = resolve_dtype(cfg.train.dtype, device_type)

@@ -52,3 +52,11 @@ def test_a_cpu_job_gets_the_host_adapters_on_a_gpu_machine_and_a_gpu_job_seeds_m
     assert seeds == [1234]
     assert megatron_random._get_cuda_rng_state is host._ORIGINALS["get_rng"]
     assert torch.cuda.current_device is host._ORIGINALS["current_device"]
+
+
+def test_each_process_uses_its_local_gpu_even_where_the_scheduler_shows_it_one(monkeypatch):
+    info = ProcessInfo(rank=11, world_size=16, local_rank=3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # every GPU of the node visible
+    assert distributed.device_index(info) == 3
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # SLURM bound one GPU to the task
+    assert distributed.device_index(info) == 0

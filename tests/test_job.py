@@ -111,7 +111,7 @@ def test_plan_true_installs_its_allocator_before_anything_reads_the_gpu(tmp_path
     class _Stop(Exception):
         pass
 
-    def install(phase):
+    def install(phase, device):
         order.append("install")
         raise _Stop
 

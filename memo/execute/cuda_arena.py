@@ -194,8 +194,9 @@ def _cudart() -> ctypes.CDLL:
     return ctypes.CDLL("libcudart.so")
 
 
-def install(phase: Callable[[], str]) -> ArenaAllocator:
-    """Make the plan's allocator this process's CUDA allocator (see the module docstring).
+def install(phase: Callable[[], str], device: int) -> ArenaAllocator:
+    """Make the plan's allocator this process's CUDA allocator (see the module docstring), its
+    fallback pool that of GPU ``device`` (the one the process will select).
 
     Raises:
         ConfigError: if this process has already used the CUDA allocator.
@@ -210,8 +211,8 @@ def install(phase: Callable[[], str]) -> ArenaAllocator:
     cudart = _cudart()
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(allocator.lib._name), "memo_alloc", "memo_free")
     torch.cuda.memory.change_current_allocator(pluggable)
-    # No tensor is made before the fallback is set: current_device() initialises CUDA, not memory.
-    pool = _cache_fallback_pool(cudart, torch.cuda.current_device())
+    # no tensor is made before the fallback is set
+    pool = _cache_fallback_pool(cudart, device)
     allocator.use_cuda_fallback(cudart, pool)
     allocator.fallback_pool = (cudart, pool)
     return allocator

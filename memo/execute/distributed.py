@@ -72,6 +72,13 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
         )
 
 
+def device_index(info: ProcessInfo) -> int:
+    """The GPU this process uses, among those it sees: its local rank, or (where the scheduler
+    binds each task to its own GPUs, so every task sees fewer than the node has) the local rank
+    modulo the visible count. Reads the count without initialising CUDA."""
+    return info.local_rank % max(torch.cuda.device_count(), 1)
+
+
 def initialize(parallel: ParallelConfig, device_type: str, info: ProcessInfo) -> None:
     """Join the process group and build Megatron's tensor/context/pipeline/data groups.
 
@@ -81,7 +88,7 @@ def initialize(parallel: ParallelConfig, device_type: str, info: ProcessInfo) ->
     check_world_size(parallel, info.world_size)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
-        torch.cuda.set_device(info.local_rank)
+        torch.cuda.set_device(device_index(info))
     if info.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
