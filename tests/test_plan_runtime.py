@@ -214,3 +214,26 @@ def test_a_refused_request_is_retried_once_on_a_trimmed_pool_then_counted(tmp_pa
     assert allocator.lib.memo_alloc(777, 0, None) is None
     counters = allocator.counters()
     assert (counters["fallback_refused"], counters["last_refused_bytes"]) == (1, 777)
+
+
+def test_only_the_compute_streams_requests_are_planned_or_recorded(tmp_path):
+    trace, memory_plan = _tiny_plan()
+    allocator = ArenaAllocator(build_library(tmp_path), lambda: "setup",
+                               (lambda size, stream: 4096, lambda ptr, stream: None))  # a fixed fallback
+    server = PlanServer(memory_plan)
+    arena = ctypes.create_string_buffer(server.arena_bytes)
+    allocator.set_arena(ctypes.addressof(arena), server.arena_bytes)
+    allocator.server = server
+    first = next(e for e in trace.events if e.op == "malloc" and e.size)
+    side = ctypes.c_void_p(0x5)  # a D2H or NCCL stream
+    allocator.set_modes(serve=True, record=False)
+    server.start_iteration()
+    server.begin(first.phase)
+    assert allocator.lib.memo_alloc(first.size, 0, side) == 4096  # not given arena bytes
+    served = allocator.lib.memo_alloc(first.size, 0, None)  # the compute (default) stream
+    assert ctypes.addressof(arena) <= served < ctypes.addressof(arena) + server.arena_bytes
+    assert allocator.counters()["served"] == 1 and allocator.counters()["fallback_mallocs"] == 1
+    allocator.set_modes(serve=False, record=True)
+    allocator.lib.memo_alloc(100, 0, side)
+    allocator.lib.memo_alloc(200, 0, None)
+    assert [e.size for e in allocator.take_events()] == [200]

@@ -20,6 +20,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -79,6 +80,7 @@ class ArenaAllocator:
         self.lib.memo_configure.argtypes = [_SERVE, _RELEASE, _RECORD_ALLOC, _RECORD_FREE, _FALLBACK_ALLOC,
                                             _FALLBACK_FREE]
         self.lib.memo_set_arena.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.lib.memo_set_serve_stream.argtypes = [ctypes.c_void_p]
         self.lib.memo_use_cuda_fallback.argtypes = [ctypes.c_void_p] * 6
         self.lib.memo_alloc.restype = ctypes.c_void_p
         self.lib.memo_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
@@ -90,6 +92,7 @@ class ArenaAllocator:
         self.errors: list[str] = []  # a callback must never raise into C: failures land here
         self.phase = phase  # the run's current phase, read when a request is recorded
         self._ids: dict[int, int] = {}
+        self._lock = threading.Lock()
         self._next_id = 0
         # ctypes callbacks must outlive every call the native side makes through them.
         self._callbacks = [_SERVE(self._serve), _RELEASE(self._release), _RECORD_ALLOC(self._record_alloc),
@@ -111,6 +114,11 @@ class ArenaAllocator:
         functions = (cudart.cudaMallocAsync, cudart.cudaFreeAsync, cudart.cudaDeviceSynchronize,
                      cudart.cudaMemPoolTrimTo, cudart.cudaGetLastError)
         self.lib.memo_use_cuda_fallback(*(ctypes.cast(f, ctypes.c_void_p) for f in functions), pool)
+
+    def serve_stream(self, stream: Optional[int]) -> None:
+        """Plan only the requests made on ``stream`` (a ``cudaStream_t`` as an int; ``None`` or 0:
+        the default stream), the training step's compute stream."""
+        self.lib.memo_set_serve_stream(stream or None)
 
     def set_modes(self, serve: bool, record: bool) -> None:
         """Serve planned requests from the arena; report fallback requests and frees as events."""
@@ -152,6 +160,10 @@ class ArenaAllocator:
                 "cuda_free_count": counters["fallback_frees"]}
 
     def _serve(self, size: int) -> int:
+        with self._lock:  # requests come from the main thread and the autograd engine's
+            return self._serve_locked(size)
+
+    def _serve_locked(self, size: int) -> int:
         try:
             offset = self.server.malloc(size) if self.server is not None else None
         except Exception as error:  # noqa: BLE001 - see self.errors
@@ -160,10 +172,11 @@ class ArenaAllocator:
         return -1 if offset is None else offset
 
     def _release(self, offset: int) -> None:
-        try:
-            self.server.free(offset)
-        except Exception as error:  # noqa: BLE001
-            self.errors.append(f"release({offset}): {type(error).__name__}: {error}")
+        with self._lock:
+            try:
+                self.server.free(offset)
+            except Exception as error:  # noqa: BLE001
+                self.errors.append(f"release({offset}): {type(error).__name__}: {error}")
 
     def _record_alloc(self, ptr: int, size: int) -> None:
         self._ids[ptr] = request = self._next_id

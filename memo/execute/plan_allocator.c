@@ -31,6 +31,9 @@ static record_free_fn record_free;
 static fallback_alloc_fn fallback_alloc;
 static fallback_free_fn fallback_free;
 static int serving, recording;
+/* Only requests on this stream are planned: the arena knows nothing of streams, so a block freed
+ * by a side stream's (or NCCL's) tensor could be handed out while that stream still uses it. */
+static void *serve_stream;
 
 /* counters[]: served requests, fallback requests, fallback frees, bytes allocated now (served and
  * fallback, as asked for), most bytes allocated at once, fallback requests refused (out of memory),
@@ -48,6 +51,8 @@ void memo_configure(serve_fn s, release_fn r, record_alloc_fn ra, record_free_fn
     fallback_alloc = fa;
     fallback_free = ff;
 }
+
+void memo_set_serve_stream(void *stream) { serve_stream = stream; }
 
 void memo_set_arena(void *arena_ptr, size_t arena_size) {
     arena = arena_ptr;
@@ -123,7 +128,7 @@ static void add_allocated(int64_t bytes) {
 void *memo_alloc(ssize_t size, int device, void *stream) {
     (void)device;
     if (size <= 0) return NULL;
-    if (__atomic_load_n(&serving, __ATOMIC_SEQ_CST)) {
+    if (__atomic_load_n(&serving, __ATOMIC_SEQ_CST) && stream == serve_stream) {
         int64_t offset = serve((size_t)size);
         if (offset >= 0 && (size_t)offset + (size_t)size <= arena_bytes) {
             __atomic_add_fetch(&counters[0], 1, __ATOMIC_SEQ_CST);
@@ -135,7 +140,8 @@ void *memo_alloc(ssize_t size, int device, void *stream) {
     if (ptr == NULL) return NULL;
     __atomic_add_fetch(&counters[1], 1, __ATOMIC_SEQ_CST);
     add_allocated(size);
-    if (__atomic_load_n(&recording, __ATOMIC_SEQ_CST)) record_alloc(ptr, (size_t)size);
+    if (__atomic_load_n(&recording, __ATOMIC_SEQ_CST) && stream == serve_stream)
+        record_alloc(ptr, (size_t)size);
     return ptr;
 }
 

@@ -100,6 +100,8 @@ class PlanRuntime:
     def _recording(self) -> Iterator[list]:
         events: list = []
         if self.arena is not None:
+            # the step's own requests, on its compute stream: those the arena will serve
+            self.arena.serve_stream(torch.cuda.current_stream().cuda_stream)
             self.arena.set_modes(serve=False, record=True)
             try:
                 yield events
@@ -118,6 +120,7 @@ class PlanRuntime:
         if self.arena is not None:
             self.server.start_iteration()
             self.server.begin(self.phase())
+            self.arena.serve_stream(torch.cuda.current_stream().cuda_stream)
             self.arena.set_modes(serve=True, record=False)
             try:
                 yield
