@@ -14,7 +14,7 @@ PIP       := $(VENV)/bin/python -m pip
 HAS_GPU   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 READY     := $(VENV)/.ready-$(EXTRAS)
 
-.PHONY: setup run test clean
+.PHONY: setup run test clean gpu-wheels gpu-check
 
 setup: $(READY)
 
@@ -34,6 +34,13 @@ run: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest
+
+# The GPU validation pack (README, "On a lent GPU"): wheels the GPU machine lacks, then the pack.
+gpu-wheels: setup
+	$(VENV)/bin/python -m memo.gpucheck.wheels --dest .whl
+
+gpu-check:
+	python3 -m memo.gpucheck
 
 clean:
 	rm -rf $(VENV)

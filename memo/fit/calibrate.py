@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import math
 import sys
+import typing
 from collections.abc import Sequence
 
 import pandas as pd
@@ -33,9 +34,13 @@ def _section(row: pd.Series, prefix: str, cls):
     """The dataclass ``cls`` from the row's ``prefix``-ed columns; an empty one keeps the field's
     default, or is None where the field has none (a CPU has no host-link figure)."""
     values = {}
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         value = _value(row.get(prefix + f.name))
         if value is not None:
+            integer = int in (hints[f.name], *typing.get_args(hints[f.name]))
+            if integer and isinstance(value, float) and value.is_integer():
+                value = int(value)  # a column with gaps reads as floats
             values[f.name] = value.split(",") if f.name in _LISTS else value
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             values[f.name] = None

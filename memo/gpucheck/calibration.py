@@ -1,0 +1,36 @@
+"""Pack step ``calibration``: the fit planner's predictions against the pack's own training rows
+(steps ``throughput`` and ``longest``), with :func:`memo.fit.calibrate.compare`: per row the
+relative error of the predicted time per iteration and peak memory (``calibration.csv``), and
+their mean and largest magnitude (``calibration_summary.csv``).
+
+    python -m memo.gpucheck.calibration --out DIR [--cpu]
+"""
+
+import sys
+
+from memo.gpucheck.common import arguments, skip, write_rows
+
+
+def main(argv=None) -> int:
+    args = arguments(__doc__.splitlines()[0], argv)
+    from analysis.rows import load_results
+    from memo.fit.calibrate import compare
+
+    runs = args.out / "runs"
+    dirs = [d for d in sorted(runs.glob("throughput-*")) + sorted(runs.glob("longest-*"))]
+    if not dirs:
+        return skip(args.out, "calibration", "no rows of the throughput or longest steps yet")
+    table = compare(load_results(*dirs))
+    summary = [{"error": what, "rows": int(values.size), "mean_abs": values.abs().mean(),
+                "max_abs": values.abs().max()}
+               for what in ("time_error", "memory_error")
+               for values in [table[what].dropna() if len(table) else table.get(what, [])]
+               if len(values)]
+    print(table.to_string() if len(table) else "calibration: no ok training rows")
+    write_rows(args.out, "calibration_summary", summary)
+    write_rows(args.out, "calibration", table.to_dict("records"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

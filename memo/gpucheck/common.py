@@ -1,0 +1,76 @@
+"""What the pack's steps share: where they write, how they run a training job, and the verdict of
+a step that cannot run here."""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from memo.results import create_file_atomic
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def arguments(description: str, argv=None) -> argparse.Namespace:
+    """A step's command line: ``--out DIR`` (the pack's directory) and ``--cpu``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, required=True, help="the pack's directory")
+    parser.add_argument("--cpu", action="store_true", help="the tiny model on the CPU")
+    return parser.parse_args(argv)
+
+
+def write_rows(out: Path, step: str, rows: list[dict]) -> Path:
+    """The step's rows as ``<step>.csv`` (never over an earlier file: the pack decides to redo)."""
+    path = out / f"{step}.csv"
+    path.unlink(missing_ok=True)
+    create_file_atomic(path, pd.DataFrame(rows).to_csv(index=False))
+    return path
+
+
+def skip(out: Path, step: str, reason: str) -> int:
+    """Mark a step that cannot run here (``<step>.skipped`` holds why); its exit status."""
+    path = out / f"{step}.skipped"
+    path.unlink(missing_ok=True)
+    create_file_atomic(path, reason + "\n")
+    print(f"{step}: skipped ({reason})")
+    return 0
+
+
+def run_job(run_dir: Path, *overrides: str, timeout_s: float = 480, multirun: bool = False) -> list[dict]:
+    """Run ``python run.py OVERRIDES`` in a process of its own and return its rows (one, or one
+    per job of a ``-m`` sweep); a ``run_dir`` that holds rows already is not run again. A job
+    that leaves no row (it crashed or ran past ``timeout_s``) gives one row with status ``error``
+    or ``timeout`` and the tail of its output."""
+    # a directory name is part of an override: nothing there that Hydra's grammar reads
+    run_dir = run_dir.with_name(re.sub(r"[^A-Za-z0-9._-]+", "-", run_dir.name))
+    done_before = sorted(run_dir.rglob("result.json")) if run_dir.exists() else []
+    if done_before:  # a pack cut short goes on where it stopped
+        return [json.loads(p.read_text()) for p in done_before]
+    location = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
+    command = [sys.executable, "run.py", *overrides, location, *(["-m"] if multirun else [])]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        status, tail = None, (done.stdout + done.stderr)[-600:]
+    except subprocess.TimeoutExpired as expired:
+        status, tail = "timeout", str(expired.stdout or "")[-600:]
+    rows = [json.loads(p.read_text()) for p in sorted(run_dir.rglob("result.json"))]
+    if rows and status is None:
+        return rows
+    last = tail.strip().splitlines()
+    return [{"status": status or "error", "error": last[-1] if last else "no output",
+             "overrides": " ".join(overrides), "wall_s": time.monotonic() - start}]
+
+
+def row_figures(row: dict, keys: Optional[list[str]] = None) -> dict:
+    """The columns of a training row the pack's tables keep."""
+    keys = keys or ["method.name", "model.name", "seq", "alpha", "plan", "status", "error", "mfu", "tgs",
+                    "iter_time_s", "peak_allocated_bytes", "peak_reserved_bytes", "alloc_retries",
+                    "swap.alpha", "device_name", "result_path"]
+    return {key: row.get(key) for key in keys}

@@ -1,0 +1,68 @@
+"""Pack steps ``throughput`` and ``longest``: training jobs, each in a process of its own.
+
+* ``throughput``: MFU, TGS, peak allocated and reserved memory and allocator retries of every
+  method at several lengths (1.3B on a GPU: 8k, 32k, 64k, 128k; ``memo`` also with ``plan=true``).
+* ``longest``: for a 7B-shaped model with as many layers as one GPU holds, the longest sequence
+  each method trains, by bisection in steps of 32k tokens; every probe is a job of its own and
+  its row is kept, ``oom`` ones included.
+
+    python -m memo.gpucheck.jobs throughput --out DIR [--cpu]
+"""
+
+import sys
+
+from memo.gpucheck.common import arguments, row_figures, run_job, skip, write_rows
+
+METHODS = [["method=none"], ["method=megatron_selective"], ["method=megatron_full_recompute"],
+           ["method=full_recompute"], ["method=memo"], ["method=memo", "plan=true"]]
+
+
+def throughput(out, cpu: bool) -> list[dict]:
+    if cpu:
+        common, lengths = ["model=tiny", "train.steps=3", "train.warmup_steps=1"], ["256"]
+    else:
+        common = ["model=1.3b", "train.steps=5", "train.warmup_steps=2"]
+        lengths = ["8k", "32k", "64k", "128k"]
+    rows = []
+    for seq in lengths:
+        for method in METHODS:
+            name = "-".join(m.split("=")[1] for m in method) + f"-{seq}"
+            row = run_job(out / "runs" / f"throughput-{name}", *common, f"seq={seq}", *method)[0]
+            rows.append(row_figures(row) | {"job": name})
+            print(f"throughput: {name}: {row.get('status')} MFU {row.get('mfu')}", flush=True)
+    return rows
+
+
+def longest(out, layers: int = 8, step_tokens: int = 32 * 1024, top: int = 1024 * 1024) -> list[dict]:
+    """Bisection over multiples of ``step_tokens`` up to ``top`` per method (7B shape, ``layers``)."""
+    rows = []
+    for method in METHODS[1:]:
+        low, high = 0, top // step_tokens + 1  # low fits (0: nothing yet), high does not
+        while high - low > 1:
+            mid = (low + high) // 2
+            seq = mid * step_tokens
+            name = "-".join(m.split("=")[1] for m in method) + f"-{seq // 1024}k"
+            row = run_job(out / "runs" / f"longest-{name}", "model=7b", f"model.num_layers={layers}",
+                          f"seq={seq}", "train.steps=2", "train.warmup_steps=1", *method)[0]
+            rows.append(row_figures(row) | {"job": name})
+            low, high = (mid, high) if row.get("status") == "ok" else (low, mid)
+        print(f"longest: {' '.join(method)}: {low * step_tokens} tokens", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    step, rest = (argv or sys.argv[1:])[0], (argv or sys.argv[1:])[1:]
+    args = arguments(__doc__.splitlines()[0], rest)
+    if step == "throughput":
+        write_rows(args.out, step, throughput(args.out, args.cpu))
+    elif step == "longest":
+        if args.cpu:
+            return skip(args.out, step, "needs a GPU: the longest sequence of a 7B-shaped model on a GPU")
+        write_rows(args.out, step, longest(args.out))
+    else:
+        raise SystemExit(f"unknown step {step}; use throughput or longest")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

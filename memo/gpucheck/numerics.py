@@ -1,0 +1,142 @@
+"""Pack step ``numerics``: every activation method's gradients against keeping everything.
+
+One forward and backward pass of a small multi-layer GPT per method, from the same weights and
+tokens as ``method=none``; per method the largest normwise relative error over the parameters,
+``‖g − g_none‖ / ‖g_none‖``, and the loss's relative error. Tolerances (:data:`TOLERANCE`): fp32 on
+the CPU 1e-5 (the test suite asserts equality there); bf16 on a GPU 2e-2, since recomputing the
+dropped ``S − k`` rows runs cuBLAS kernels chosen for another shape, so the GPU's gradients are not
+bit-exact, only as close as bf16 rounding of the same sums in another order allows. ``plan=true``
+against ``plan=false`` over several steps is a pair of training jobs (equal losses).
+
+    python -m memo.gpucheck.numerics --out DIR [--cpu]
+"""
+
+import math
+import sys
+
+import torch
+
+from memo.config import register_configs, resolve_loss
+from memo.execute import distributed
+from memo.execute.data import SyntheticTokens, micro_batches
+from memo.execute.distributed import ProcessInfo
+from memo.execute.streams import streams_for
+from memo.execute.swap import SwapRuntime
+from memo.execute.swap_setup import prepare_swap
+from memo.gpucheck.common import REPO, arguments, run_job, write_rows
+from memo.model import build_gpt
+from memo.model.attention import select_backend
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# method, alpha (memo's), as the pack compares them
+METHODS = [("memo", 0.0), ("memo", 0.5), ("memo", 1.0), ("full_swap", None), ("full_recompute", None),
+           ("megatron_full_recompute", None)]
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def gradients(method: str, alpha, model_overrides: list[str], seq: int, device: torch.device,
+              dtype: torch.dtype, kernel: str = "auto") -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients (fp32, by parameter name) of one pass of ``method`` on fixed tokens.
+
+    Megatron's parallel state must be initialized for one process.
+    """
+    cfg = _compose(f"method={method}", *model_overrides)
+    torch.manual_seed(cfg.train.seed)
+    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, dtype, device.type, kernel,
+                      loss=resolve_loss(cfg)).module
+    runtime = None
+    if cfg.method.layer_activations == "swap":
+        runtime = SwapRuntime(cfg.model.num_layers, streams_for(device), device)
+        fixed = cfg.method.alpha if cfg.method.alpha is not None else alpha
+        prepare_swap(runtime, model, seq, 1, dtype, fixed, 2**50)
+    (batch,) = next(micro_batches(SyntheticTokens(cfg.model.vocab_size, 0), seq, 1, 1, 0, 1, device))
+    loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float().mean()
+    loss.backward()
+    if runtime is not None:
+        runtime.streams.synchronize()
+        runtime.release()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads
+
+
+def relative_errors(loss: float, grads: dict, reference: tuple[float, dict]) -> dict:
+    """The loss's relative error and the largest normwise one over the parameters (and which)."""
+    ref_loss, ref_grads = reference
+    worst, name = 0.0, None
+    for key, expected in ref_grads.items():
+        error = (grads[key] - expected).norm().item() / max(expected.norm().item(), 1e-30)
+        if error > worst or name is None:
+            worst, name = error, key
+    return {"loss_error": abs(loss - ref_loss) / abs(ref_loss), "grad_error": worst, "worst_parameter": name}
+
+
+def kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:
+    """The SDPA kernels that run here for this head size, fastest first."""
+    names = []
+    for name in ("cudnn", "flash", "efficient", "math"):
+        try:
+            names.append(select_backend(device.type, dtype, head_dim, name))
+        except Exception:  # noqa: BLE001 - a kernel that cannot run here is simply not listed
+            continue
+    return names
+
+
+def compare_methods(model_overrides: list[str], seq: int, device: torch.device, dtype: torch.dtype,
+                    methods=METHODS, kernel_names=("auto",)) -> list[dict]:
+    """One row per (kernel, method): errors against ``none`` with the same kernel, and the verdict."""
+    rows = []
+    distributed.initialize(_compose(*model_overrides).parallel, device.type, ProcessInfo(0, 1, 0))
+    try:
+        for kernel in kernel_names:
+            reference = gradients("none", None, model_overrides, seq, device, dtype, kernel)
+            for method, alpha in methods:
+                loss, grads = gradients(method, alpha, model_overrides, seq, device, dtype, kernel)
+                errors = relative_errors(loss, grads, reference)
+                ok = errors["grad_error"] <= TOLERANCE[dtype] and errors["loss_error"] <= TOLERANCE[dtype]
+                rows.append({"kernel": kernel, "method": method, "alpha": alpha, "seq": seq,
+                             "dtype": str(dtype).removeprefix("torch."), **errors,
+                             "tolerance": TOLERANCE[dtype], "status": "ok" if ok else "failed"})
+                print(f"numerics: {kernel} {method} alpha={alpha}: gradient error {errors['grad_error']:.2e} "
+                      f"({'ok' if ok else 'ABOVE'} {TOLERANCE[dtype]:g})", flush=True)
+    finally:
+        distributed.shutdown()
+    return rows
+
+
+def main(argv=None) -> int:
+    args = arguments(__doc__.splitlines()[0], argv)
+    device = torch.device("cpu" if args.cpu else "cuda", 0 if not args.cpu else None)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    # one loss for all, so that only the activation methods differ
+    overrides = ["model=tiny", "model.num_layers=4", "train.loss=tiled"] if args.cpu else \
+        ["model=125m", "model.num_layers=6", "train.loss=tiled"]
+    seq = 256 if args.cpu else 8192
+    if not args.cpu:
+        torch.cuda.set_device(0)
+    rows = compare_methods(overrides, seq, device, dtype)
+    common = ["model=tiny", "seq=256", "train.steps=3", "train.warmup_steps=1", "method=memo", "alpha=0.5"]
+    if not args.cpu:
+        common = ["model=125m", "seq=8k", "train.steps=4", "train.warmup_steps=1", "method=memo",
+                  "alpha=0.5"]
+    runs = {plan: run_job(args.out / "runs" / f"numerics-plan-{plan}", *common, f"plan={plan}")[0]
+            for plan in ("false", "true")}
+    same = all(r.get("status") == "ok" for r in runs.values()) and math.isclose(
+        runs["true"].get("loss_last") or math.nan, runs["false"].get("loss_last") or math.nan, rel_tol=1e-6)
+    rows.append({"kernel": "auto", "method": "memo plan=true vs plan=false", "alpha": 0.5,
+                 "loss_error": None if not same else 0.0, "status": "ok" if same else "failed",
+                 "worst_parameter": "loss_last {} vs {} ({}, {})".format(
+                     runs["true"].get("loss_last"), runs["false"].get("loss_last"),
+                     runs["true"].get("status"), runs["false"].get("status"))})
+    write_rows(args.out, "numerics", rows)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

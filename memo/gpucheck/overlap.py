@@ -1,0 +1,108 @@
+"""Pack step ``overlap``: how much of MEMO's host copies hides behind compute, from a
+``torch.profiler`` trace of two training steps at a length where swapping should hide.
+
+Per copy direction: its total time and the fraction of it during which some compute kernel runs;
+and the time the GPU computes nothing while a copy is in flight (what the step waits on copies).
+
+    python -m memo.gpucheck.overlap --out DIR [--cpu]
+"""
+
+import sys
+
+import torch
+
+from memo.gpucheck.common import arguments, skip, write_rows
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(interval: tuple[float, float], union: list[tuple[float, float]]) -> float:
+    start, end = interval
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
+
+
+def overlap_rows(copies: dict[str, list[tuple[float, float]]],
+                 kernels: list[tuple[float, float]]) -> list[dict]:
+    """Rows of copy time, the fraction of it under compute, and compute-idle time during copies
+    (all times in the same unit, microseconds from the profiler)."""
+    busy = _union(kernels)
+    rows = []
+    for direction, spans in copies.items():
+        total = sum(b - a for a, b in spans)
+        hidden = sum(_covered(span, busy) for span in spans)
+        in_flight = _union(spans)
+        idle = sum(b - a for a, b in in_flight) - sum(_covered(span, busy) for span in in_flight)
+        rows.append({"direction": direction, "copies": len(spans), "copy_us": total,
+                     "overlap_fraction": hidden / total if total else None, "compute_idle_us": idle})
+    return rows
+
+
+def main(argv=None) -> int:
+    args = arguments(__doc__.splitlines()[0], argv)
+    if args.cpu:
+        return skip(args.out, "overlap", "needs a GPU: copies on CUDA streams beside compute kernels")
+    from torch.profiler import ProfilerActivity, profile
+
+    from memo.gpucheck.numerics import _compose
+    from memo.execute import distributed
+    from memo.execute.distributed import ProcessInfo
+    from memo.execute.data import SyntheticTokens, micro_batches
+    from memo.execute.streams import streams_for
+    from memo.execute.swap import SwapRuntime
+    from memo.execute.swap_setup import prepare_swap
+    from memo.model import build_gpt
+
+    torch.cuda.set_device(0)
+    device, seq = torch.device("cuda", 0), 32 * 1024
+    cfg = _compose("model=1.3b", "method=memo")
+    distributed.initialize(cfg.parallel, "cuda", ProcessInfo(0, 1, 0))
+    try:
+        torch.manual_seed(0)
+        model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.bfloat16, "cuda",
+                          loss="tiled").module
+        runtime = SwapRuntime(cfg.model.num_layers, streams_for(device), device)
+        report = prepare_swap(runtime, model, seq, 1, torch.bfloat16, None, 64 * 2**30)
+        batches = micro_batches(SyntheticTokens(cfg.model.vocab_size, 0), seq, 1, 1, 0, 1, device)
+
+        def step():
+            (batch,) = next(batches)
+            loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            loss.float().mean().backward()
+
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            step()
+            step()
+            torch.cuda.synchronize()
+        runtime.release()
+    finally:
+        distributed.shutdown()
+    copies: dict[str, list] = {"d2h": [], "h2d": []}
+    kernels = []
+    for event in trace.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (event.time_range.start, event.time_range.end)
+        if "DtoH" in event.name:
+            copies["d2h"].append(span)
+        elif "HtoD" in event.name:
+            copies["h2d"].append(span)
+        elif "Memcpy" not in event.name and "Memset" not in event.name:
+            kernels.append(span)
+    rows = [r | {"alpha": report.alpha, "seq": seq} for r in overlap_rows(copies, kernels)]
+    trace.export_chrome_trace(str(args.out / "overlap_trace.json"))
+    write_rows(args.out, "overlap", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
