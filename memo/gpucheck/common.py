@@ -25,6 +25,17 @@ def arguments(description: str, argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def compose(*overrides: str):
+    """The configuration ``python run.py OVERRIDES`` would run."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from memo.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
 def write_rows(out: Path, step: str, rows: list[dict]) -> Path:
     """The step's rows as ``<step>.csv`` (never over an earlier file: the pack decides to redo)."""
     path = out / f"{step}.csv"

@@ -16,14 +16,14 @@ import sys
 
 import torch
 
-from memo.config import register_configs, resolve_loss
+from memo.config import resolve_loss
 from memo.execute import distributed
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.distributed import ProcessInfo
 from memo.execute.streams import streams_for
 from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import prepare_swap
-from memo.gpucheck.common import REPO, arguments, run_job, write_rows
+from memo.gpucheck.common import arguments, compose, run_job, write_rows
 from memo.model import build_gpt
 from memo.model.attention import select_backend
 
@@ -33,21 +33,13 @@ METHODS = [("memo", 0.0), ("memo", 0.5), ("memo", 1.0), ("full_swap", None), ("f
            ("megatron_full_recompute", None)]
 
 
-def _compose(*overrides: str):
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
 def gradients(method: str, alpha, model_overrides: list[str], seq: int, device: torch.device,
               dtype: torch.dtype, kernel: str = "auto") -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and gradients (fp32, by parameter name) of one pass of ``method`` on fixed tokens.
 
     Megatron's parallel state must be initialized for one process.
     """
-    cfg = _compose(f"method={method}", *model_overrides)
+    cfg = compose(f"method={method}", *model_overrides)
     torch.manual_seed(cfg.train.seed)
     model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, dtype, device.type, kernel,
                       loss=resolve_loss(cfg)).module
@@ -92,7 +84,7 @@ def compare_methods(model_overrides: list[str], seq: int, device: torch.device, 
                     methods=METHODS, kernel_names=("auto",)) -> list[dict]:
     """One row per (kernel, method): errors against ``none`` with the same kernel, and the verdict."""
     rows = []
-    distributed.initialize(_compose(*model_overrides).parallel, device.type, ProcessInfo(0, 1, 0))
+    distributed.initialize(compose(*model_overrides).parallel, device.type, ProcessInfo(0, 1, 0))
     try:
         for kernel in kernel_names:
             reference = gradients("none", None, model_overrides, seq, device, dtype, kernel)

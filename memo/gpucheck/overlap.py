@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         return skip(args.out, "overlap", "needs a GPU: copies on CUDA streams beside compute kernels")
     from torch.profiler import ProfilerActivity, profile
 
-    from memo.gpucheck.numerics import _compose
+    from memo.gpucheck.common import compose
     from memo.execute import distributed
     from memo.execute.distributed import ProcessInfo
     from memo.execute.data import SyntheticTokens, micro_batches
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     torch.cuda.set_device(0)
     device, seq = torch.device("cuda", 0), 32 * 1024
-    cfg = _compose("model=1.3b", "method=memo")
+    cfg = compose("model=1.3b", "method=memo")
     distributed.initialize(cfg.parallel, "cuda", ProcessInfo(0, 1, 0))
     try:
         torch.manual_seed(0)
