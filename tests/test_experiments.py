@@ -1,5 +1,6 @@
 """The paper's experiments as sweeps: what each one runs, and the job arrays a cluster receives."""
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -11,12 +12,12 @@ from conftest import PYTHON, REPO
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
 
-def dry_run(tmp_path: Path, *overrides: str, launcher: str = "slurm") -> str:
+def dry_run(tmp_path: Path, *overrides: str, launcher: str = "slurm", env=None) -> str:
     """What ``run.py -m`` prints for ``overrides`` through ``launcher`` without submitting."""
     done = subprocess.run(
         [PYTHON, str(REPO / "run.py"), "-m", f"hydra/launcher={launcher}", "hydra.launcher.dry_run=true",
          f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (tmp_path / "sweep").exists(), "a dry run leaves nothing behind"
@@ -103,3 +104,15 @@ def test_a_dry_run_marks_a_job_that_will_fail_its_checks(tmp_path):
                 for array in found for _, o, problem in array["jobs"]}
     assert problems["true"].startswith("seq=1001 is not divisible by tp = 2")
     assert problems["false"] is None
+
+
+def test_a_dry_run_needs_no_slurm_command(tmp_path):
+    # a PATH with nothing of SLURM's (nor anything else): the arrays printed are those printed
+    # where SLURM is installed
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    env = {**os.environ, "PATH": str(bare)}
+    without = dry_run(tmp_path, "+experiment=scalability", env=env)
+    usual = dry_run(tmp_path, "+experiment=scalability")  # a dry run leaves nothing behind
+    assert arrays(without) == arrays(usual) and len(arrays(without)) > 1
+    assert all("time" in a["options"] and "nodes" in a["options"] for a in arrays(without))

@@ -251,14 +251,32 @@ class SlurmLauncher(BaseSubmititLauncher):
         executor.update_parameters(**self._parameters(shape))
         return executor
 
+    def _dry_run_parameters(self, shape: JobShape) -> dict[str, Any]:
+        """The ``sbatch`` parameters :meth:`_executor` would submit with, found without SLURM's
+        commands (submitit's executor refuses to start where ``srun`` is missing)."""
+        from submitit.slurm.slurm import SlurmExecutor
+
+        class _NoCluster(SlurmExecutor):
+            @classmethod
+            def affinity(cls) -> int:
+                return 1  # a dry run submits nothing: no srun needed
+
+        executor = _NoCluster(folder=self.params["submitit_folder"],
+                              max_num_timeout=self.params["max_num_timeout"])
+        # as submitit's AutoExecutor takes them: None is "not set", slurm_-prefixed keys are SLURM's own
+        params = {k: v for k, v in self._parameters(shape).items() if v is not None}
+        specific = {k.removeprefix("slurm_"): v for k, v in params.items() if k.startswith("slurm_")}
+        generic = {k: v for k, v in params.items() if not k.startswith("slurm_")}
+        executor.update_parameters(**executor._convert_parameters(generic), **specific)
+        return dict(executor.parameters)
+
     def _print_arrays(self, arrays: dict, sweep_dir: Path) -> None:
         from submitit.slurm.slurm import _make_sbatch_string
 
         total = sum(len(m) for m in arrays.values())
         print(f"dry run: {total} job(s) in {len(arrays)} array(s); nothing submitted; output in {sweep_dir}")
         for shape, members in arrays.items():
-            executor = self._executor(shape)
-            params = dict(executor._executor.parameters, map_count=len(members))
+            params = dict(self._dry_run_parameters(shape), map_count=len(members))
             script = _make_sbatch_string(
                 command="python -u -m submitit.core._submit", folder=self.params["submitit_folder"], **params
             )
