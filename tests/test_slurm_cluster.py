@@ -4,12 +4,16 @@ killed hard, so submitit's clients learn of such a job instead of waiting for it
 import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import submitit
 from submitit.core.utils import UncompletedJobError
 
+
+REPO = Path(__file__).resolve().parents[1]
 
 # sacct's states of a job that will not run again.
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -92,3 +96,19 @@ def test_submitit_learns_of_a_job_killed_hard(slurm_cluster, tmp_path, monkeypat
     assert time.monotonic() - start < 60
     state, _ = final_states(slurm_cluster, [job.job_id])[job.job_id]
     assert state in TERMINAL - {"COMPLETED"}
+
+
+def test_a_non_root_machine_skips_the_cluster_tests_visibly_but_ci_fails_them(tmp_path):
+    # the fixture's own decision, in a process that is not root (pytest's outcome tells which)
+    test = tmp_path / "test_needs_cluster.py"
+    test.write_text("def test_it(slurm_cluster):\n    pass\n")
+    conftest = tmp_path / "conftest.py"
+    conftest.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n"
+                        "import os\nos.geteuid = lambda: 1000\npytest_plugins = ['slurm_cluster']\n")
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    for ci, outcome in ((None, "1 skipped"), ("true", "1 error")):
+        run_env = env if ci is None else {**env, "CI": ci}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", str(test)],
+                              cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=120)
+        assert outcome in done.stdout, done.stdout[-1500:]
+        assert "run the tests as root" in done.stdout
