@@ -189,7 +189,6 @@ def test_unplanned_requests_still_reach_cudas_allocator_once_the_arena_is_set(tm
     cudart = _HostCudart(arena_bytes=4096)
     allocator = ArenaAllocator(build_library(tmp_path), lambda: "setup")
     allocator.use_cuda_fallback(cudart, ctypes.c_void_p(1))
-    allocator.fallback_pool = (cudart, ctypes.c_void_p(1))
     allocator.set_modes(serve=True, record=False)  # no server: every request is unplanned
     before = allocator.lib.memo_alloc(1000, 0, None)
     allocate_arena(allocator, 4096)

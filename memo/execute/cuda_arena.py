@@ -114,6 +114,7 @@ class ArenaAllocator:
         functions = (cudart.cudaMallocAsync, cudart.cudaFreeAsync, cudart.cudaDeviceSynchronize,
                      cudart.cudaMemPoolTrimTo, cudart.cudaGetLastError)
         self.lib.memo_use_cuda_fallback(*(ctypes.cast(f, ctypes.c_void_p) for f in functions), pool)
+        self.fallback_pool = (cudart, pool)
 
     def serve_stream(self, stream: Optional[int]) -> None:
         """Plan only the requests made on ``stream`` (a ``cudaStream_t`` as an int; ``None`` or 0:
@@ -227,7 +228,6 @@ def install(phase: Callable[[], str], device: int) -> ArenaAllocator:
     # no tensor is made before the fallback is set
     pool = _cache_fallback_pool(cudart, device)
     allocator.use_cuda_fallback(cudart, pool)
-    allocator.fallback_pool = (cudart, pool)
     return allocator
 
 

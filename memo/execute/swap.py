@@ -338,13 +338,12 @@ class SwapRuntime:
             return torch.empty(shape, dtype=dtype, device=device)
         request = capture.requests
         capture.requests += 1
-        if capture.mode == "discover":
-            memory = torch.empty(shape, dtype=dtype, device=device)
-            capture.requested.append(memory)  # held, so that its address names it until the end
-            return memory
-        j = self._born.get(request)
+        j = self._born.get(request) if capture.mode == "forward" else None
         if j is None:
-            return torch.empty(shape, dtype=dtype, device=device)
+            memory = torch.empty(shape, dtype=dtype, device=device)
+            if capture.mode == "discover":
+                capture.requested.append(memory)  # held, so that its address names it until the end
+            return memory
         slot = self.layout.slots[j]
         if (slot.shape, slot.dtype) != (tuple(shape), dtype):
             raise RuntimeError(
@@ -482,11 +481,12 @@ class SwapRuntime:
             return out
         # The kernel wrote its own memory, which the buffer now copies: the layer goes on from
         # the copy, so the kernel's output is freed here rather than when the layer ends.
-        kept = self._saved_view(capture.state.index % 2, j)
+        slot_tensor = self._slot_tensor(capture.state.index % 2, j)
+        kept = slot_tensor.movedim(0, self.layout.slots[j].token_dim)  # as the kernel saved it
         if kept.stride() != out.stride():
             return out
         del capture.products[j]
-        capture.sources[j] = self._slot_tensor(capture.state.index % 2, j)
+        capture.sources[j] = slot_tensor
         return _Relocated.apply(out, _standalone(kept))
 
     # ---------------------------------------------------------------- backward
@@ -690,10 +690,11 @@ def _standalone(t: torch.Tensor) -> torch.Tensor:
 
 
 def _request_of(t: torch.Tensor, capture: _Capture) -> Optional[int]:
-    """The request for output memory (discover) that ``t``, token-major, is exactly, if any."""
+    """The request for output memory (discover; new, contiguous memory) that ``t``, token-major,
+    is exactly, if any."""
     for request, memory in enumerate(capture.requested):
         if t.data_ptr() == memory.data_ptr() and t.shape == memory.shape and t.dtype == memory.dtype \
-                and t.is_contiguous() and memory.is_contiguous():
+                and t.is_contiguous():
             return request
     return None
 

@@ -30,7 +30,7 @@ from memo.results import create_file_atomic
 class Step:
     name: str
     module: tuple[str, ...]  # python -m ... arguments before --out
-    budget_s: int  # on a GPU; the whole pack stays under 25 minutes on one H100
+    budget_s: int  # together 23 minutes, to keep the pack under 25 on one H100 (not yet timed there)
 
 
 STEPS = [

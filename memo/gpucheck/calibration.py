@@ -17,15 +17,16 @@ def main(argv=None) -> int:
     from memo.fit.calibrate import compare
 
     runs = args.out / "runs"
-    dirs = [d for d in sorted(runs.glob("throughput-*")) + sorted(runs.glob("longest-*"))]
+    dirs = sorted(runs.glob("throughput-*")) + sorted(runs.glob("longest-*"))
     if not dirs:
         return skip(args.out, "calibration", "no rows of the throughput or longest steps yet")
     table = compare(load_results(*dirs))
-    summary = [{"error": what, "rows": int(values.size), "mean_abs": values.abs().mean(),
-                "max_abs": values.abs().max()}
-               for what in ("time_error", "memory_error")
-               for values in [table[what].dropna() if len(table) else table.get(what, [])]
-               if len(values)]
+    summary = []
+    for what in ("time_error", "memory_error") if len(table) else ():
+        values = table[what].dropna().abs()
+        if len(values):
+            summary.append({"error": what, "rows": len(values), "mean_abs": values.mean(),
+                            "max_abs": values.max()})
     print(table.to_string() if len(table) else "calibration: no ok training rows")
     write_rows(args.out, "calibration_summary", summary)
     write_rows(args.out, "calibration", table.to_dict("records"))

@@ -51,7 +51,7 @@ def longest(out, layers: int = 8, step_tokens: int = 32 * 1024, top: int = 1024 
 
 
 def main(argv=None) -> int:
-    step, rest = (argv or sys.argv[1:])[0], (argv or sys.argv[1:])[1:]
+    step, *rest = argv if argv is not None else sys.argv[1:]
     args = arguments(__doc__.splitlines()[0], rest)
     if step == "throughput":
         write_rows(args.out, step, throughput(args.out, args.cpu))
