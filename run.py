@@ -1,19 +1,22 @@
 """Train one configuration, or sweep many with ``-m``: ``python run.py model=7b seq=64k,128k -m``.
 
 ``mode=profile`` traces one iteration's allocations instead, and ``mode=plan`` also plans them
-(see :mod:`memo.planning`); ``mode=fit`` predicts memory, α, the longest sequence and the time per
-iteration, and searches layouts (see :mod:`memo.fitting`). All three run anywhere, for any model
-size.
+(see :mod:`memo.modes.profile`); ``mode=fit`` predicts memory, α, the longest sequence and the time
+per iteration, and searches layouts (see :mod:`memo.modes.fit`). All three run anywhere, for any
+model size.
 
-Each job writes ``result.json`` and ``metrics.jsonl`` into its Hydra output directory. A
-mistake in the configuration ends the run with one line on stderr (exit status 2); in a sweep
-it leaves an ``error`` row and the sweep goes on with the next job.
+Each job claims its Hydra output directory (a directory that holds another run is refused and
+left as it is), then writes ``.hydra/``, ``result.json`` and ``metrics.jsonl`` there. A mistake
+in the configuration ends the run with one line on stderr (exit status 2); in a sweep it leaves
+an ``error`` row and the sweep goes on with the next job. Ctrl-C or SIGTERM leaves an
+``interrupted`` row and ends the process (exit status 130 or 143).
 """
 
 import atexit
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import warnings
@@ -23,7 +26,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 # Megatron-core announces every optional package it did not find, and warns about its own
@@ -34,6 +37,7 @@ warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 from memo.config import ConfigError, register_configs, validate  # noqa: E402
 from memo.config.choices import check_group_choices  # noqa: E402
+from memo.results import claim_run_dir  # noqa: E402
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 register_configs()
@@ -46,22 +50,30 @@ def main(cfg: DictConfig) -> None:
         if hydra_cfg.mode == RunMode.RUN:
             validate(cfg)  # fail fast, before the heavy imports; a sweep records it in a row
         output_dir = Path(hydra_cfg.runtime.output_dir)
+        claimed = int(os.environ.get("RANK", "0")) == 0
+        if claimed:  # before anything is written there, Hydra's .hydra/ included
+            claim_run_dir(output_dir, _hydra_files(cfg))
         if cfg.mode == "train":
-            from memo.job import run_job
-
-            row = run_job(cfg, output_dir, hydra_cfg.overrides.task)
+            from memo.modes.train import run_job as job
         elif cfg.mode == "fit":
-            from memo.fitting import fit_job
-
-            row = fit_job(cfg, output_dir, hydra_cfg.overrides.task)
+            from memo.modes.fit import fit_job as job
         else:
-            from memo.planning import profile_and_plan
-
-            row = profile_and_plan(cfg, output_dir, hydra_cfg.overrides.task)
+            from memo.modes.profile import profile_and_plan as job
+        row = job(cfg, output_dir, hydra_cfg.overrides.task, claimed=claimed)
     except ConfigError as error:
         _fail(str(error))
     if row["status"] == "error" and hydra_cfg.mode == RunMode.RUN:
         _fail(row["error"])
+
+
+def _hydra_files(cfg: DictConfig) -> dict[str, str]:
+    """What Hydra's ``.hydra/`` holds: the job's configuration, Hydra's, and the overrides."""
+    hydra_cfg = HydraConfig.get()
+    return {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml({"hydra": hydra_cfg}),
+        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+    }
 
 
 def _secondary_rank_overrides() -> list[str]:
@@ -104,3 +116,9 @@ if __name__ == "__main__":
         _fail(str(error))
     except (HydraException, OmegaConfBaseException) as error:
         _fail(_one_line(error))
+    except OSError as error:  # Hydra could not make the output directory
+        _fail(f"{error.filename or ''}: {error.strerror or error}; choose a writable hydra.run.dir")
+    except KeyboardInterrupt as error:  # the row, if any, is written and says so
+        signum = getattr(error, "signum", signal.SIGINT)
+        print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.exit(128 + signum)

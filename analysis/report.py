@@ -96,7 +96,9 @@ def write_report(results: pd.DataFrame, steps: pd.DataFrame, out: Path,
             stem = Path(out) / f"{name}{suffix}"
             written.append(_write_text(stem.with_suffix(".csv"), numbers.to_csv()))
             markdown = table(runs, True).reset_index().to_markdown(index=False)
-            written.append(_write_text(stem.with_suffix(".md"), f"{caption}\n\n{markdown}\n"))
+            basis = mfu_basis(runs)
+            written.append(_write_text(stem.with_suffix(".md"),
+                                       f"{caption}\n\n{markdown}\n" + (f"\n{basis}\n" if basis else "")))
         for suffix, plot in FIGURES.get(family, SEQ_FIGURES).items():
             try:
                 figure = plot(runs, run_steps)
@@ -105,6 +107,19 @@ def write_report(results: pd.DataFrame, steps: pd.DataFrame, out: Path,
             for fmt in formats:
                 written.append(_write_figure(Path(out) / f"{name}{suffix}.{fmt}", figure, fmt))
     return written
+
+
+def mfu_basis(runs: pd.DataFrame) -> str:
+    """The peak FLOP/s MFU was computed against, per hardware, and where each came from
+    (``table``, ``config``, or ``measured`` on a CPU: the best matrix multiply the machine has
+    shown), e.g. ``MFU against: cpu 0.12 TFLOP/s (measured)``; empty without such columns."""
+    columns = ["hardware.name", "hardware.peak_flops", "hardware.peak_flops_source"]
+    if not set(columns) <= set(runs.columns):
+        return ""
+    peaks = runs[columns].dropna(subset=["hardware.peak_flops"]).drop_duplicates()
+    parts = [f"{name} {peak / 1e12:.3g} TFLOP/s ({source})"
+             for name, peak, source in peaks.sort_values(columns[:2]).itertuples(index=False)]
+    return "MFU against: " + "; ".join(parts) if parts else ""
 
 
 def summary(results: pd.DataFrame) -> str:

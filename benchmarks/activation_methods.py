@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from memo.config import register_configs  # noqa: E402
-from memo.job import run_job  # noqa: E402
+from memo.modes.train import run_job  # noqa: E402
 
 METHODS = {
     "none": ["method=none"],

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from memo.config import MethodConfig, ModelConfig, ParallelConfig  # noqa: E402
 from memo.plan.bilevel import plan_iteration  # noqa: E402
-from memo.plan.caching_allocator import simulate  # noqa: E402
+from memo.dsa.caching_allocator import simulate  # noqa: E402
 from memo.profile.iteration import trace_iteration  # noqa: E402
 from memo.profile.layers import transient_events  # noqa: E402
 from memo.profile.trace import layer_phase  # noqa: E402

@@ -1,22 +1,31 @@
 """The files a run leaves in its output directory, written by rank 0 only.
 
+* ``.memo-run``: the claim. It is created exclusively before anything else is written, so of two
+  runs given one directory exactly one goes on; the other is refused and writes nothing there.
+* ``.hydra/``: the composed configuration, the Hydra configuration and the overrides, written
+  after the claim (Hydra's own copy is switched off: it would overwrite a refused run's).
 * ``result.json``: one flat row (config fields as dotted keys, status, metrics, provenance),
   written once, atomically (a temporary file renamed over), so a reader never sees half a row.
 * ``metrics.jsonl``: one JSON line per training step, appended and flushed as the step ends, so
-  a long run shows progress and a crash keeps every finished step.
-
-Neither file is ever overwritten: a directory that already holds them is refused up front.
+  a long run shows progress and a crash keeps every finished step. An append that fails (a full
+  disk) is cut back to the last whole line.
 """
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from memo.config import ConfigError
 
+CLAIM_FILE = ".memo-run"
+CONFIG_DIR = ".hydra"
+SET_ASIDE_DIR = "interrupted"
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 LAYERS_FILE = "layers.jsonl"  # per step and layer: activation bytes on device, on host, recomputed
@@ -104,43 +113,143 @@ def git_revision(repo: Path) -> tuple[Optional[str], Optional[bool]]:
         return None, None
 
 
-class ResultWriter:
-    """Writes one run's ``result.json`` and ``metrics.jsonl`` into ``output_dir`` (if enabled).
+def now() -> str:
+    """The current UTC time as the rows record it (ISO 8601, seconds)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class RunDirTaken(ConfigError):
+    """The run directory belongs to another run (finished, running, or stopped)."""
+
+
+def _unwritable(path: Path, error: OSError) -> ConfigError:
+    return ConfigError(f"cannot write {path}: {error.strerror or error}; "
+                       "choose a writable hydra.run.dir (hydra.sweep.dir in a sweep) with free space")
+
+
+def claim_run_dir(output_dir: Path, config_files: Mapping[str, str] = {}) -> None:
+    """Make ``output_dir`` this run's before anything is written into it, then write
+    ``config_files`` (name → text) into its ``.hydra/``.
+
+    The claim is an exclusive create, so of two runs started into one directory at the same
+    moment exactly one wins. A refused run changes nothing in the directory.
 
     Raises:
-        ConfigError: if ``output_dir`` already holds a result of an earlier run.
+        RunDirTaken: if the directory holds another run's claim or files.
+        ConfigError: if the directory cannot be written (read-only, full disk).
+    """
+    output_dir = Path(output_dir)
+    marker = output_dir / CLAIM_FILE
+    if marker.exists():
+        raise _taken(output_dir)
+    earlier = [name for name in (RESULT_FILE, *STEP_FILES) if (output_dir / name).exists()]
+    if earlier:  # a run from before claims existed
+        raise RunDirTaken(f"{output_dir / earlier[0]} exists from an earlier run and is kept; "
+                          "give this run another hydra.run.dir (hydra.sweep.dir in a sweep)")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:  # claimed a moment ago
+        raise _taken(output_dir) from None
+    except OSError as error:
+        raise _unwritable(output_dir, error) from None
+    owner = json_text({"host": socket.gethostname(), "pid": os.getpid(), "claimed": now()}).encode()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(owner)
+        for name, text in config_files.items():
+            create_file_atomic(output_dir / CONFIG_DIR / name, text)
+    except OSError as error:
+        raise _unwritable(output_dir, error) from None
+
+
+def _taken(output_dir: Path) -> RunDirTaken:
+    try:  # the claim may be still being written by its owner
+        owner = json.loads((output_dir / CLAIM_FILE).read_text())
+        who = f"claimed {owner['claimed']} by process {owner['pid']} on {owner['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        who = "claimed a moment ago"
+    return RunDirTaken(f"{output_dir} holds another run ({who}); it is kept; "
+                       "give this run another hydra.run.dir (hydra.sweep.dir in a sweep)")
+
+
+def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
+    """Move an unfinished attempt's files (everything but earlier set-aside attempts) to
+    ``interrupted/<n>/`` so that a new attempt can claim ``output_dir``; returns where, or None.
+
+    An attempt is unfinished when it claimed the directory (or left step logs) and has no row,
+    or its row says ``interrupted``. A finished attempt is never moved.
+    """
+    output_dir = Path(output_dir)
+    row = output_dir / RESULT_FILE
+    try:
+        if json.loads(row.read_text()).get("status") != "interrupted":
+            return None
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, AttributeError):
+        return None  # not ours to judge: keep it
+    present = [p for p in output_dir.iterdir() if p.name != SET_ASIDE_DIR] if output_dir.is_dir() else []
+    if not any(p.name in (CLAIM_FILE, RESULT_FILE, *STEP_FILES) for p in present):
+        return None
+    n = 1
+    while (output_dir / SET_ASIDE_DIR / str(n)).exists():
+        n += 1
+    target = output_dir / SET_ASIDE_DIR / str(n)
+    target.mkdir(parents=True)
+    for path in present:
+        shutil.move(path, target / path.name)
+    return target
+
+
+class ResultWriter:
+    """Writes one run's ``result.json`` and step logs into ``output_dir`` (if enabled).
+
+    The directory must have been claimed (:func:`claim_run_dir`) by this run.
     """
 
     def __init__(self, output_dir: Path, enabled: bool = True):
         self.output_dir = Path(output_dir)
         self.enabled = enabled
-        if not enabled:
-            return
-        for name in (RESULT_FILE, METRICS_FILE, LAYERS_FILE):
-            if (self.output_dir / name).exists():
-                raise ConfigError(
-                    f"{self.output_dir / name} exists from an earlier run and is kept; "
-                    "give this run another hydra.run.dir"
-                )
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.steps = 0  # step records appended
 
     def append_step(self, record: Mapping[str, Any]) -> None:
         """Append one step's record to ``metrics.jsonl``."""
         self._append(METRICS_FILE, [record])
+        self.steps += 1
 
     def append_layers(self, records: list[Mapping[str, Any]]) -> None:
         """Append one step's per-layer records (activation accounting) to ``layers.jsonl``."""
         self._append(LAYERS_FILE, records)
 
     def _append(self, name: str, records: list[Mapping[str, Any]]) -> None:
-        if self.enabled and records:
-            with open(self.output_dir / name, "a") as f:
-                f.writelines(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records)
+        if not (self.enabled and records):
+            return
+        data = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records).encode()
+        path = self.output_dir / name
+        try:
+            with open(path, "ab") as f:
+                size = f.tell()
+                try:
+                    f.write(data)
+                    f.flush()
+                except OSError:
+                    f.truncate(size)  # no half line: the log stays one JSON object per line
+                    raise
+        except OSError as error:
+            raise _unwritable(path, error) from None
 
     def write_result(self, row: Mapping[str, Any]) -> Optional[Path]:
-        """Write the run's row to ``result.json``; returns its path (None when disabled)."""
+        """Write the run's row to ``result.json``; returns its path (None when disabled).
+
+        Raises:
+            ConfigError: if it cannot be written (nothing of it is left behind then).
+        """
         if not self.enabled:
             return None
         path = self.output_dir / RESULT_FILE
-        write_json_atomic(path, dict(row))
+        try:
+            write_json_atomic(path, dict(row))
+        except OSError as error:
+            raise _unwritable(path, error) from None
         return path

@@ -40,7 +40,7 @@ def single_process():
 
 def run_in_process(output_dir: Path, *overrides: str) -> dict:
     """Run one job in this process, as ``python run.py OVERRIDES`` would, and return its row."""
-    from memo.job import run_job
+    from memo.modes.train import run_job
 
     return run_job(compose_config(*overrides), output_dir, overrides)
 

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 RUN = {
-    "experiment": None, "mode": "train", "hardware.name": "cpu",
+    "experiment": None, "mode": "train", "hardware.name": "cpu", "hardware.peak_flops": 1.2e11,
+    "hardware.peak_flops_source": "measured",
     "model.name": "tiny", "model.num_layers": 4, "model.hidden_size": 256,
     "method.name": "none", "alpha": "auto", "swap.alpha": None, "seq": 1024,
     "parallel.tp": 1, "parallel.cp": 1, "parallel.pp": 1, "parallel.dp": 1, "world_size": 1,

@@ -309,6 +309,8 @@ def test_report_writes_tables_and_figures(sweep, capsys):
     mfu = pd.read_csv(out / "end_to_end_cpu_smoke_mfu.csv", index_col=[0, 1, 2])
     assert mfu.loc[("tiny", 1, "memo"), "4096"] == pytest.approx(0.45)
     assert "| OOM  |" in (out / "end_to_end_cpu_smoke_mfu.md").read_text()
+    assert (out / "end_to_end_cpu_smoke_mfu.md").read_text().endswith(
+        "\nMFU against: cpu 0.12 TFLOP/s (measured)\n")
     printed = capsys.readouterr().out
     assert str(out / "ablation_cpu_smoke.csv") in printed
     assert "end_to_end_cpu_smoke: 7 runs (ok 6, oom 1)" in printed

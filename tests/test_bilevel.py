@@ -5,7 +5,7 @@ import torch
 
 from memo.config import MethodConfig, ModelConfig, ParallelConfig
 from memo.plan.bilevel import addresses, plan_iteration, read_plan, write_plan
-from memo.plan.dsa import PlanError, max_load, validate
+from memo.dsa.buffers import PlanError, max_load, validate
 from memo.profile.iteration import trace_iteration
 from memo.profile.layers import LayerMismatchError
 from memo.profile.trace import Event, Trace

@@ -6,7 +6,7 @@ from typing import Hashable, NamedTuple
 
 import pytest
 
-from memo.plan.caching_allocator import (
+from memo.dsa.caching_allocator import (
     CachingAllocator,
     MiB,
     OutOfMemoryError,

@@ -97,6 +97,14 @@ def test_seq_sweep_values_compose_as_strings():
         (["method=full_swap", "alpha=0.5"], "alpha=0.5 has no effect with method=full_swap"),
         (["method=memo", "method.recompute_granularity=full"], "method.recompute_granularity=full"),
         (["method=memo", "method.layer_activations=offload"], "method.layer_activations=offload"),
+        (["hardware.peak_flops=-1"], "hardware.peak_flops=-1.0 must be positive"),
+        (["hardware.peak_flops=0"], "hardware.peak_flops=0.0 must be positive"),
+        (["hardware.host_memory_gib=-1"], "hardware.host_memory_gib=-1.0 must be positive"),
+        (["hardware.devices_per_node=0"], "hardware.devices_per_node=0 must be positive"),
+        (["hardware.host_link_gbps=0"], "hardware.host_link_gbps=0.0 must be positive"),
+        (["+train.stepz=3"], "train.stepz is not a key of this configuration; did you mean train.steps?"),
+        (["+fit.layout=all"], "fit.layout is not a key of this configuration; did you mean fit.layouts?"),
+        (["+sequence=4k"], "sequence is not a key of this configuration"),
     ],
 )
 def test_validation_errors_name_the_key_in_one_line(overrides, key):

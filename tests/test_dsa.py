@@ -3,15 +3,18 @@ against brute force."""
 
 import itertools
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from memo.plan.dsa import Buffer, PlanError, max_load, read_buffers, read_plan, validate, write_plan
-from memo.plan.greedy import greedy_portfolio, lowest_fit
-from memo.plan.search import fits
-from memo.plan.solve import plan
+from memo.dsa.buffers import Buffer, PlanError, max_load, read_buffers, read_plan, validate, write_plan
+from memo.dsa.greedy import greedy_portfolio, lowest_fit
+from memo.dsa.search import fits
+from memo.dsa.solve import plan
 
+REPO = Path(__file__).resolve().parents[1]
 SMALL = Path(__file__).parent / "data" / "minimalloc-small"
 
 
@@ -46,7 +49,7 @@ def test_max_load_treats_lifetimes_as_half_open():
 
 
 def _brute_force(buffers):
-    """The optimal peak: lowest-fit placement reaches it for some order (see memo.plan.greedy)."""
+    """The optimal peak: lowest-fit placement reaches it for some order (see memo.dsa.greedy)."""
     return min(
         max(o + b.size for o, b in zip(lowest_fit(buffers, order), buffers, strict=True))
         for order in itertools.permutations(range(len(buffers)))
@@ -97,7 +100,7 @@ def test_plans_round_trip_and_are_never_overwritten(tmp_path):
         ("id,lower,size\n0,1,2\n", "the header lacks upper"),
         ("id,lower,upper,size\n0,0,4,2\n1,3,x,5\n", ":3: not a buffer"),
         ("id,lower,upper,size\n0,4,4,2\n", "needs lower < upper"),
-        ("id,lower,upper,size\n0,0,4,2\n0,1,5,2\n", "buffer id 0 appears twice"),
+        ("id,lower,upper,size\n0,0,4,2\n0,1,5,2\n", "trace.csv: buffer id 0 appears twice"),
     ],
 )
 def test_corrupt_traces_are_refused_with_their_line(tmp_path, text, message):
@@ -105,6 +108,28 @@ def test_corrupt_traces_are_refused_with_their_line(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         read_buffers(path)
+
+
+def test_a_file_that_is_not_text_is_refused_naming_it(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_bytes(b"id,lower,upper,size\n\xff\xfe\x00\x81\n")
+    with pytest.raises(ValueError, match=r"trace.csv:\d+: not CSV text"):
+        read_buffers(path)
+
+
+def test_the_benchmark_names_each_bad_file_and_plans_the_rest(tmp_path):
+    (tmp_path / "a_good.csv").write_text((SMALL / "a.6.csv").read_text())
+    (tmp_path / "b_bad_line.csv").write_text("id,lower,upper,size\n0,0,4,2\n1,3,x,5\n")
+    (tmp_path / "c_binary.csv").write_bytes(b"\xff\xfe\x00\x81")
+    command = [sys.executable, str(REPO / "benchmarks" / "dsa.py"), str(tmp_path), "--time-limit", "5"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 2 and "Traceback" not in done.stderr, done.stderr
+    assert errors[0].startswith(f"error: {tmp_path / 'b_bad_line.csv'}:3: not a buffer")
+    assert errors[1].startswith(f"error: {tmp_path / 'c_binary.csv'}:")
+    planned = done.stdout.strip().splitlines()[1:]
+    assert len(planned) == 1 and planned[0].split()[0].endswith("/a_good")
 
 
 def _random_instance(seed: int, buffers: int = 7):
@@ -127,7 +152,7 @@ def test_the_planner_beats_greedy_and_proves_it():
         assert validate(buffers, result.offsets) == result.peak == _brute_force(buffers)
     # The same instances through the paper's MIP, where Gurobi runs here (its pip license takes
     # models this small); otherwise the planner says why in one line and searches instead.
-    from memo.plan.mip import gurobi_license
+    from memo.dsa.mip import gurobi_license
 
     usable = gurobi_license().usable
     for _, buffers in worse[:2]:
@@ -138,9 +163,9 @@ def test_the_planner_beats_greedy_and_proves_it():
 
 
 def test_a_model_too_large_for_gurobis_license_is_refused_up_front_and_searched():
-    from memo.plan.mip import gurobi_license
+    from memo.dsa.mip import gurobi_license
 
-    from memo.plan.mip import mip_size
+    from memo.dsa.mip import mip_size
 
     # Seventy buffers, most alive together: thousands of pairs, where greedy misses the bound.
     def instance(seed):

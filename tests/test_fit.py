@@ -15,7 +15,7 @@ from analysis import tables
 from analysis.rows import load_results
 from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig
 from memo.fit import memory
-from memo.fit.calibrate import compare, problem_of_row
+from analysis.calibration import compare, problem_of_row
 from memo.fit.predict import Problem, predict
 from memo.fit.search import layouts, longest
 from memo.fit.template import iteration_template
@@ -23,7 +23,7 @@ from memo.fit.timing import predict_time
 from memo.hardware import HARDWARE, GiB
 from memo.model.gpt import padded_vocab_size, parameter_count
 from memo.plan.alpha import HostMemoryError
-from memo.plan.dsa import max_load
+from memo.dsa.buffers import max_load
 from memo.profile.iteration import trace_iteration
 from memo.profile.trace import Trace
 

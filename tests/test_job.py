@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import memo.job
+import memo.modes.train
 from memo.config import ConfigError
 
 from conftest import run_in_process
@@ -22,7 +22,7 @@ def _raise(error):
 
 def test_out_of_memory_is_a_result_and_the_next_job_runs(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
-        patch.setattr(memo.job, "run_steps", _raise(torch.cuda.OutOfMemoryError(
+        patch.setattr(memo.modes.train, "run_steps", _raise(torch.cuda.OutOfMemoryError(
             "CUDA out of memory. Tried to allocate 64.00 GiB\nmore detail")))
         row = run_in_process(tmp_path / "oom", *SHORT)
     assert row["status"] == "oom"
@@ -39,12 +39,12 @@ def test_out_of_memory_is_a_result_and_the_next_job_runs(tmp_path, monkeypatch):
     "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
 ])
 def test_allocator_failures_are_out_of_memory(tmp_path, monkeypatch, message):
-    monkeypatch.setattr(memo.job, "run_steps", _raise(RuntimeError(message)))
+    monkeypatch.setattr(memo.modes.train, "run_steps", _raise(RuntimeError(message)))
     assert run_in_process(tmp_path, *SHORT)["status"] == "oom"
 
 
 def test_a_crash_is_an_error_row_with_its_message(tmp_path, monkeypatch):
-    monkeypatch.setattr(memo.job, "run_steps", _raise(ValueError("bad shape")))
+    monkeypatch.setattr(memo.modes.train, "run_steps", _raise(ValueError("bad shape")))
     row = run_in_process(tmp_path, *SHORT)
     assert (row["status"], row["error"]) == ("error", "ValueError: bad shape")
     assert json.loads((tmp_path / "result.json").read_text())["error"] == "ValueError: bad shape"
@@ -76,7 +76,7 @@ def test_what_this_machine_cannot_run_is_refused_up_front(tmp_path, overrides, m
 def test_results_of_an_earlier_run_are_never_overwritten(tmp_path):
     assert run_in_process(tmp_path, *SHORT)["status"] == "ok"
     before = (tmp_path / "result.json").read_bytes()
-    with pytest.raises(ConfigError, match="exists from an earlier run"):
+    with pytest.raises(ConfigError, match="holds another run"):
         run_in_process(tmp_path, *SHORT)
     assert (tmp_path / "result.json").read_bytes() == before
 
@@ -94,7 +94,7 @@ def test_a_failed_swap_job_releases_its_slab(tmp_path, monkeypatch):
     released = []
     original = SwapRuntime.release
     monkeypatch.setattr(SwapRuntime, "release", lambda self: released.append(self.slab) or original(self))
-    monkeypatch.setattr(memo.job, "run_steps", _raise(ValueError("bad shape")))
+    monkeypatch.setattr(memo.modes.train, "run_steps", _raise(ValueError("bad shape")))
     row = run_in_process(tmp_path, *SHORT, "method=memo")
     assert row["status"] == "error"
     assert released and released[-1] is not None  # the job's slab, given back in spite of the error

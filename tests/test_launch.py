@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-import memo.job
+import memo.modes.train
 from hydra_plugins.memo_launch.slurm_launcher import (
     JobShape,
     fallback_row,
     job_shape,
-    set_aside_unfinished,
 )
 from memo.config import ConfigError
+from memo.results import claim_run_dir, set_aside_unfinished, write_json_atomic
 
 from conftest import compose_config, run_in_process
 
@@ -39,18 +39,30 @@ def test_a_layout_that_does_not_fill_whole_nodes_is_refused_with_what_to_change(
         job_shape(compose_config("parallel.tp=4", "parallel.dp=3"), 8, True)
 
 
-def test_an_interrupted_attempt_is_set_aside_and_a_second_one_does_not_overwrite_it(tmp_path):
+def test_an_unfinished_attempt_is_set_aside_whole_and_a_second_one_does_not_overwrite_it(tmp_path):
     assert set_aside_unfinished(tmp_path) is None
+    claim_run_dir(tmp_path, {"config.yaml": "seq: 1k\n"})
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    (tmp_path / "layers.jsonl").write_text('{"step": 1, "layer": 0}\n')
-    (tmp_path / "run.log").write_text("kept in place\n")
+    (tmp_path / "run.log").write_text("first attempt\n")
     assert set_aside_unfinished(tmp_path) == tmp_path / "interrupted" / "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["interrupted"]
+    claim_run_dir(tmp_path)  # the next attempt claims the directory again
     (tmp_path / "metrics.jsonl").write_text('{"step": 2}\n')
+    write_json_atomic(tmp_path / "result.json", {"status": "interrupted"})
     assert set_aside_unfinished(tmp_path) == tmp_path / "interrupted" / "2"
-    assert (tmp_path / "interrupted" / "1" / "metrics.jsonl").read_text() == '{"step": 1}\n'
-    assert (tmp_path / "interrupted" / "1" / "layers.jsonl").exists()
+    first = tmp_path / "interrupted" / "1"
+    assert (first / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (first / "run.log").read_text() == "first attempt\n"
+    assert (first / ".hydra" / "config.yaml").read_text() == "seq: 1k\n"
     assert (tmp_path / "interrupted" / "2" / "metrics.jsonl").read_text() == '{"step": 2}\n'
-    assert not (tmp_path / "metrics.jsonl").exists() and (tmp_path / "run.log").exists()
+    assert (tmp_path / "interrupted" / "2" / "result.json").exists()
+
+
+def test_a_finished_attempt_is_never_set_aside(tmp_path):
+    claim_run_dir(tmp_path)
+    write_json_atomic(tmp_path / "result.json", {"status": "oom"})
+    assert set_aside_unfinished(tmp_path) is None
+    assert (tmp_path / "result.json").exists()
 
 
 class _DeadJob:
@@ -73,9 +85,10 @@ def test_a_job_that_died_gets_a_row_of_its_configuration_and_slurm_state(tmp_pat
     assert fallback_row(cfg, [], tmp_path, _DeadJob("NODE_FAIL"), "lost")["status"] == "error"
 
 
-def test_a_run_stopped_from_outside_keeps_its_steps_and_leaves_no_row(tmp_path, monkeypatch):
-    """A scheduler's timeout signal ends in SystemExit: no row, so that the requeued attempt runs."""
-    real_run_steps = memo.job.run_steps
+def test_a_run_stopped_by_the_scheduler_keeps_its_steps_and_an_interrupted_row(tmp_path, monkeypatch):
+    """A scheduler's timeout signal ends in SystemExit (submitit's handler): the row says
+    ``interrupted`` and the requeued attempt sets it aside and runs again."""
+    real_run_steps = memo.modes.train.run_steps
 
     def stopped_after_two_steps(optimizer, batches, train, device_type, on_step, step_scope=None):
         def record(step):
@@ -85,9 +98,12 @@ def test_a_run_stopped_from_outside_keeps_its_steps_and_leaves_no_row(tmp_path, 
 
         real_run_steps(optimizer, batches, train, device_type, record, step_scope)
 
-    monkeypatch.setattr(memo.job, "run_steps", stopped_after_two_steps)
+    monkeypatch.setattr(memo.modes.train, "run_steps", stopped_after_two_steps)
     with pytest.raises(SystemExit):
         run_in_process(tmp_path, "train.steps=4", "train.warmup_steps=1", "seq=128")
-    assert not (tmp_path / "result.json").exists()
+    row = json.loads((tmp_path / "result.json").read_text())
+    assert row["status"] == "interrupted" and row["steps_done"] == 2
+    assert row["error"] == "interrupted by the scheduler (timeout or preemption) after 2 step(s)"
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+    assert set_aside_unfinished(tmp_path) == tmp_path / "interrupted" / "1"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from memo.plan import mip
-from memo.plan.dsa import Buffer, max_load, read_buffers, validate
-from memo.plan.greedy import greedy_portfolio
+from memo.dsa import mip
+from memo.dsa.buffers import Buffer, max_load, read_buffers, validate
+from memo.dsa.greedy import greedy_portfolio
 
 A = Path("/work/shared/benchmarks/dsa/minimalloc-challenging/A.1048576.csv")
 TESTS = str(Path(__file__).parent)
@@ -25,7 +25,7 @@ def _buffers(*rows):
 
 
 def _lowest_fit(buffers, order):
-    """Pure-Python lowest fit, written apart from memo.plan.greedy's."""
+    """Pure-Python lowest fit, written apart from memo.dsa.greedy's."""
     offsets = {}
     for k in order:
         b, at = buffers[k], 0
@@ -124,7 +124,7 @@ def test_a_large_model_is_refused_up_front(monkeypatch):
         return
     assert seconds < 3 and result.offsets is None and result.lower_bound == max_load(buffers)
     assert "\n" not in result.message and result.message.startswith("gurobi: ")
-    assert set(started) <= {"memo.plan.mip:_probe_gurobi"}  # the model was never built
+    assert set(started) <= {"memo.dsa.mip:_probe_gurobi"}  # the model was never built
     if found.usable:
         assert result.message == (
             "gurobi: the model has 4797 variables and 9438 constraints and the installed license allows "
@@ -158,7 +158,7 @@ def test_gurobi_not_installed_is_one_line(monkeypatch):
 def test_this_process_never_imports_a_solver():
     buffers, _, worst = _instance(0)
     code = (
-        "import sys; from memo.plan import mip; from memo.plan.dsa import Buffer\n"
+        "import sys; from memo.dsa import mip; from memo.dsa.buffers import Buffer\n"
         f"buffers, worst = {buffers!r}, {worst!r}\n"
         "for solver in ('gurobi', 'highs'): print(mip.solve_mip(buffers, worst, 5, solver).message)\n"
         "assert not {'gurobipy', 'highspy'} & set(sys.modules)"

@@ -11,7 +11,7 @@ import torch
 from memo.config import MethodConfig, ModelConfig, ParallelConfig
 from memo.execute.plan_server import PlanServer, is_layer_region, serve_events
 from memo.plan.bilevel import addresses, plan_iteration
-from memo.plan.dsa import Buffer, validate
+from memo.dsa.buffers import Buffer, validate
 from memo.profile.iteration import trace_iteration
 from memo.profile.trace import Event, Trace
 

@@ -6,7 +6,7 @@ import subprocess
 from conftest import PYTHON, REPO
 
 from memo.plan.bilevel import addresses, read_plan
-from memo.plan.dsa import read_buffers, validate
+from memo.dsa.buffers import read_buffers, validate
 from memo.profile.trace import read_trace
 
 
@@ -45,11 +45,11 @@ def test_profile_mode_writes_only_the_trace_and_a_rerun_keeps_it(tmp_path):
     out = tmp_path / "profile"
     done = run("mode=profile", "seq=1k", f"hydra.run.dir={out}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["result.json", "run.log", "trace.csv",
-                                                                     "trace.json"]
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == [
+        ".memo-run", "result.json", "run.log", "trace.csv", "trace.json"]
     before = (out / "trace.csv").read_bytes()
     again = run("mode=profile", "seq=2k", f"hydra.run.dir={out}", cwd=tmp_path)
-    assert again.returncode == 2 and "exists from an earlier run and is kept" in again.stderr
+    assert again.returncode == 2 and "holds another run" in again.stderr
     assert (out / "trace.csv").read_bytes() == before
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
-from memo.plan.dsa import read_buffers
+from memo.dsa.buffers import read_buffers
 from memo.profile.iteration import trace_iteration
 from memo.profile.layers import LayerMismatchError, check_identical_layers, layer_bytes
 from memo.profile.recorder import AllocationRecorder

@@ -1,14 +1,18 @@
 """Result rows are flat, atomic, never overwritten, and load into pandas."""
 
+import errno
+import hashlib
+import io
 import json
 import os
 import stat
 
 import pytest
 
+import memo.results
 from analysis.rows import load_results
 from memo.config import ConfigError
-from memo.results import ResultWriter, flatten, write_json_atomic
+from memo.results import ResultWriter, RunDirTaken, claim_run_dir, flatten, write_json_atomic
 
 
 def test_flatten_gives_dotted_keys_and_joins_lists():
@@ -35,17 +39,70 @@ def test_failed_write_keeps_the_old_file(tmp_path):
     assert os.listdir(tmp_path) == ["result.json"]
 
 
-def test_writer_refuses_a_directory_with_earlier_results(tmp_path):
+def test_a_claimed_directory_is_refused_and_left_as_it_is(tmp_path):
+    claim_run_dir(tmp_path, {"config.yaml": "seq: 1k\n"})
     writer = ResultWriter(tmp_path)
     writer.append_step({"step": 1, "loss": 2.0})
     writer.append_step({"step": 2, "loss": 1.5})
     writer.write_result({"status": "ok"})
-    before = (tmp_path / "result.json").read_bytes()
-    with pytest.raises(ConfigError, match="exists from an earlier run"):
-        ResultWriter(tmp_path)
-    assert (tmp_path / "result.json").read_bytes() == before
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    before = _tree(tmp_path)
+    with pytest.raises(RunDirTaken, match=r"holds another run \(claimed .* by process \d+ on "):
+        claim_run_dir(tmp_path, {"config.yaml": "seq: 2k\n"})
+    assert _tree(tmp_path) == before
+    assert writer.steps == 2
+
+
+def test_a_directory_with_results_from_before_claims_is_refused(tmp_path):
+    write_json_atomic(tmp_path / "result.json", {"status": "ok"})
+    with pytest.raises(RunDirTaken, match="result.json exists from an earlier run and is kept"):
+        claim_run_dir(tmp_path)
+    assert os.listdir(tmp_path) == ["result.json"]
+
+
+def test_a_full_disk_cuts_a_step_log_back_to_whole_lines(tmp_path, monkeypatch):
+    claim_run_dir(tmp_path)
+    writer = ResultWriter(tmp_path)
+    writer.append_step({"step": 1})
+
+    class HalfWritten(io.FileIO):  # the disk fills up in the middle of the line
+        def write(self, data):
+            super().write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(memo.results, "open", lambda path, mode: HalfWritten(path, mode), raising=False)
+    with pytest.raises(ConfigError, match=r"^cannot write .*metrics.jsonl: No space left on device; choose "):
+        writer.append_step({"step": 2, "loss": 1.0})
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_row_that_cannot_be_written_leaves_nothing_behind(tmp_path, monkeypatch):
+    claim_run_dir(tmp_path)
+    real_fsync = os.fsync
+
+    def full(fd):
+        real_fsync(fd)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(ConfigError, match=r"^cannot write .*result.json: No space left on device"):
+        ResultWriter(tmp_path).write_result({"status": "ok"})
+    assert os.listdir(tmp_path) == [".memo-run"]
+
+
+def test_a_read_only_directory_is_refused_in_one_line(tmp_path, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ConfigError, match=r"^cannot write .*: Read-only file system; choose a writable "
+                                          r"hydra.run.dir"):
+        claim_run_dir(tmp_path / "run")
+
+
+def _tree(root):
+    """Every file under ``root`` with its bytes' hash."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

@@ -1,9 +1,14 @@
 """``run.py`` as a user runs it: a job, a sweep, and one-line errors for bad input."""
 
+import hashlib
 import json
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import PYTHON, REPO
 
@@ -67,3 +72,70 @@ def test_bad_input_fails_with_one_line(tmp_path, args, starts):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(starts), done.stderr
     assert "Traceback" not in done.stdout
+
+
+def test_a_directory_that_cannot_be_made_fails_with_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    done = run(*FAST, f"hydra.run.dir={tmp_path / 'a_file' / 'job'}", cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].endswith("Not a directory; choose a writable hydra.run.dir"), done.stderr
+
+
+def _files(root: Path) -> dict[str, str]:
+    """Every file under ``root`` with the hash of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _start(*args: str, cwd) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, str(REPO / "run.py"), *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_two_runs_started_at_once_into_one_directory_one_runs_and_one_is_refused(tmp_path):
+    out = tmp_path / "job"
+    runs = [_start("seq=128", *FAST, f"train.seed={seed}", f"hydra.run.dir={out}", cwd=tmp_path)
+            for seed in (1, 2)]
+    done = [(p, *p.communicate(timeout=600)) for p in runs]
+    assert sorted(p.returncode for p, _, _ in done) == [0, 2], [err for _, _, err in done]
+    refused = next(err for p, _, err in done if p.returncode == 2).strip().splitlines()
+    assert len(refused) == 1 and refused[0].startswith(f"error: {out} holds another run"), refused
+    row = json.loads((out / "result.json").read_text())
+    config = yaml.safe_load((out / ".hydra" / "config.yaml").read_text())
+    overrides = yaml.safe_load((out / ".hydra" / "overrides.yaml").read_text())
+    assert row["status"] == "ok" and config["train"]["seed"] == row["train.seed"]
+    assert f"train.seed={row['train.seed']}" in overrides and row["overrides"] == " ".join(overrides)
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+
+
+def test_a_refused_rerun_leaves_every_byte_of_the_earlier_run(tmp_path):
+    out = tmp_path / "job"
+    assert run("seq=128", *FAST, f"hydra.run.dir={out}", cwd=tmp_path).returncode == 0
+    before = _files(out)
+    assert {".memo-run", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "result.json",
+            "metrics.jsonl", "run.log"} <= set(before)
+    again = run("seq=256", *FAST, f"hydra.run.dir={out}", cwd=tmp_path)
+    assert again.returncode == 2 and "holds another run" in again.stderr
+    assert _files(out) == before
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_leave_an_interrupted_row_and_no_traceback(tmp_path, signum, status):
+    out = tmp_path / "job"
+    job = _start("seq=128", "train.steps=1000", "train.warmup_steps=1", f"hydra.run.dir={out}", cwd=tmp_path)
+    log = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and log.read_text()) and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.1)
+    job.send_signal(signum)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == status, stderr
+    assert stderr.strip().splitlines()[-1] == f"interrupted by {signal.Signals(signum).name}"
+    assert "Traceback" not in stdout + stderr
+    steps = [json.loads(line) for line in log.read_text().splitlines()]  # every line whole
+    row = json.loads((out / "result.json").read_text())
+    assert row["status"] == "interrupted" and row["steps_done"] == len(steps) >= 1
+    assert row["error"].startswith("interrupted by SIG")

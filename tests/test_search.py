@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from memo.plan.dsa import Buffer, max_load, read_buffers, validate
-from memo.plan.search import fits
-from memo.plan.solve import plan
+from memo.dsa.buffers import Buffer, max_load, read_buffers, validate
+from memo.dsa.search import fits
+from memo.dsa.solve import plan
 
 CHALLENGING = Path(__file__).parent / "data" / "minimalloc-challenging"
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ class GridSweeperConf:
     max_batch_size: Optional[int] = None
     params: Optional[dict[str, str]] = None
     grids: list[Any] = field(default_factory=list)
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="grid", node=GridSweeperConf, provider="memo")
 
 
 def _as_overrides(mapping: dict) -> list[str]:

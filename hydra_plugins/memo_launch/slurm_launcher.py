@@ -9,7 +9,8 @@ GPU. Jobs of the same shape go out as one job array.
 Each task reads its rank, world size and master address from submitit's environment; only
 rank 0 writes the job's files. On a timeout or preemption submitit requeues the job (up to
 ``max_num_timeout`` times): the job's own ``result.json``, if it finished, is kept and the job
-is not run again; an unfinished attempt's step logs are moved to ``interrupted/<n>/``.
+is not run again; an unfinished attempt (no row, or an ``interrupted`` one) is moved whole to
+``interrupted/<n>/`` and the job runs again.
 
 A job that dies without writing its row (killed by the scheduler, out of host memory, a node
 failure) gets one written here from its configuration and its SLURM state, so every job of a
@@ -20,12 +21,12 @@ lines and submits nothing.
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
 from hydra.errors import HydraException
@@ -34,7 +35,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from memo.config import ConfigError, parse_seq, validate
-from memo.results import RESULT_FILE, STEP_FILES, create_file_atomic, flatten, json_text
+from memo.results import RESULT_FILE, create_file_atomic, flatten, json_text, set_aside_unfinished
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class SlurmLauncherConf(SlurmQueueConf):
     dry_run: bool = False  # print the job arrays, submit nothing
     max_num_timeout: int = 3  # requeues after a timeout (preemptions do not count)
 
+
+ConfigStore.instance().store(group="hydra/launcher", name="memo_slurm", node=SlurmLauncherConf,
+                             provider="memo")
 
 @dataclass(frozen=True)
 class JobShape:
@@ -91,21 +95,6 @@ def job_shape(cfg: DictConfig, devices_per_node: int, gpus: bool) -> JobShape:
 def job_output_dir(sweep_config: DictConfig) -> Path:
     """The directory Hydra gives the job ``sweep_config`` describes (``hydra.job.num`` set)."""
     return Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir)
-
-
-def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
-    """Move an unfinished attempt's step logs to ``interrupted/<n>/``; returns where, or None."""
-    present = [output_dir / name for name in STEP_FILES if (output_dir / name).exists()]
-    if not present:
-        return None
-    n = 1
-    while (output_dir / "interrupted" / str(n)).exists():
-        n += 1
-    target = output_dir / "interrupted" / str(n)
-    target.mkdir(parents=True)
-    for path in present:
-        shutil.move(path, target / path.name)
-    return target
 
 
 def fallback_row(cfg: DictConfig, overrides: Sequence[str], output_dir: Path, job: Any, error: str) -> dict:
@@ -160,15 +149,13 @@ class SlurmLauncher(BaseSubmititLauncher):
         with open_dict(sweep_config.hydra):
             sweep_config.hydra.job.id = submitit.JobEnvironment().job_id
             sweep_config.hydra.job.num = job_num
-            if env.rank != 0:
-                sweep_config.hydra.output_subdir = None  # rank 0 saves the job's config
         output_dir = job_output_dir(sweep_config)
-        finished = output_dir / RESULT_FILE
-        if finished.exists():  # requeued after it had finished: keep that row
-            log.info("%s exists; not running this job again", finished)
+        finished = _finished_row(output_dir / RESULT_FILE)
+        if finished is not None:  # requeued after it had finished: keep that row
+            log.info("%s exists; not running this job again", output_dir / RESULT_FILE)
             return JobReturn(
                 overrides=sweep_overrides, cfg=sweep_config, working_dir=os.getcwd(),
-                task_name="run", status=JobStatus.COMPLETED, _return_value=json.loads(finished.read_text()),
+                task_name="run", status=JobStatus.COMPLETED, _return_value=finished,
             )
         if env.rank == 0:
             moved = set_aside_unfinished(output_dir)
@@ -311,6 +298,15 @@ class SlurmLauncher(BaseSubmititLauncher):
                 except FileExistsError:
                     pass
             return JobReturn(overrides=overrides, cfg=cfg, status=JobStatus.FAILED, _return_value=error)
+
+
+def _finished_row(path: Path) -> Optional[dict]:
+    """The row at ``path`` if its job finished (any status but ``interrupted``), else None."""
+    try:
+        row = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return row if isinstance(row, dict) and row.get("status") != "interrupted" else None
 
 
 def _config_problem(cfg: DictConfig) -> Optional[str]:

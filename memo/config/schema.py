@@ -194,12 +194,6 @@ class RunConfig:
 
 
 def register_configs() -> None:
-    """Register :class:`RunConfig` as ``run_schema``, the base of ``conf/config.yaml``, and the
-    bases of the launcher presets (``hydra/launcher=memo_slurm``) and sweeper (``grid``)."""
-    from hydra_plugins.memo_launch.slurm_launcher import SlurmLauncherConf
-    from hydra_plugins.memo_launch.grid_sweeper import GridSweeperConf
-
-    store = ConfigStore.instance()
-    store.store(name="run_schema", node=RunConfig)
-    store.store(group="hydra/launcher", name="memo_slurm", node=SlurmLauncherConf, provider="memo")
-    store.store(group="hydra/sweeper", name="grid", node=GridSweeperConf, provider="memo")
+    """Register :class:`RunConfig` as ``run_schema``, the base of ``conf/config.yaml``. (The
+    launcher's and the sweeper's schemas are registered by their plugins, which Hydra loads.)"""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)

@@ -4,6 +4,8 @@ Every failure is a :class:`ConfigError` whose message is one line naming the key
 and what to write instead; ``run.py`` prints it without a traceback.
 """
 
+import dataclasses
+import difflib
 import math
 import re
 from pathlib import Path
@@ -63,6 +65,7 @@ def validate(cfg) -> Optional[int]:
     Raises:
         ConfigError: on the first problem found.
     """
+    _check_known_keys(cfg)
     _choice("mode", cfg.mode, MODES)
     search_seq = str(cfg.seq).strip() == SEARCH_SEQ
     if search_seq and cfg.mode != "fit":
@@ -80,6 +83,7 @@ def validate(cfg) -> Optional[int]:
 
     _check_method(cfg.method)
     _check_alpha(cfg)
+    _check_hardware(cfg.hardware)
     _check_parallel(cfg.parallel, m, seq)
     _check_cluster(cfg)
     t = cfg.train
@@ -117,6 +121,37 @@ def validate(cfg) -> Optional[int]:
     if cfg.mode == "fit":
         _check_fit(cfg.fit)
     return seq
+
+
+def _check_known_keys(node, prefix: str = "") -> None:
+    """Refuse keys the schema does not have: an appended ``+train.<typo>=...`` would otherwise
+    be carried along and ignored."""
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    fields = [f.name for f in dataclasses.fields(schema)]
+    for key in node.keys():
+        if key == "hydra" and not prefix:  # the launcher checks a job's config with Hydra's own part
+            continue
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean {prefix}{close[0]}? " if close else ""
+            raise ConfigError(f"{prefix}{key} is not a key of this configuration; {hint}"
+                              f"the keys of {prefix.rstrip('.') or 'the top level'} are: {', '.join(fields)}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _check_known_keys(child, f"{prefix}{key}.")
+
+
+def _check_hardware(hw) -> None:
+    for key in ("peak_flops", "device_memory_gib", "host_memory_gib", "host_link_gbps", "intra_node_gbps",
+                "inter_node_gbps", "devices_per_node"):
+        value = getattr(hw, key)
+        if value is not None and not value > 0:
+            raise ConfigError(f"hardware.{key}={value} must be positive (or left out to take "
+                              f"hardware={hw.name}'s figure)")
 
 
 def _check_cluster(cfg) -> None:

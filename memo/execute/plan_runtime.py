@@ -30,7 +30,7 @@ import torch
 from memo.config import PlannerConfig
 from memo.execute.plan_server import PlanServer, serve_events
 from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
-from memo.plan.caching_allocator import simulate
+from memo.dsa.caching_allocator import simulate
 from memo.profile.recorder import AllocationRecorder, PhaseMarker
 from memo.profile.trace import Trace
 
@@ -190,7 +190,7 @@ ALLOCATOR_FIELDS = (
 
 
 def _allocator_row(stats, source: str, arena_bytes: int = 0) -> dict:
-    """``allocator.*`` columns of an :class:`memo.plan.caching_allocator.AllocatorStats`, with
+    """``allocator.*`` columns of an :class:`memo.dsa.caching_allocator.AllocatorStats`, with
     an arena of ``arena_bytes`` (one more device allocation) reserved beside it."""
     values = (source, stats.peak_allocated, stats.peak_reserved + arena_bytes, stats.num_alloc_retries,
               stats.num_device_alloc + (1 if arena_bytes else 0), stats.num_device_free)

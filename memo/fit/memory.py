@@ -33,7 +33,7 @@ from memo.fit.template import INNER_LAYERS, IterationTemplate
 from memo.model.gpt import parameter_count
 from memo.plan.alpha import AlphaSolution, SkeletalBytes, check_host, solve_alpha
 from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
-from memo.plan.caching_allocator import OutOfMemoryError, simulate
+from memo.dsa.caching_allocator import OutOfMemoryError, simulate
 from memo.profile.trace import Trace
 
 _ALIGN = 256  # bytes: each tensor in a rounding buffer starts at a multiple

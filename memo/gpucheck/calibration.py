@@ -1,5 +1,5 @@
 """Pack step ``calibration``: the fit planner's predictions against the pack's own training rows
-(steps ``throughput`` and ``longest``), with :func:`memo.fit.calibrate.compare`: per row the
+(steps ``throughput`` and ``longest``), with :func:`analysis.calibration.compare`: per row the
 relative error of the predicted time per iteration and peak memory (``calibration.csv``), and
 their mean and largest magnitude (``calibration_summary.csv``).
 
@@ -14,7 +14,7 @@ from memo.gpucheck.common import arguments, skip, write_rows
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
     from analysis.rows import load_results
-    from memo.fit.calibrate import compare
+    from analysis.calibration import compare
 
     runs = args.out / "runs"
     dirs = sorted(runs.glob("throughput-*")) + sorted(runs.glob("longest-*"))

@@ -1,1 +1,2 @@
-"""Planning: decisions taken before training from profiled sizes and times."""
+"""MEMO's decisions before training: α, the fraction of tokens swapped (``alpha``), and the
+bi-level memory plan of one iteration (``bilevel``), solved with :mod:`memo.dsa`."""

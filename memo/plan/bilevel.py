@@ -19,8 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from memo.plan.dsa import Buffer, max_load, validate
-from memo.plan.solve import DsaPlan, plan
+from memo.dsa.buffers import Buffer, max_load, validate
+from memo.dsa.solve import DsaPlan, plan
 from memo.profile.layers import check_identical_layers
 from memo.profile.trace import Trace, phase_layers
 from memo.results import create_file_atomic
@@ -89,7 +89,7 @@ def _solve(buffers: list[Buffer], keys: list[tuple[str, int, int]], time_limit_s
 def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi",
                    alignment: int = 1, identical_layers: bool = True) -> MemoryPlan:
     """Bi-level plan of ``trace`` within about ``time_limit_s`` seconds in all; ``mip`` is the
-    MIP solver each DSA solve may use (see :func:`memo.plan.solve.plan`); sizes are rounded up
+    MIP solver each DSA solve may use (see :func:`memo.dsa.solve.plan`); sizes are rounded up
     to, and offsets placed at, multiples of ``alignment`` bytes.
 
     The level-1 blocks share a quarter of the time (they are small and usually meet their

@@ -14,7 +14,7 @@ the level of the whole iteration.
 from dataclasses import dataclass
 from typing import Optional
 
-from memo.plan.dsa import Buffer, max_load
+from memo.dsa.buffers import Buffer, max_load
 from memo.profile.trace import Event, Request, Trace, layer_phase, phase_layers
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from memo.plan.dsa import Buffer
+from memo.dsa.buffers import Buffer
 from memo.results import create_file_atomic
 
 @dataclass(frozen=True)
@@ -132,19 +132,25 @@ def read_trace(path: Path) -> Trace:
     rows = []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        columns = {"id", "lower", "upper", "size", "malloc_phase", "free_phase"}
-        missing = columns - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: not a trace, the header lacks {', '.join(sorted(missing))}")
-        for line, row in enumerate(reader, start=2):
-            try:
-                rows.append(Request(int(row["id"]), int(row["lower"]), int(row["upper"]), int(row["size"]),
-                                    row["malloc_phase"], row["free_phase"] or None))
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"{path}:{line}: not a request ({error})") from None
+        try:
+            columns = {"id", "lower", "upper", "size", "malloc_phase", "free_phase"}
+            missing = columns - set(reader.fieldnames or ())
+            if missing:
+                raise ValueError(f"{path}: not a trace, the header lacks {', '.join(sorted(missing))}")
+            for line, row in enumerate(reader, start=2):
+                try:
+                    rows.append(Request(int(row["id"]), int(row["lower"]), int(row["upper"]),
+                                        int(row["size"]), row["malloc_phase"], row["free_phase"] or None))
+                except (TypeError, ValueError) as error:
+                    raise ValueError(f"{path}:{line}: not a request ({error})") from None
+        except (csv.Error, UnicodeDecodeError) as error:
+            raise ValueError(f"{path}:{reader.line_num + 1}: not CSV text ({error})") from None
     meta_path = path.with_suffix(".json")
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    return Trace(events_of(rows, meta.pop("events", None)), meta)
+    try:
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        return Trace(events_of(rows, meta.pop("events", None)), meta)
+    except (ValueError, AttributeError) as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def events_of(requests: Iterable[Request], length: Optional[int] = None) -> list[Event]:

@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from memo.plan.dsa import Buffer, max_load, validate
-from memo.plan.greedy import greedy_portfolio
-from memo.plan.mip import solve_mip
-from memo.plan.search import fits
+from memo.dsa.buffers import Buffer, max_load, validate
+from memo.dsa.greedy import greedy_portfolio
+from memo.dsa.mip import solve_mip
+from memo.dsa.search import fits
 
 # The search keeps a buffers × sections matrix (sections ≤ 2 × buffers); past this many cells
 # the greedy plan is returned as is.

@@ -15,8 +15,6 @@ import dataclasses
 import io
 import logging
 import time
-import traceback
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,18 +25,15 @@ from memo.config import ConfigError, ParallelConfig, parse_alpha, parse_seq, res
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
 from memo.fit.search import Candidate, LayoutResult, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
-from memo.job import METRIC_FIELDS
 from memo.model import resolve_dtype, unsupported_layout
 from memo.model.gpt import parameter_count
-from memo.results import ResultWriter, create_file_atomic, flatten
+from memo.modes.frame import job_frame
+from memo.modes.train import METRIC_FIELDS
+from memo.results import create_file_atomic
 
 log = logging.getLogger("memo")
 
 LAYOUTS_FILE = "layouts.csv"
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _gib(n: Optional[float]) -> str:
@@ -117,85 +112,64 @@ def _candidates(cfg: DictConfig, problem: Problem) -> list[Candidate]:
     return found
 
 
-def fit_job(cfg: DictConfig, output_dir: Path, overrides=()) -> dict[str, Any]:
+def fit_job(cfg: DictConfig, output_dir: Path, overrides=(), claimed: bool = False) -> dict[str, Any]:
     """Run ``mode=fit`` for ``cfg``; write ``result.json`` and ``layouts.csv`` into ``output_dir``.
 
-    Like a training job, a failure is the row's ``status`` ("error") and ``error``.
-
-    Raises:
-        ConfigError: only if ``output_dir`` already holds an earlier run's files.
+    Like a training job (:func:`memo.modes.frame.job_frame`), a failure is the row's ``status``
+    and ``error``; measured figures are None, in the same columns.
     """
-    writer = ResultWriter(output_dir)
-    if (output_dir / LAYOUTS_FILE).exists():
-        raise ConfigError(
-            f"{output_dir / LAYOUTS_FILE} exists from an earlier run and is kept; "
-            "give this run another hydra.run.dir"
-        )
-    row: dict[str, Any] = {
-        **flatten(OmegaConf.to_container(cfg, resolve=True)),
-        **dict.fromkeys(METRIC_FIELDS),  # measured figures: none, in the same columns
-        "overrides": " ".join(overrides),
-        "output_dir": str(output_dir),
-        "status": "error",
-        "error": None,
-        "start_time": _now(),
-    }
-    try:
-        seq = validate(cfg)
-        hw = _hardware(cfg)
-        problem = problem_of(cfg, hw)
-        step, limit = parse_seq(cfg.fit.seq_step), parse_seq(cfg.fit.seq_limit)
-        candidates = _candidates(cfg, problem)
-        skipped = []
-        if cfg.parallel.search and cfg.fit.layouts == "runnable":
-            skipped = [c for c in candidates if c.unrunnable]
-            candidates = [c for c in candidates if not c.unrunnable]
-            if not candidates:
-                raise ConfigError(
-                    f"training runs no layout of cluster.gpus={cfg.cluster.gpus} for "
-                    f"method={problem.method.name} ({skipped[0].unrunnable}); set fit.layouts=all "
-                    "to predict them anyway"
-                )
-        for c in skipped:
-            log.info("%s: not tried, training cannot run it: %s", layout_label(c.parallel), c.unrunnable)
-        start = time.perf_counter()
-        results = []
-        for k, candidate in enumerate(candidates, 1):
-            result = evaluate(problem, candidate, seq, step, limit)
-            results.append(result)
-            shown = result.shown
-            log.info(
-                "[%d/%d] %s: %s at %d tokens, %s per device, MFU %.1f%%%s",
-                k,
-                len(candidates),
-                layout_label(candidate.parallel),
-                "fits" if result.best else shown.status,
-                shown.seq,
-                _gib(shown.device_total),
-                100 * shown.time.mfu,
-                "  (training cannot run it)" if candidate.unrunnable else "",
+    with job_frame(cfg, output_dir, overrides, claimed=claimed, columns=METRIC_FIELDS) as job:
+        _fit(cfg, output_dir, job.row)
+    return job.row
+
+
+def _fit(cfg: DictConfig, output_dir: Path, row: dict[str, Any]) -> None:
+    seq = validate(cfg)
+    hw = _hardware(cfg)
+    problem = problem_of(cfg, hw)
+    step, limit = parse_seq(cfg.fit.seq_step), parse_seq(cfg.fit.seq_limit)
+    candidates = _candidates(cfg, problem)
+    skipped = []
+    if cfg.parallel.search and cfg.fit.layouts == "runnable":
+        skipped = [c for c in candidates if c.unrunnable]
+        candidates = [c for c in candidates if not c.unrunnable]
+        if not candidates:
+            raise ConfigError(
+                f"training runs no layout of cluster.gpus={cfg.cluster.gpus} for "
+                f"method={problem.method.name} ({skipped[0].unrunnable}); set fit.layouts=all "
+                "to predict them anyway"
             )
-        results.sort(key=LayoutResult.rank)
-        row["fit.seconds"] = time.perf_counter() - start
-        row["fit.layouts_tried"] = len(results)
-        row["fit.runners_up"] = "; ".join(
-            f"{layout_label(r.parallel)}: {r.best.seq if r.best else r.failed.status}"
-            for r in results[1 : 1 + cfg.fit.runners_up]
+    for c in skipped:
+        log.info("%s: not tried, training cannot run it: %s", layout_label(c.parallel), c.unrunnable)
+    start = time.perf_counter()
+    results = []
+    for k, candidate in enumerate(candidates, 1):
+        result = evaluate(problem, candidate, seq, step, limit)
+        results.append(result)
+        shown = result.shown
+        log.info(
+            "[%d/%d] %s: %s at %d tokens, %s per device, MFU %.1f%%%s",
+            k,
+            len(candidates),
+            layout_label(candidate.parallel),
+            "fits" if result.best else shown.status,
+            shown.seq,
+            _gib(shown.device_total),
+            100 * shown.time.mfu,
+            "  (training cannot run it)" if candidate.unrunnable else "",
         )
-        chosen = results[0].shown
-        row.update(_row(chosen, problem))
-        row["fit.unrunnable"] = results[0].unrunnable  # None: training runs this layout
-        _write_layouts(output_dir / LAYOUTS_FILE, results, skipped)
-        log.info("%s", report(chosen, problem))
-    except ConfigError as error:
-        row["error"] = str(error)
-    except Exception as error:  # noqa: BLE001 - every failure must leave its row
-        row["error"] = f"{type(error).__name__}: {error}"
-        log.error("fit failed:\n%s", traceback.format_exc())
-    finally:
-        row["end_time"] = _now()
-        writer.write_result(row)
-    return row
+    results.sort(key=LayoutResult.rank)
+    row["fit.seconds"] = time.perf_counter() - start
+    row["fit.layouts_tried"] = len(results)
+    row["fit.runners_up"] = "; ".join(
+        f"{layout_label(r.parallel)}: {r.best.seq if r.best else r.failed.status}"
+        for r in results[1 : 1 + cfg.fit.runners_up]
+    )
+    chosen = results[0].shown
+    row.update(_row(chosen, problem))
+    row["fit.unrunnable"] = results[0].unrunnable  # None: training runs this layout
+    _write_layouts(output_dir / LAYOUTS_FILE, results, skipped)
+    log.info("%s", report(chosen, problem))
 
 
 def _row(p: Prediction, problem: Problem) -> dict[str, Any]:

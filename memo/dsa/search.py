@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from memo.plan.dsa import Buffer
+from memo.dsa.buffers import Buffer
 
 _INF = 1 << 62  # an int: comparisons of ints with floats are slow
 # Buffer orders tried in turn, as MiniMalloc's defaults: W lifetime, A area (size × lifetime),

@@ -58,15 +58,21 @@ def read_buffers(path: Path) -> list[Buffer]:
     buffers = []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = {"id", "lower", "upper", "size"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: the header lacks {', '.join(sorted(missing))}")
-        for line, row in enumerate(reader, start=2):
-            try:
-                buffers.append(Buffer(row["id"], int(row["lower"]), int(row["upper"]), int(row["size"])))
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"{path}:{line}: not a buffer ({error})") from None
-    check_buffers(buffers)
+        try:
+            missing = {"id", "lower", "upper", "size"} - set(reader.fieldnames or ())
+            if missing:
+                raise ValueError(f"{path}: the header lacks {', '.join(sorted(missing))}")
+            for line, row in enumerate(reader, start=2):
+                try:
+                    buffers.append(Buffer(row["id"], int(row["lower"]), int(row["upper"]), int(row["size"])))
+                except (TypeError, ValueError) as error:
+                    raise ValueError(f"{path}:{line}: not a buffer ({error})") from None
+        except (csv.Error, UnicodeDecodeError) as error:
+            raise ValueError(f"{path}:{reader.line_num + 1}: not CSV text ({error})") from None
+    try:
+        check_buffers(buffers)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
     return buffers
 
 

@@ -1,29 +1,21 @@
-"""One job from configuration to result row: check, start, build, train, measure, record.
+"""``mode=train``: one job from configuration to result row: check, start, build, train, measure.
 
-However the job ends, rank 0 leaves a ``result.json`` whose ``status`` says how: ``ok``,
-``oom`` (the device ran out of memory), ``oohm`` (host memory for offloaded activations ran out)
-or ``error`` (with the message). Out-of-memory is a result, not a crash, so a sweep goes on with
-its next job. A job stopped from outside (Ctrl-C, a scheduler's timeout or preemption) has not
-ended: it leaves its step logs but no row, so that a requeued attempt runs it again.
+Runs inside :func:`memo.modes.frame.job_frame`, which claims the run directory, maps however
+the job ends to the row's status and writes the row.
 """
 
 import dataclasses
 import gc
 import logging
 import math
-import platform
-import socket
 import statistics
-import traceback
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import megatron.core
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from memo import hardware
 from memo.config import ConfigError, parse_alpha, resolve_loss, validate
@@ -40,11 +32,10 @@ from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import build_gpt, resolve_dtype, unsupported_layout, uses_transformer_engine
 from memo.model.gpt import HAVE_TE
-from memo.plan.alpha import HostMemoryError
-from memo.results import ResultWriter, flatten, git_revision
+from memo.modes.frame import job_frame
+from memo.results import ResultWriter
 
 log = logging.getLogger("memo")
-REPO = Path(__file__).resolve().parents[1]
 
 # Fields every row carries, so that a table of ok and failed runs has the same columns.
 METRIC_FIELDS = (
@@ -53,21 +44,6 @@ METRIC_FIELDS = (
     *(f"swap.{f.name}" for f in dataclasses.fields(SwapReport)),
     *ALLOCATOR_FIELDS, "plan.serving", *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
 )
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _is_oom(error: BaseException) -> bool:
-    """Whether ``error`` says the device or the host ran out of memory: the allocators' own errors,
-    and a CUDA runtime error ("CUDA error: out of memory", raised by the kernel that first met a
-    request the plan's allocator could not satisfy)."""
-    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and (
-        "can't allocate memory" in text or "CUDA error: out of memory" in text)
 
 
 def _check_device_visible(name: str, device_type: str) -> None:
@@ -143,75 +119,36 @@ def run_job(
     output_dir: Path,
     overrides: Sequence[str] = (),
     info: Optional[distributed.ProcessInfo] = None,
+    claimed: bool = False,
 ) -> dict[str, Any]:
-    """Run the job ``cfg`` describes and return its row (also written to ``output_dir``).
+    """Run the training job ``cfg`` describes and return its row (also written to ``output_dir``).
 
     Args:
         cfg: a composed :class:`memo.config.RunConfig`.
         output_dir: where rank 0 writes ``result.json`` and ``metrics.jsonl``.
         overrides: the command-line overrides, recorded in the row.
         info: the process layout; read from the launcher's environment when omitted.
+        claimed: ``output_dir`` is claimed already (by ``run.py``).
 
     Raises:
-        ConfigError: only if ``output_dir`` already holds an earlier run's result; every
+        ConfigError: only if ``output_dir`` belongs to another run or cannot be written; every
             other failure is reported in the row's ``status`` and ``error``.
-        KeyboardInterrupt, SystemExit: passed on, without a row (see the module docstring).
+        KeyboardInterrupt, SystemExit: passed on after the ``interrupted`` row is written.
     """
     info = info or distributed.process_info()
-    writer = ResultWriter(output_dir, enabled=info.rank == 0)
-    commit, dirty = git_revision(REPO)
-    row: dict[str, Any] = {
-        **flatten(OmegaConf.to_container(cfg, resolve=True)),
-        **dict.fromkeys(METRIC_FIELDS),
-        "status": "error",
-        "error": None,
-        "world_size": info.world_size,
-        "overrides": " ".join(overrides),
-        "output_dir": str(output_dir),
-        "host": socket.gethostname(),
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "torch_version": torch.__version__,
-        "megatron_core_version": megatron.core.__version__,
-        "python_version": platform.python_version(),
-        "start_time": _now(),
-    }
-    interrupted = False
-    try:
-        _train(cfg, info, row, writer)
-        row["status"] = "ok"
-    except ConfigError as error:
-        row["error"] = str(error)
-    except (KeyboardInterrupt, SystemExit):
-        # Stopped from outside (Ctrl-C, or a scheduler's timeout or preemption signal): the run
-        # did not end, so it leaves no row, and a requeued attempt runs it again.
-        interrupted = True
-        log.warning("interrupted; no result row written (the step logs so far are kept)")
-        raise
-    except HostMemoryError as error:
-        row["status"] = "oohm"
-        row["error"] = str(error)
-        log.warning("%s", error)
-    except Exception as error:  # noqa: BLE001 - every failure must leave its row
-        if _is_oom(error):
-            row["status"] = "oom"
-            row["error"] = str(error).splitlines()[0]
-            log.warning("out of memory: %s", row["error"])
-        else:
-            row["error"] = f"{type(error).__name__}: {error}"
-            log.error("job failed:\n%s", traceback.format_exc())
-    finally:
-        row["end_time"] = _now()
-        path = None if interrupted else writer.write_result(row)
-        if path is not None:
-            log.info("status %s; row written to %s", row["status"], path)
-        distributed.shutdown()
-        # The failed job's model and optimizer are garbage now; give their memory back
-        # before the next job of a sweep starts in this process.
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return row
+    with job_frame(cfg, output_dir, overrides, rank=info.rank, claimed=claimed,
+                   columns=METRIC_FIELDS) as job:
+        job.row["world_size"] = info.world_size
+        try:
+            _train(cfg, info, job.row, job.writer)
+        finally:
+            distributed.shutdown()
+            # The failed job's model and optimizer are garbage now; give their memory back
+            # before the next job of a sweep starts in this process.
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return job.row
 
 
 def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: ResultWriter) -> None:

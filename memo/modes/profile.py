@@ -11,7 +11,6 @@ fake tensors, for every model, length and parallel layout.
 import dataclasses
 import logging
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,11 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from memo.config import ConfigError, resolve_loss, validate
 from memo.model import resolve_dtype
 from memo.plan.bilevel import plan_iteration, write_plan
-from memo.plan.caching_allocator import simulate
+from memo.dsa.caching_allocator import simulate
 from memo.profile.iteration import trace_iteration
 from memo.profile.layers import LayerMismatchError, check_identical_layers, layer_bytes, transient_events
 from memo.profile.trace import Trace, layer_phase, write_trace
-from memo.results import ResultWriter, flatten
+from memo.modes.frame import job_frame
 
 log = logging.getLogger("memo")
 
@@ -48,63 +47,51 @@ def _simulated(trace: Trace, phase: Optional[str], prefix: str) -> dict[str, Any
             f"{prefix}.reserved_over_allocated": stats.reserved_over_allocated}
 
 
-def profile_and_plan(cfg: DictConfig, output_dir: Path, overrides=()) -> dict[str, Any]:
+def profile_and_plan(
+    cfg: DictConfig, output_dir: Path, overrides=(), claimed: bool = False
+) -> dict[str, Any]:
     """Run ``cfg.mode`` (profile or plan), write its files and row into ``output_dir``.
 
-    Like a training job, a failure is the row's ``status`` ("error") and ``error``, not an exception.
-
-    Raises:
-        ConfigError: only if ``output_dir`` already holds an earlier run's files.
+    Like a training job (:func:`memo.modes.frame.job_frame`), a failure is the row's ``status``
+    and ``error``, not an exception.
     """
-    writer = ResultWriter(output_dir)
-    for name in (TRACE_FILE, PLAN_FILE):
-        if (output_dir / name).exists():
-            raise ConfigError(f"{output_dir / name} exists from an earlier run and is kept; "
-                              "give this run another hydra.run.dir")
-    row: dict[str, Any] = {**flatten(OmegaConf.to_container(cfg, resolve=True)),
-                           "overrides": " ".join(overrides), "output_dir": str(output_dir),
-                           "status": "error", "error": None}
+    with job_frame(cfg, output_dir, overrides, claimed=claimed) as job:
+        _profile(cfg, output_dir, job.row)
+    return job.row
+
+
+def _profile(cfg: DictConfig, output_dir: Path, row: dict[str, Any]) -> None:
+    row["seq"] = seq = validate(cfg)
+    backend = _backend(cfg)
+    dtype = resolve_dtype(cfg.train.dtype, "cpu" if backend == "cpu" else "cuda")
+    row["dtype"] = str(dtype).removeprefix("torch.")
+    start = time.perf_counter()
+    row["train.loss"] = loss = resolve_loss(cfg)
+    method = dataclasses.replace(OmegaConf.to_object(cfg.method), loss=loss)
+    trace = trace_iteration(cfg.model, method, cfg.parallel, seq, cfg.train.micro_batch_size,
+                            dtype, backend, cfg.train.seed, cfg.train.loss_tile_tokens)
+    row["profile.seconds"] = time.perf_counter() - start
+    row["profile.events"] = len(trace.events)
+    write_trace(output_dir / TRACE_FILE, trace)
+    requests = trace.requests()
     try:
-        row["seq"] = seq = validate(cfg)
-        backend = _backend(cfg)
-        dtype = resolve_dtype(cfg.train.dtype, "cpu" if backend == "cpu" else "cuda")
-        row["dtype"] = str(dtype).removeprefix("torch.")
-        start = time.perf_counter()
-        row["train.loss"] = loss = resolve_loss(cfg)
-        method = dataclasses.replace(OmegaConf.to_object(cfg.method), loss=loss)
-        trace = trace_iteration(cfg.model, method, cfg.parallel, seq, cfg.train.micro_batch_size,
-                                dtype, backend, cfg.train.seed, cfg.train.loss_tile_tokens)
-        row["profile.seconds"] = time.perf_counter() - start
-        row["profile.events"] = len(trace.events)
-        write_trace(output_dir / TRACE_FILE, trace)
-        requests = trace.requests()
-        try:
-            row["profile.layers_identical"] = ",".join(map(str, check_identical_layers(trace, requests)))
-        except LayerMismatchError as error:
-            if cfg.mode == "plan":
-                raise ConfigError(f"cannot plan one layer for all: {error}") from None
-            row["profile.layers_identical"] = None
-            log.warning("%s", error)
-        layer = 1 if cfg.model.num_layers > 2 else 0
-        bytes_ = layer_bytes(trace, layer, requests)
-        row.update({f"layer.{k}_bytes" if k not in ("layer", "skeletal_requests") else f"layer.{k}": v
-                    for k, v in dataclasses.asdict(bytes_).items()})
-        log.info("traced %d events in %.1f s (%s tensors): layer %d keeps %s skeletal (%d tensors), "
-                 "transient %s forward / %s backward, at most %s / %s at once",
-                 len(trace.events), row["profile.seconds"], backend, layer, _gib(bytes_.skeletal),
-                 bytes_.skeletal_requests, _gib(bytes_.transient_forward), _gib(bytes_.transient_backward),
-                 _gib(bytes_.transient_forward_peak), _gib(bytes_.transient_backward_peak))
+        row["profile.layers_identical"] = ",".join(map(str, check_identical_layers(trace, requests)))
+    except LayerMismatchError as error:
         if cfg.mode == "plan":
-            row.update(_plan(cfg, trace, layer, output_dir))
-        row["status"] = "ok"
-    except ConfigError as error:
-        row["error"] = str(error)
-    except Exception as error:  # noqa: BLE001 - every failure must leave its row
-        row["error"] = f"{type(error).__name__}: {error}"
-        log.error("%s failed:\n%s", cfg.mode, traceback.format_exc())
-    finally:
-        writer.write_result(row)
-    return row
+            raise ConfigError(f"cannot plan one layer for all: {error}") from None
+        row["profile.layers_identical"] = None
+        log.warning("%s", error)
+    layer = 1 if cfg.model.num_layers > 2 else 0
+    bytes_ = layer_bytes(trace, layer, requests)
+    row.update({f"layer.{k}_bytes" if k not in ("layer", "skeletal_requests") else f"layer.{k}": v
+                for k, v in dataclasses.asdict(bytes_).items()})
+    log.info("traced %d events in %.1f s (%s tensors): layer %d keeps %s skeletal (%d tensors), "
+             "transient %s forward / %s backward, at most %s / %s at once",
+             len(trace.events), row["profile.seconds"], backend, layer, _gib(bytes_.skeletal),
+             bytes_.skeletal_requests, _gib(bytes_.transient_forward), _gib(bytes_.transient_backward),
+             _gib(bytes_.transient_forward_peak), _gib(bytes_.transient_backward_peak))
+    if cfg.mode == "plan":
+        row.update(_plan(cfg, trace, layer, output_dir))
 
 
 def _plan(cfg: DictConfig, trace: Trace, layer: int, output_dir: Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Predictions against measured runs: how far ``mode=fit`` is from what a cluster did.
 
-    python -m memo.fit.calibrate results/gpu multirun/ablation/*
+    python -m analysis.calibration results/gpu multirun/ablation/*
 
 For every training row that ended ``ok``, the configuration it ran is predicted again and the
 relative errors ``predicted / measured − 1`` are given for the time per iteration and, where the
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from analysis.rows import load_results
 from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, parse_alpha
 from memo.fit.predict import Problem, predict, prediction_hardware
 from memo.hardware import Hardware
@@ -102,8 +103,6 @@ def compare(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from analysis.rows import load_results
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", help="directories searched for result.json rows")
     args = parser.parse_args(argv)

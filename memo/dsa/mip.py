@@ -16,7 +16,7 @@ instances, which is detected up front, without building the model.
 
 Why a process per solve: solvers can crash or hang inside native code, HiGHS and OR-Tools cannot
 share a process, and a stuck solver must not take the planner with it. Each solve runs
-``python -m memo.plan.mip TASK RESULT`` in a new session, gets the time limit, and is killed a
+``python -m memo.dsa.mip TASK RESULT`` in a new session, gets the time limit, and is killed a
 few seconds past it; a crash or kill becomes a message. This process never imports a solver.
 """
 
@@ -36,14 +36,14 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from memo.plan.dsa import Buffer, PlanError, check_buffers, max_load, validate
-from memo.plan.greedy import greedy_portfolio, lowest_fit
+from memo.dsa.buffers import Buffer, PlanError, check_buffers, max_load, validate
+from memo.dsa.greedy import greedy_portfolio, lowest_fit
 
 GRACE_S = 5.0  # seconds a solver process may run past its time limit before it is killed
 GUROBI_PIP_LIMIT = 2000  # variables, and separately rows, that the pip (size-limited) license allows
 _GUROBI_SIZE_LIMIT_ERROR = 10010
 _FULL_LICENSE_HINT = "planning with the open solvers (set GRB_LICENSE_FILE for a full license)"
-_TARGETS = {"gurobi": "memo.plan.mip:_solve_gurobi", "highs": "memo.plan.mip:_solve_highs"}
+_TARGETS = {"gurobi": "memo.dsa.mip:_solve_gurobi", "highs": "memo.dsa.mip:_solve_highs"}
 _REPO = Path(__file__).resolve().parents[2]
 
 
@@ -251,7 +251,7 @@ def _isolated(target: str, args: list, wall_s: float) -> tuple[Any, str]:
         with open(log, "wb") as err:
             # A session of its own: a kill takes the solver's helper processes, if any, along.
             proc = subprocess.Popen(
-                [sys.executable, "-m", "memo.plan.mip", str(task), str(result)],
+                [sys.executable, "-m", "memo.dsa.mip", str(task), str(result)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                 env=dict(os.environ, PYTHONPATH=path), start_new_session=True,
             )
@@ -289,7 +289,7 @@ def gurobi_license() -> GurobiLicense:
         if importlib.util.find_spec("gurobipy") is None:  # finds without importing
             found = GurobiLicense(False, None, f"gurobi: gurobipy is not installed; {_FULL_LICENSE_HINT}")
         else:
-            out, why = _isolated("memo.plan.mip:_probe_gurobi", [GUROBI_PIP_LIMIT], wall_s=30.0)
+            out, why = _isolated("memo.dsa.mip:_probe_gurobi", [GUROBI_PIP_LIMIT], wall_s=30.0)
             why = why or (out or {}).get("error", "")
             message = _one_line(f"gurobi: cannot run here ({why}); {_FULL_LICENSE_HINT}")
             found = GurobiLicense(False, None, message) if why else GurobiLicense(True, out["size_limit"], "")

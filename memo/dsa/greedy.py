@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from memo.plan.dsa import Buffer
+from memo.dsa.buffers import Buffer
 
 
 @dataclass(frozen=True)

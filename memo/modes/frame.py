@@ -1,0 +1,184 @@
+"""The frame every mode runs in: claim the run directory, record where and what ran, turn however
+the job ends into the row's ``status``, and write the row.
+
+Statuses: ``ok``; ``oom`` (the device ran out of memory); ``oohm`` (host memory for swapped
+activations ran out); ``error`` (with the message: one line for a configuration mistake, the
+traceback in the log for anything else); ``interrupted`` (Ctrl-C, SIGTERM, or a scheduler's
+timeout or preemption signal, with the steps done). Out-of-memory is a result, not a crash, so a
+sweep goes on with its next job; an interrupt is passed on after the row is written, so a sweep
+stops and the process ends.
+"""
+
+import dataclasses
+import logging
+import platform
+import signal
+import socket
+import threading
+import traceback
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from memo.config import ConfigError
+from memo.plan.alpha import HostMemoryError
+from memo.results import ResultWriter, claim_run_dir, flatten, git_revision, now
+
+log = logging.getLogger("memo")
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal other than Ctrl-C (SIGTERM) received while a job runs; ends it as Ctrl-C does."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class Job:
+    """What a mode fills in while it runs: the row and the writer of its step logs."""
+
+    row: dict[str, Any]
+    writer: ResultWriter
+
+
+def provenance() -> dict[str, Any]:
+    """Where and with what a row was made: host, commit, library versions."""
+    commit, dirty = git_revision(REPO)
+    return {
+        "host": socket.gethostname(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "torch_version": torch.__version__,
+        "megatron_core_version": _version("megatron-core"),
+        "python_version": platform.python_version(),
+    }
+
+
+def _version(package: str) -> Optional[str]:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether ``error`` says the device or the host ran out of memory: the allocators' own errors,
+    and a CUDA runtime error ("CUDA error: out of memory", raised by the kernel that first met a
+    request the plan's allocator could not satisfy)."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "can't allocate memory" in text or "CUDA error: out of memory" in text)
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`Interrupted` in the main thread while the job runs, where nobody
+    else (a scheduler's wrapper, say) has claimed the signal."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _interrupt_name(error: BaseException) -> str:
+    if isinstance(error, Interrupted):
+        return str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return "SIGINT (Ctrl-C)"
+    return "the scheduler (timeout or preemption)"
+
+
+@contextmanager
+def job_frame(
+    cfg: DictConfig,
+    output_dir: Path,
+    overrides: Sequence[str] = (),
+    *,
+    rank: int = 0,
+    claimed: bool = False,
+    columns: Sequence[str] = (),
+) -> Iterator[Job]:
+    """Run the body of a job inside the frame and write its row on the way out.
+
+    Args:
+        cfg: the composed configuration, flattened into the row.
+        output_dir: the run directory; rank 0 claims it first unless ``claimed``.
+        overrides: the command-line overrides, recorded in the row.
+        rank: only rank 0 claims the directory and writes.
+        claimed: the caller (``run.py``) has claimed ``output_dir`` already.
+        columns: fields every row of this mode carries (None until known).
+
+    Raises:
+        RunDirTaken: if ``output_dir`` belongs to another run (nothing is written then).
+        ConfigError: if the row cannot be written (a full disk, a read-only directory).
+        KeyboardInterrupt, SystemExit: passed on after the ``interrupted`` row is written.
+    """
+    if rank == 0 and not claimed:
+        claim_run_dir(output_dir)
+    writer = ResultWriter(output_dir, enabled=rank == 0)
+    row: dict[str, Any] = {
+        **flatten(OmegaConf.to_container(cfg, resolve=True)),
+        **dict.fromkeys(columns),
+        "status": None,  # a mode may set its own (a prediction's "oom"); "ok" otherwise
+        "error": None,
+        "overrides": " ".join(overrides),
+        "output_dir": str(output_dir),
+        **provenance(),
+        "start_time": now(),
+    }
+    stop: Optional[BaseException] = None
+    try:
+        with _sigterm_as_interrupt():
+            yield Job(row, writer)
+        row["status"] = row["status"] or "ok"
+    except ConfigError as error:
+        row["status"] = "error"
+        row["error"] = str(error)
+    except (KeyboardInterrupt, SystemExit) as error:
+        stop = error
+        row["status"] = "interrupted"
+        row["error"] = f"interrupted by {_interrupt_name(error)} after {writer.steps} step(s)"
+    except HostMemoryError as error:
+        row["status"] = "oohm"
+        row["error"] = str(error)
+        log.warning("%s", error)
+    except Exception as error:  # noqa: BLE001 - every failure must leave its row
+        if is_oom(error):
+            row["status"] = "oom"
+            row["error"] = str(error).splitlines()[0]
+            log.warning("out of memory: %s", row["error"])
+        else:
+            row["status"] = "error"
+            row["error"] = f"{type(error).__name__}: {error}"
+            log.error("job failed:\n%s", traceback.format_exc())
+    row["steps_done"] = writer.steps
+    row["end_time"] = now()
+    try:
+        path = writer.write_result(row)
+    except ConfigError:
+        if stop is None:
+            raise
+        path = None
+    if path is not None:
+        log.info("status %s; row written to %s", row["status"], path)
+    if stop is not None:
+        log.warning("%s", row["error"])
+        raise stop
