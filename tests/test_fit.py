@@ -185,6 +185,13 @@ def test_memo_alpha_is_solved_against_bandwidth_and_host_memory():
     assert plan.solution.alpha == pytest.approx(0.2) and plan.solution.binding == "host"
     with pytest.raises(HostMemoryError, match="out of host memory"):
         memory.host_plan(sizes, 12, None, 0.7, 1000.0, budget=1000)
+    # A given α keeps both bounds, as the training run's report does (one choose_alpha for both).
+    plan = memory.host_plan(sizes, 12, 0.1, 0.7, 1000.0, budget=4000)
+    assert (plan.solution.alpha, plan.solution.binding) == (0.1, "fixed")
+    assert (plan.solution.alpha_bandwidth, plan.solution.alpha_host) == (pytest.approx(0.5), pytest.approx(0.2))
+    assert plan.per_device == 10 * 300
+    with pytest.raises(HostMemoryError, match="alpha=0.3 swaps"):
+        memory.host_plan(sizes, 12, 0.3, 0.7, 1000.0, budget=4000)
 
 
 def test_a_planned_prediction_places_every_request_of_the_scaled_iteration():

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from memo.execute.swap import ATTENTION, INPUT, TOKENS, SwapRuntime
-from memo.plan.alpha import SkeletalBytes, check_host, host_bound, solve_alpha
+from memo.plan.alpha import SkeletalBytes, check_host, choose_alpha, host_bound
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class SwapReport:
 
     alpha: float  # swapped fraction actually used: keep_tokens / tokens
     alpha_binding: str  # "bandwidth", "host", "none" (α = 1) or "fixed" (given)
-    alpha_bandwidth: Optional[float]  # the bandwidth constraint's bound on α (None: fixed α)
+    alpha_bandwidth: float  # the bandwidth constraint's bound on α
     alpha_host: float  # the host constraint's bound on α
     keep_tokens: int  # k: tokens per chunk swapped
     tokens: int  # S: tokens of a layer input on this device
@@ -127,19 +127,16 @@ def prepare_swap(
     keep = _min_over_processes(math.floor(cap * tokens + 1e-9), device)
     runtime.allocate(layout, keep, pin)
     bandwidth = _bandwidth(runtime, device) if runtime.swapped_layers else math.inf
-    by_bandwidth, binding = None, "fixed"
-    if alpha is None:
-        solution = solve_alpha(sizes, n, layer_time, bandwidth, host_budget)
-        by_bandwidth, binding = solution.alpha_bandwidth, solution.binding
-        solved = _min_over_processes(math.floor(solution.alpha * tokens + 1e-9), device)
-        if solved != keep:
-            keep = solved
-            runtime.allocate(layout, keep, pin)
+    solution = choose_alpha(sizes, n, layer_time, bandwidth, host_budget, alpha)
+    solved = _min_over_processes(math.floor(solution.alpha * tokens + 1e-9), device)
+    if solved != keep:  # the bandwidth bound the cap
+        keep = solved
+        runtime.allocate(layout, keep, pin)
     return SwapReport(
         alpha=keep / tokens,
-        alpha_binding=binding,
-        alpha_bandwidth=by_bandwidth,
-        alpha_host=by_host,
+        alpha_binding=solution.binding,
+        alpha_bandwidth=solution.alpha_bandwidth,
+        alpha_host=solution.alpha_host,
         keep_tokens=keep,
         tokens=tokens,
         swapped_layers=runtime.swapped_layers,

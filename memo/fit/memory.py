@@ -31,7 +31,7 @@ import torch
 from memo.config import ModelConfig, ParallelConfig
 from memo.fit.template import INNER_LAYERS, IterationTemplate
 from memo.model.gpt import parameter_count
-from memo.plan.alpha import AlphaSolution, SkeletalBytes, check_host, solve_alpha
+from memo.plan.alpha import AlphaSolution, SkeletalBytes, choose_alpha
 from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.dsa.caching_allocator import OutOfMemoryError, simulate
 from memo.profile.trace import Trace
@@ -203,17 +203,6 @@ def host_plan(
     Raises:
         HostMemoryError: if even α = 0 does not fit ``budget`` (status ``oohm``).
     """
-    if alpha is None:
-        solution = solve_alpha(sizes, layers, layer_time_s, bandwidth, budget)
-    else:
-        check_host(sizes, layers, budget, alpha)
-        solution = AlphaSolution(
-            alpha,
-            "fixed",
-            (bandwidth * layer_time_s - sizes.input - sizes.attention) / sizes.other
-            if sizes.other
-            else math.inf,
-            math.inf,
-        )
+    solution = choose_alpha(sizes, layers, layer_time_s, bandwidth, budget, alpha)
     per_device = max(layers - 2, 0) * math.ceil(sizes.swapped(solution.alpha))
     return HostPlan(solution, per_device)

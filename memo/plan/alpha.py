@@ -12,6 +12,7 @@ two start their backward pass right after their forward.
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 
 class HostMemoryError(RuntimeError):
@@ -33,7 +34,11 @@ class SkeletalBytes:
 
 @dataclass(frozen=True)
 class AlphaSolution:
-    """α and why: ``binding`` is "bandwidth", "host" or "none" (α reached 1)."""
+    """α and why: ``binding`` is "bandwidth", "host", "none" (α reached 1) or "fixed" (given).
+
+    The one value the runtime's report (:mod:`memo.execute.swap_setup`) and the fit's prediction
+    (:mod:`memo.fit.memory`) both take from :func:`choose_alpha`.
+    """
 
     alpha: float
     binding: str
@@ -97,3 +102,24 @@ def solve_alpha(
     else:
         binding = "host" if by_host <= by_bandwidth else "bandwidth"
     return AlphaSolution(max(alpha, 0.0), binding, by_bandwidth, by_host)
+
+
+def choose_alpha(
+    sizes: SkeletalBytes,
+    num_layers: int,
+    layer_time_s: float,
+    bandwidth_bytes_per_s: float,
+    host_budget: float,
+    fixed: Optional[float],
+) -> AlphaSolution:
+    """α as a run uses it: ``fixed`` (checked against the host, binding "fixed") or, when None,
+    solved (:func:`solve_alpha`); both bounds are reported either way.
+
+    Raises:
+        HostMemoryError: if the swapped activations do not fit in ``host_budget``.
+    """
+    if fixed is None:
+        return solve_alpha(sizes, num_layers, layer_time_s, bandwidth_bytes_per_s, host_budget)
+    check_host(sizes, num_layers, host_budget, fixed)
+    return AlphaSolution(fixed, "fixed", _bound(bandwidth_bytes_per_s * layer_time_s, sizes),
+                         host_bound(sizes, num_layers, host_budget))
