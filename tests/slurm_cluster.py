@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from requirements import require
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SH = REPO / "slurm" / "cluster.sh"
@@ -81,12 +82,7 @@ def missing_requirement():
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A running cluster for the whole session, stopped (and its state removed) at the end."""
-    missing = missing_requirement()
-    if missing:
-        # a newcomer's machine skips them, visibly; CI must run them (CI=true makes this a failure)
-        if os.environ.get("CI") == "true":
-            pytest.fail(missing, pytrace=False)
-        pytest.skip(missing)
+    require(missing_requirement())
     _require(cluster_sh("install", timeout=INSTALL_TIMEOUT_S), "install")
     # Under /tmp rather than pytest's (deeper) tmp dirs: unix socket paths are limited to 107 bytes.
     state_dir = Path(tempfile.mkdtemp(prefix="memo-slurm-", dir="/tmp"))

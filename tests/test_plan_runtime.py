@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 from conftest import compose_config, run_in_process
+from requirements import c_compiler_missing, require
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, validate
 from memo.execute.cuda_arena import ArenaAllocator, build_library
@@ -14,6 +15,13 @@ from memo.execute.plan_runtime import CPU_SERVING, measured_allocator_row
 from memo.execute.plan_server import PlanServer
 from memo.plan.bilevel import addresses, plan_iteration
 from memo.profile.iteration import trace_iteration
+
+
+@pytest.fixture
+def library(tmp_path):
+    """The plan's native allocator, built into ``tmp_path`` (needs a C compiler)."""
+    require(c_compiler_missing())
+    return build_library(tmp_path)
 
 
 @pytest.mark.slow
@@ -69,13 +77,13 @@ def _tiny_plan():
     return trace, plan_iteration(trace, time_limit_s=5, mip="none", alignment=512)
 
 
-def test_the_native_allocator_places_planned_requests_in_the_arena_and_the_rest_elsewhere(tmp_path):
+def test_the_native_allocator_places_planned_requests_in_the_arena_and_the_rest_elsewhere(library):
     trace, memory_plan = _tiny_plan()
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     phase = ["setup"]
-    allocator = ArenaAllocator(build_library(tmp_path), lambda: phase[0],
+    allocator = ArenaAllocator(library, lambda: phase[0],
                                (lambda size, stream: libc.malloc(size), lambda ptr, stream: libc.free(ptr)))
     server = PlanServer(memory_plan)
     arena = ctypes.create_string_buffer(server.arena_bytes)
@@ -183,11 +191,11 @@ class _HostCudart:
         self.cudaMemPoolSetAttribute = set_attribute(log("reset_high_water_mark"))
 
 
-def test_unplanned_requests_still_reach_cudas_allocator_once_the_arena_is_set(tmp_path):
+def test_unplanned_requests_still_reach_cudas_allocator_once_the_arena_is_set(library):
     from memo.execute.cuda_arena import allocate_arena
 
     cudart = _HostCudart(arena_bytes=4096)
-    allocator = ArenaAllocator(build_library(tmp_path), lambda: "setup")
+    allocator = ArenaAllocator(library, lambda: "setup")
     allocator.use_cuda_fallback(cudart, ctypes.c_void_p(1))
     allocator.set_modes(serve=True, record=False)  # no server: every request is unplanned
     before = allocator.lib.memo_alloc(1000, 0, None)
@@ -201,9 +209,9 @@ def test_unplanned_requests_still_reach_cudas_allocator_once_the_arena_is_set(tm
         allocator.lib.memo_free(ptr, 1000, 0, None)
 
 
-def test_a_refused_request_is_retried_once_on_a_trimmed_pool_then_counted(tmp_path):
+def test_a_refused_request_is_retried_once_on_a_trimmed_pool_then_counted(library):
     cudart = _HostCudart()
-    allocator = ArenaAllocator(build_library(tmp_path), lambda: "setup")
+    allocator = ArenaAllocator(library, lambda: "setup")
     allocator.use_cuda_fallback(cudart, ctypes.c_void_p(1))
     cudart.refuse = 1
     ptr = allocator.lib.memo_alloc(512, 0, None)
@@ -215,9 +223,9 @@ def test_a_refused_request_is_retried_once_on_a_trimmed_pool_then_counted(tmp_pa
     assert (counters["fallback_refused"], counters["last_refused_bytes"]) == (1, 777)
 
 
-def test_only_the_compute_streams_requests_are_planned_or_recorded(tmp_path):
+def test_only_the_compute_streams_requests_are_planned_or_recorded(library):
     trace, memory_plan = _tiny_plan()
-    allocator = ArenaAllocator(build_library(tmp_path), lambda: "setup",
+    allocator = ArenaAllocator(library, lambda: "setup",
                                (lambda size, stream: 4096, lambda ptr, stream: None))  # a fixed fallback
     server = PlanServer(memory_plan)
     arena = ctypes.create_string_buffer(server.arena_bytes)
