@@ -55,6 +55,12 @@ def test_an_invalid_combination_in_a_sweep_leaves_an_error_row_and_the_sweep_goe
     assert done.returncode == 0, done.stderr
     rows = {r["parallel.tp"]: r for r in (json.loads(p.read_text()) for p in sweep.glob("*/result.json"))}
     assert rows[3]["status"] == "error" and rows[1]["status"] == "ok"
+    # The same sweep directory again: refused before anything is written, the first sweep kept whole.
+    before = _files(sweep)
+    again = run("-m", "parallel.tp=1", "seq=256", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: {sweep} holds an earlier sweep and is kept; give this sweep another hydra.sweep.dir"]
+    assert _files(sweep) == before
 
 
 @pytest.mark.parametrize(

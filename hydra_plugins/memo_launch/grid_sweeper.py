@@ -15,16 +15,20 @@ once. ``hydra/sweeper=grid`` takes ``params`` (shared by every job) and ``grids`
 
 gives four jobs. A grid's value replaces the shared one of the same key, and the command line
 replaces both (``python run.py -m +experiment=convergence seq=4k``). Without ``grids`` it is the
-basic sweeper.
+basic sweeper; it is the suite's default (``conf/config.yaml``). A sweep directory that holds an
+earlier sweep is refused before anything is written there.
 """
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from memo.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,11 @@ class GridSweeper(BasicSweeper):
         self._arguments: list[str] = []
 
     def sweep(self, arguments: list[str]) -> Any:
+        # Hydra would write this sweep's multirun.yaml over an earlier sweep's
+        earlier = Path(str(self.config.hydra.sweep.dir)) / "multirun.yaml"
+        if earlier.exists():
+            raise ConfigError(f"{earlier.parent} holds an earlier sweep and is kept; give this sweep "
+                              "another hydra.sweep.dir")
         self._arguments = list(arguments)
         return super().sweep(arguments)
 
