@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> None:
         output_dir = Path(hydra_cfg.runtime.output_dir)
         claimed = int(os.environ.get("RANK", "0")) == 0
         if claimed:  # before anything is written there, Hydra's .hydra/ included
-            claim_run_dir(output_dir, _hydra_files(cfg))
+            claim_run_dir(output_dir, _hydra_files(cfg, hydra_cfg))
         if cfg.mode == "train":
             from memo.modes.train import run_job as job
         elif cfg.mode == "fit":
@@ -66,9 +66,8 @@ def main(cfg: DictConfig) -> None:
         _fail(row["error"])
 
 
-def _hydra_files(cfg: DictConfig) -> dict[str, str]:
+def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> dict[str, str]:
     """What Hydra's ``.hydra/`` holds: the job's configuration, Hydra's, and the overrides."""
-    hydra_cfg = HydraConfig.get()
     return {
         "config.yaml": OmegaConf.to_yaml(cfg),
         "hydra.yaml": OmegaConf.to_yaml({"hydra": hydra_cfg}),

@@ -173,6 +173,33 @@ def _taken(output_dir: Path) -> RunDirTaken:
                        "give this run another hydra.run.dir (hydra.sweep.dir in a sweep)")
 
 
+def _read_row(output_dir: Path) -> Optional[dict]:
+    """The row in ``output_dir``, None if there is none.
+
+    Raises:
+        ValueError: if the row cannot be read as one.
+    """
+    try:
+        row = json.loads((Path(output_dir) / RESULT_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{Path(output_dir) / RESULT_FILE}: {error}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{Path(output_dir) / RESULT_FILE}: not a row")
+    return row
+
+
+def finished_row(output_dir: Path) -> Optional[dict]:
+    """The row in ``output_dir`` if its run finished (any status but ``interrupted``), else None
+    (no row, an interrupted one, or one that cannot be read)."""
+    try:
+        row = _read_row(output_dir)
+    except ValueError:
+        return None
+    return row if row is not None and row.get("status") != "interrupted" else None
+
+
 def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
     """Move an unfinished attempt's files (everything but earlier set-aside attempts) to
     ``interrupted/<n>/`` so that a new attempt can claim ``output_dir``; returns where, or None.
@@ -181,14 +208,12 @@ def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
     or its row says ``interrupted``. A finished attempt is never moved.
     """
     output_dir = Path(output_dir)
-    row = output_dir / RESULT_FILE
     try:
-        if json.loads(row.read_text()).get("status") != "interrupted":
-            return None
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, AttributeError):
-        return None  # not ours to judge: keep it
+        row = _read_row(output_dir)
+    except ValueError:
+        return None  # not ours to judge: kept
+    if row is not None and row.get("status") != "interrupted":
+        return None
     present = [p for p in output_dir.iterdir() if p.name != SET_ASIDE_DIR] if output_dir.is_dir() else []
     if not any(p.name in (CLAIM_FILE, RESULT_FILE, *STEP_FILES) for p in present):
         return None

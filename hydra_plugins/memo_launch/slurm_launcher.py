@@ -18,7 +18,6 @@ sweep leaves a row. ``hydra.launcher.dry_run=true`` prints the arrays and their 
 lines and submits nothing.
 """
 
-import json
 import logging
 import os
 import time
@@ -35,7 +34,8 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from memo.config import ConfigError, parse_seq, validate
-from memo.results import RESULT_FILE, create_file_atomic, flatten, json_text, set_aside_unfinished
+from memo.results import (RESULT_FILE, create_file_atomic, finished_row, flatten, json_text,
+                          set_aside_unfinished)
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class SlurmLauncher(BaseSubmititLauncher):
             sweep_config.hydra.job.id = submitit.JobEnvironment().job_id
             sweep_config.hydra.job.num = job_num
         output_dir = job_output_dir(sweep_config)
-        finished = _finished_row(output_dir / RESULT_FILE)
+        finished = finished_row(output_dir)
         if finished is not None:  # requeued after it had finished: keep that row
             log.info("%s exists; not running this job again", output_dir / RESULT_FILE)
             return JobReturn(
@@ -298,15 +298,6 @@ class SlurmLauncher(BaseSubmititLauncher):
                 except FileExistsError:
                     pass
             return JobReturn(overrides=overrides, cfg=cfg, status=JobStatus.FAILED, _return_value=error)
-
-
-def _finished_row(path: Path) -> Optional[dict]:
-    """The row at ``path`` if its job finished (any status but ``interrupted``), else None."""
-    try:
-        row = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return row if isinstance(row, dict) and row.get("status") != "interrupted" else None
 
 
 def _config_problem(cfg: DictConfig) -> Optional[str]:

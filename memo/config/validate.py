@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from omegaconf import DictConfig, OmegaConf
+
 MODES = ("train", "profile", "plan", "fit")
 SEARCH_SEQ = "max"  # seq=max: mode=fit searches the longest sequence that fits
 PROFILE_BACKENDS = ("auto", "fake", "cpu", "cuda")
@@ -126,8 +128,6 @@ def validate(cfg) -> Optional[int]:
 def _check_known_keys(node, prefix: str = "") -> None:
     """Refuse keys the schema does not have: an appended ``+train.<typo>=...`` would otherwise
     be carried along and ignored."""
-    from omegaconf import DictConfig, OmegaConf
-
     schema = OmegaConf.get_type(node)
     if not dataclasses.is_dataclass(schema):
         return

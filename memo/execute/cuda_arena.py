@@ -161,12 +161,9 @@ class ArenaAllocator:
                 "cuda_free_count": counters["fallback_frees"]}
 
     def _serve(self, size: int) -> int:
-        with self._lock:  # requests come from the main thread and the autograd engine's
-            return self._serve_locked(size)
-
-    def _serve_locked(self, size: int) -> int:
         try:
-            offset = self.server.malloc(size) if self.server is not None else None
+            with self._lock:  # requests come from the main thread and the autograd engine's
+                offset = self.server.malloc(size) if self.server is not None else None
         except Exception as error:  # noqa: BLE001 - see self.errors
             self.errors.append(f"serve({size}): {type(error).__name__}: {error}")
             return -1

@@ -68,7 +68,7 @@ def _version(package: str) -> Optional[str]:
         return None
 
 
-def is_oom(error: BaseException) -> bool:
+def _is_oom(error: BaseException) -> bool:
     """Whether ``error`` says the device or the host ran out of memory: the allocators' own errors,
     and a CUDA runtime error ("CUDA error: out of memory", raised by the kernel that first met a
     request the plan's allocator could not satisfy)."""
@@ -161,7 +161,7 @@ def job_frame(
         row["error"] = str(error)
         log.warning("%s", error)
     except Exception as error:  # noqa: BLE001 - every failure must leave its row
-        if is_oom(error):
+        if _is_oom(error):
             row["status"] = "oom"
             row["error"] = str(error).splitlines()[0]
             log.warning("out of memory: %s", row["error"])
