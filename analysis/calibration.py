@@ -15,11 +15,12 @@ import math
 import sys
 import typing
 from collections.abc import Sequence
+from typing import Optional
 
 import pandas as pd
 
 from analysis.rows import load_results
-from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, parse_alpha
+from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, Workload, parse_alpha
 from memo.fit.predict import Problem, predict, prediction_hardware
 from memo.hardware import Hardware
 from memo.model.gpt import DTYPES
@@ -52,30 +53,41 @@ def _section(row: pd.Series, prefix: str, cls):
 class _Train:
     """The training fields a prediction reads."""
 
-
     micro_batch_size: int = 1
     micro_batches: int = 1
     distributed_optimizer: bool = False
+    loss_tile_tokens: Optional[int] = None
 
 
 def problem_of_row(row: pd.Series) -> tuple[Problem, ParallelConfig, int]:
     """The prediction problem, layout and length (tokens) of one training row."""
-    dtype = next(d for d in DTYPES.values() if str(d).removeprefix("torch.") == row["dtype"])
+    dtype = next(name for name, d in DTYPES.items() if str(d).removeprefix("torch.") == row["dtype"])
     method = _section(row, "method.", MethodConfig)
-    alpha = None if method.layer_activations != "swap" else parse_alpha(row.get("alpha", "auto"))
+    loss = _value(row.get("train.loss"))  # the loss the run used (the method's, or train.loss)
+    method = dataclasses.replace(method, loss=loss or method.loss)
+    alpha = None
+    if method.layer_activations == "swap":
+        alpha = method.alpha if method.alpha is not None else parse_alpha(row.get("alpha", "auto"))
     train = _section(row, "train.", _Train)
-    problem = Problem(
+    parallel, seq = _section(row, "parallel.", ParallelConfig), int(row["seq"])
+    workload = Workload(
         model=_section(row, "model.", ModelConfig),
         method=method,
+        parallel=parallel,
+        seq=seq,
+        micro_batch_size=int(train.micro_batch_size),
+        dtype=dtype,
+        loss_tile_tokens=train.loss_tile_tokens,
+    )
+    problem = Problem(
+        workload=workload,
         hardware=prediction_hardware(_section(row, "hardware.", Hardware)),
         fit=_section(row, "fit.", FitConfig),
-        dtype=dtype,
-        micro_batch_size=int(train.micro_batch_size),
         micro_batches=int(train.micro_batches),
         distributed_optimizer=bool(train.distributed_optimizer),
         alpha=alpha,
     )
-    return problem, _section(row, "parallel.", ParallelConfig), int(row["seq"])
+    return problem, parallel, seq
 
 
 def compare(rows: pd.DataFrame) -> pd.DataFrame:
@@ -89,8 +101,8 @@ def compare(rows: pd.DataFrame) -> pd.DataFrame:
         held = prediction.device_total - prediction.reserved
         lines.append({
             "result_path": row.get("result_path"),
-            "model.name": problem.model.name,
-            "method.name": problem.method.name,
+            "model.name": problem.workload.model.name,
+            "method.name": problem.workload.method.name,
             "seq": seq,
             "measured_iter_time_s": row["iter_time_s"],
             "predicted_iter_time_s": prediction.time.iteration_s,

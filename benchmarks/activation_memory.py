@@ -25,7 +25,7 @@ from hydra import compose, initialize_config_dir
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from memo.config import parse_seq, register_configs, resolve_loss  # noqa: E402
+from memo.config import parse_seq, register_configs, resolve  # noqa: E402
 from memo.execute import distributed  # noqa: E402
 from memo.execute.data import SyntheticTokens, micro_batches  # noqa: E402
 from memo.execute.distributed import ProcessInfo  # noqa: E402
@@ -40,18 +40,20 @@ from memo.profile.trace import Trace  # noqa: E402
 METHODS = ("memo", "full_recompute", "megatron_full_recompute")
 
 
-def recorded_step(overrides: list[str], seq: int, alpha: float) -> dict:
+def recorded_step(overrides: list[str]) -> dict:
     """Bytes at the peak of one recorded step of the job ``overrides`` describe (see above)."""
-    cfg = compose(config_name="config", overrides=overrides)
-    torch.manual_seed(cfg.train.seed)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu",
-                      loss=resolve_loss(cfg), loss_tile_tokens=cfg.train.loss_tile_tokens).module
+    run = resolve(compose(config_name="config", overrides=["hardware=cpu", "train.dtype=fp32", *overrides]),
+                  gpu_visible=False)
+    workload = run.workload
+    torch.manual_seed(run.train.seed)
+    model = build_gpt(workload, "cpu").module
     runtime = None
-    if cfg.method.layer_activations == "swap":
-        runtime = SwapRuntime(cfg.model.num_layers, InlineStreams(), torch.device("cpu"))
-        fixed = cfg.method.alpha if cfg.method.alpha is not None else alpha
-        prepare_swap(runtime, model, seq, 1, torch.float32, fixed, 2**50)
-    batches = micro_batches(SyntheticTokens(cfg.model.vocab_size, 0), seq, 1, 1, 0, 1, torch.device("cpu"))
+    if run.swaps:
+        runtime = SwapRuntime(workload.model.num_layers, InlineStreams(), torch.device("cpu"))
+        prepare_swap(runtime, model, workload, run.alpha, 2**50)
+    seq = workload.seq
+    batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1,
+                            torch.device("cpu"))
 
     def step(marker=None):
         (batch,) = next(batches)
@@ -98,8 +100,9 @@ def main() -> None:
                 results = {}
                 for method in METHODS:
                     overrides = [f"model={args.model}", f"model.num_layers={layers}", f"method={method}",
-                                 f"train.loss={args.loss}"]
-                    results[method] = recorded_step(overrides, seq, args.alpha)
+                                 f"train.loss={args.loss}", f"seq={seq}",
+                                 *([f"alpha={args.alpha}"] if method == "memo" else [])]
+                    results[method] = recorded_step(overrides)
                 reference = results["megatron_full_recompute"]["peak"]
                 for method, r in results.items():
                     two = f"{r['two_layers'] / mib:9.1f}" if r["two_layers"] else f"{'-':>9}"

@@ -20,10 +20,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from memo.config import MethodConfig, ModelConfig, ParallelConfig  # noqa: E402
+from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload  # noqa: E402
 from memo.plan.bilevel import plan_iteration  # noqa: E402
 from memo.dsa.caching_allocator import simulate  # noqa: E402
 from memo.profile.iteration import trace_iteration  # noqa: E402
@@ -39,7 +38,8 @@ CASES = [("tiny", 4 * K, 1), ("1.3b", 64 * K, 1)] + [
 def run(name: str, seq: int, tp: int, time_limit_s: float) -> dict:
     model = ModelConfig(**OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
     start = time.perf_counter()
-    trace = trace_iteration(model, MethodConfig(name="none"), ParallelConfig(tp=tp), seq, 1, torch.bfloat16)
+    workload = Workload(model, MethodConfig(name="none"), ParallelConfig(tp=tp), seq, dtype="bf16")
+    trace = trace_iteration(workload)
     traced = time.perf_counter() - start
     memory_plan = plan_iteration(trace, time_limit_s)
     planned = time.perf_counter() - start - traced

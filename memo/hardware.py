@@ -135,14 +135,6 @@ def table_entry(gpu: str) -> Hardware:
     return entry
 
 
-def device_type_of(cfg: HardwareConfig) -> str:
-    """"cuda" or "cpu": where a job with this ``hardware`` config runs, found without initialising
-    CUDA (``plan=true`` must install its allocator before that)."""
-    if cfg.name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return HARDWARE[cfg.name].device_type if cfg.name in HARDWARE else "cuda"
-
-
 def _bytes(value: Optional[float], unit: int) -> Optional[int]:
     return None if value is None else int(value * unit)
 

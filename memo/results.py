@@ -12,6 +12,7 @@
 """
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -44,6 +45,12 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def finite(value: Any) -> Any:
+    """``value``, or None where it is an infinite or NaN float: JSON has no such numbers, and a
+    row's reader takes None as "no figure" (an unbounded α bound, say)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def json_text(obj: Any) -> str:
@@ -205,14 +212,11 @@ def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
     ``interrupted/<n>/`` so that a new attempt can claim ``output_dir``; returns where, or None.
 
     An attempt is unfinished when it claimed the directory (or left step logs) and has no row,
-    or its row says ``interrupted``. A finished attempt is never moved.
+    its row says ``interrupted``, or its row cannot be read (damaged after it was written: moved
+    with the rest, byte for byte, for whoever wants to look). A finished attempt is never moved.
     """
     output_dir = Path(output_dir)
-    try:
-        row = _read_row(output_dir)
-    except ValueError:
-        return None  # not ours to judge: kept
-    if row is not None and row.get("status") != "interrupted":
+    if finished_row(output_dir) is not None:
         return None
     present = [p for p in output_dir.iterdir() if p.name != SET_ASIDE_DIR] if output_dir.is_dir() else []
     if not any(p.name in (CLAIM_FILE, RESULT_FILE, *STEP_FILES) for p in present):

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
-from memo.config import register_configs  # noqa: E402
+from memo.config import Run, register_configs, resolve  # noqa: E402
 from memo.execute import distributed  # noqa: E402
 from memo.execute.distributed import ProcessInfo  # noqa: E402
 
@@ -27,6 +27,11 @@ def compose_config(*overrides: str):
     """The configuration ``python run.py OVERRIDES`` would run."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
+
+
+def resolve_config(*overrides: str) -> Run:
+    """``compose_config(*overrides)`` resolved as a job on this machine's CPU resolves it."""
+    return resolve(compose_config(*overrides), gpu_visible=False)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from memo.model.gpt import transformer_config
 from memo.model.host import run_megatron_on_host
 from memo.model.linear import TiledColumnParallelLinear, TiledRowParallelLinear
 
-from conftest import compose_config
+from conftest import resolve_config
 
 CASES = [(None, True), (24, True), (24, False), (7, True)]  # (tile tokens, bias)
 
@@ -35,10 +35,10 @@ def run(cls, config, bias: bool, x: torch.Tensor, grad: torch.Tensor, **extra):
 
 def main() -> int:
     info = distributed.process_info()
-    cfg = compose_config("parallel.tp=2", "parallel.sequence_parallel=true")
-    distributed.initialize(cfg.parallel, "cpu", info)
+    workload = resolve_config("parallel.tp=2", "parallel.sequence_parallel=true").workload
+    distributed.initialize(workload.parallel, "cpu", info)
     run_megatron_on_host()
-    config = transformer_config(cfg.model, cfg.method, cfg.parallel, torch.float32, "cpu")
+    config = transformer_config(workload, "cpu")
     rank = parallel_state.get_tensor_model_parallel_rank()
     torch.manual_seed(0)
     x = torch.randn(2 * 100, 3, 64)  # 100 tokens a rank, micro-batch 3

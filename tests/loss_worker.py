@@ -9,7 +9,7 @@ from memo.execute import distributed
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.model import build_gpt
 
-from conftest import compose_config
+from conftest import compose_config, resolve_config
 
 LAYOUTS = [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]]
 TILES = [None, 24, 256]  # the default (64 tokens here), uneven tiles, one tile per rank
@@ -17,11 +17,11 @@ TILES = [None, 24, 256]  # the default (64 tokens here), uneven tiles, one tile 
 
 def gradients(overrides: list[str], loss: str, tile, seq: int = 256) -> tuple[torch.Tensor, dict]:
     """Per-token losses and every parameter's gradient after one backward pass (fp32)."""
-    cfg = compose_config(*overrides)
-    torch.manual_seed(cfg.train.seed)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu",
-                      loss=loss, loss_tile_tokens=tile).module
-    (batch,) = next(micro_batches(SyntheticTokens(cfg.model.vocab_size, 0), seq, 2, 1, 0, 1,
+    tiles = [] if tile is None else [f"train.loss_tile_tokens={tile}"]
+    run = resolve_config(*overrides, f"seq={seq}", f"train.loss={loss}", *tiles)
+    torch.manual_seed(run.train.seed)
+    model = build_gpt(run.workload, "cpu").module
+    (batch,) = next(micro_batches(SyntheticTokens(run.workload.model.vocab_size, 0), seq, 2, 1, 0, 1,
                                   torch.device("cpu")))
     per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     per_token.mean().backward()

@@ -8,10 +8,9 @@ from memo.execute.optimizer import HostOptimizer
 from memo.execute.streams import InlineStreams
 from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import prepare_swap
-from memo.config import resolve_loss
 from memo.model import build_gpt
 
-from conftest import compose_config
+from conftest import resolve_config
 
 
 def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256, streams=None,
@@ -21,18 +20,19 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
 
     Megatron's parallel state must be initialized to match ``overrides``.
     """
-    cfg = compose_config(f"method={method}", *overrides)
-    torch.manual_seed(cfg.train.seed)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu",
-                      loss=resolve_loss(cfg)).module
+    given = [] if alpha is None else [f"alpha={alpha}"]
+    run = resolve_config(f"method={method}", *given, *overrides, f"seq={seq}")
+    workload = run.workload
+    torch.manual_seed(run.train.seed)
+    model = build_gpt(workload, "cpu").module
     runtime = None
-    if cfg.method.layer_activations == "swap":
-        chunks = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-        runtime = SwapRuntime(cfg.model.num_layers, streams or InlineStreams(), torch.device("cpu"), chunks)
-        fixed = cfg.method.alpha if cfg.method.alpha is not None else alpha
-        prepare_swap(runtime, model, seq, 1, torch.float32, fixed, 2**40)
-    optimizer = HostOptimizer(model, cfg.train)
-    source = SyntheticTokens(cfg.model.vocab_size, 0)
+    if run.swaps:
+        chunks = workload.parallel.tp if workload.parallel.sequence_parallel else 1
+        runtime = SwapRuntime(workload.model.num_layers, streams or InlineStreams(), torch.device("cpu"),
+                              chunks)
+        prepare_swap(runtime, model, workload, run.alpha, 2**40)
+    optimizer = HostOptimizer(model, run.train)
+    source = SyntheticTokens(workload.model.vocab_size, 0)
     batches = micro_batches(source, seq, 1, 1, 0, 1, torch.device("cpu"))
     losses, grads = [], []
     for _ in range(steps):
@@ -44,5 +44,5 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
             runtime.streams.synchronize()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        optimizer.step(cfg.train.lr)
+        optimizer.step(run.train.lr)
     return losses, grads, runtime

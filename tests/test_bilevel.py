@@ -1,9 +1,8 @@
 """Bi-level planning: level-1 blocks per layer pass, level 2 for the iteration, plan files."""
 
 import pytest
-import torch
 
-from memo.config import MethodConfig, ModelConfig, ParallelConfig
+from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.plan.bilevel import addresses, plan_iteration, read_plan, write_plan
 from memo.dsa.buffers import PlanError, max_load, validate
 from memo.profile.iteration import trace_iteration
@@ -51,7 +50,7 @@ def test_a_hand_made_iteration_gets_the_offsets_worked_out_by_hand():
 
 
 def test_every_request_of_a_real_trace_gets_an_address_and_none_overlap():
-    trace = trace_iteration(TINY, NONE, ParallelConfig(), 512, 1, torch.float32)
+    trace = trace_iteration(Workload(TINY, NONE, ParallelConfig(), 512, dtype="fp32"))
     memory_plan = plan_iteration(trace, time_limit_s=20)
     offsets = addresses(memory_plan, trace)
     buffers = trace.buffers()
@@ -82,7 +81,7 @@ def test_moving_one_transient_request_breaks_validation():
      1 << 20, 8),
 ], ids=["tiny-4k", "1.3b-64k", "7b-4k", "7b-1m-tp8"])
 def test_level_one_plans_of_our_traces_are_proven_optimal(model, seq, tp):
-    trace = trace_iteration(model, NONE, ParallelConfig(tp=tp), seq, 1, torch.bfloat16)
+    trace = trace_iteration(Workload(model, NONE, ParallelConfig(tp=tp), seq, dtype="bf16"))
     memory_plan = plan_iteration(trace, time_limit_s=20)
     for name in ("layer.fwd", "layer.bwd"):
         block = memory_plan.blocks[name]

@@ -1,8 +1,21 @@
 """Every config option composes; bad input is refused with one line naming the key."""
 
+import dataclasses
+
 import pytest
 
-from memo.config import ConfigError, parse_alpha, parse_seq, validate
+from memo.config import (
+    ConfigError,
+    HardwareConfig,
+    MethodConfig,
+    ModelConfig,
+    ParallelConfig,
+    SeqSearch,
+    parse_alpha,
+    parse_seq,
+    resolve,
+    validate,
+)
 from memo.config.choices import GROUPS, check_group_choices, options
 from memo.execute.distributed import check_world_size
 
@@ -150,3 +163,63 @@ def test_world_size_must_match_parallel_sizes():
         check_world_size(cfg.parallel, 4)
     with pytest.raises(ConfigError, match=r"= 2 but 3 process"):
         check_world_size(cfg.parallel, 3)
+
+
+# ---------------------------------------------------------------- resolved once
+
+
+def test_a_run_is_resolved_into_typed_values():
+    run = resolve(compose_config("model=7b", "method=memo", "alpha=0.25", "seq=64k", "parallel.tp=4",
+                                 "parallel.sequence_parallel=true", "train.micro_batch_size=2",
+                                 "train.loss_tile_tokens=512", "hardware=a800", "mode=fit"),
+                  gpu_visible=False)
+    w = run.workload
+    assert isinstance(w.model, ModelConfig) and isinstance(w.method, MethodConfig)
+    assert isinstance(w.parallel, ParallelConfig) and isinstance(run.hardware, HardwareConfig)
+    assert (w.model.num_layers, w.seq, w.parallel.tp, w.micro_batch_size, w.loss_tile_tokens) == \
+        (32, 65536, 4, 2, 512)
+    # an A800 is a GPU although none is visible here: bf16, and the method's tiled loss
+    assert (run.device_type, w.dtype, w.dtype_bytes, w.method.loss) == ("cuda", "bf16", 2, "tiled")
+    assert (run.alpha, run.swaps, run.seq_search) == (0.25, True, None)
+    assert w.at(ParallelConfig(tp=2), 4096) == dataclasses.replace(w, parallel=ParallelConfig(tp=2), seq=4096)
+
+
+@pytest.mark.parametrize("overrides, gpu, device, dtype", [
+    ([], False, "cpu", "fp32"),
+    ([], True, "cuda", "bf16"),
+    (["hardware=cpu"], True, "cpu", "fp32"),
+    (["hardware=cpu", "train.dtype=bf16"], False, "cpu", "bf16"),
+    (["hardware=h100", "mode=fit"], False, "cuda", "bf16"),
+    (["mode=profile"], False, "cuda", "bf16"),  # traced as a GPU run, with fake tensors
+    (["mode=profile", "profile.backend=cpu"], False, "cpu", "fp32"),
+])
+def test_the_device_and_dtype_follow_hardware_backend_and_what_is_visible(overrides, gpu, device, dtype):
+    run = resolve(compose_config(*overrides), gpu_visible=gpu)
+    assert (run.device_type, run.workload.dtype) == (device, dtype)
+
+
+@pytest.mark.parametrize("overrides, alpha", [
+    (["method=memo"], None),  # solved at run time
+    (["method=memo", "alpha=0.5"], 0.5),
+    (["method=full_swap"], 1.0),  # the method's own
+    (["method=none"], None),
+])
+def test_alpha_is_the_one_value_a_run_swaps(overrides, alpha):
+    assert resolve(compose_config(*overrides), gpu_visible=False).alpha == alpha
+
+
+def test_seq_max_searches_between_the_fit_bounds():
+    fit = compose_config("+experiment=fit", "cluster.gpus=8", "fit.seq_step=32k", "fit.seq_limit=256k")
+    run = resolve(fit, gpu_visible=False)
+    assert run.seq_search == SeqSearch(step=32768, limit=262144) and run.workload.seq == 262144
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["hardware=a800"], "hardware=a800 trains on a GPU and none is visible here"),
+    (["hardware=cpu", "train.dtype=fp16"], "train.dtype=fp16 needs a GPU"),
+    (["seq=1k0"], "seq=1k0 is not a sequence length"),
+])
+def test_what_cannot_run_here_is_refused_when_resolving(overrides, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        resolve(compose_config(*overrides), gpu_visible=False)
+    assert "\n" not in str(error.value)

@@ -8,12 +8,11 @@ import subprocess
 
 import pandas as pd
 import pytest
-import torch
 from conftest import PYTHON, REPO
 
 from analysis import tables
 from analysis.rows import load_results
-from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig
+from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.fit import memory
 from analysis.calibration import compare, problem_of_row
 from memo.fit.predict import Problem, predict
@@ -45,8 +44,12 @@ S = 1 << 20  # 1M tokens
 LAYOUT = ParallelConfig(tp=4, cp=2, sequence_parallel=True)  # the paper's 7B layout
 
 
+def work(model=SEVEN_B, method=NONE, parallel=ParallelConfig(), seq=S, dtype="bf16", **kwargs) -> Workload:
+    return Workload(model, method, parallel, seq, dtype=dtype, **kwargs)
+
+
 def problem(method=NONE, model=SEVEN_B, hw=A800, **kwargs) -> Problem:
-    return Problem(model=model, method=method, hardware=hw, fit=FitConfig(), dtype=torch.bfloat16, **kwargs)
+    return Problem(work(model, method), hardware=hw, fit=FitConfig(), **kwargs)
 
 
 def without_gradients(trace: Trace) -> Trace:
@@ -65,11 +68,10 @@ def test_a_template_instance_has_the_peak_of_the_real_iteration(method):
     model = dataclasses.replace(
         TINY, num_layers=9, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8
     )
-    template = iteration_template(model, method, 2, True, 9, 1, torch.bfloat16)
+    layout = ParallelConfig(tp=2, sequence_parallel=True)
+    template = iteration_template(work(model, method, layout), 9)
     assert template.layers == 5
-    real = without_gradients(
-        trace_iteration(model, method, ParallelConfig(tp=2, sequence_parallel=True), 6144, 1, torch.bfloat16)
-    )
+    real = without_gradients(trace_iteration(work(model, method, layout, 6144)))
     instance = template.instance(6144, 9)
     assert max_load(instance.buffers()) == max_load(real.buffers())
     assert memory.split_peak(instance) == memory.split_peak(real)
@@ -87,9 +89,9 @@ def test_a_tiled_loss_template_stands_for_many_tiles(tp, sp, tile):
         TINY, num_layers=9, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8
     )
     tiled = MethodConfig(name="none", loss="tiled")
-    template = iteration_template(model, tiled, tp, sp, 9, 1, torch.bfloat16)
-    real = without_gradients(trace_iteration(model, tiled, ParallelConfig(tp=tp, sequence_parallel=sp),
-                                             6144, 1, torch.bfloat16, loss_tile_tokens=tile))
+    layout = ParallelConfig(tp=tp, sequence_parallel=sp)
+    template = iteration_template(work(model, tiled, layout), 9)
+    real = without_gradients(trace_iteration(work(model, tiled, layout, 6144, loss_tile_tokens=tile)))
     instance = template.instance(6144, 9, loss_tile_tokens=tile)
     short = 4 * (6144 - template.tile_tokens(6144, tile))
     chunks = tp if sp else 1
@@ -119,7 +121,7 @@ def per_layer_kept_bytes(s: int, tp: int, cp: int) -> int:
 def test_model_states_are_megatrons_mixed_precision_bytes():
     h, f, tp = 4096, 16384, 4
     params = 32 * ((4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h) + 50304 * h // tp + 2 * h
-    states = memory.model_states(SEVEN_B, LAYOUT, torch.bfloat16, distributed_optimizer=False)
+    states = memory.model_states(work(parallel=LAYOUT), distributed_optimizer=False)
     assert (states.params, states.weights, states.gradients, states.optimizer) == (
         params,
         2 * params,
@@ -127,7 +129,7 @@ def test_model_states_are_megatrons_mixed_precision_bytes():
         12 * params,
     )
     # The distributed optimizer shards main weights and moments over dp·cp = 2 ranks.
-    sharded = memory.model_states(SEVEN_B, LAYOUT, torch.bfloat16, distributed_optimizer=True)
+    sharded = memory.model_states(work(parallel=LAYOUT), distributed_optimizer=True)
     assert sharded.optimizer == 6 * params and sharded.weights == 2 * params
     # All devices together hold the model once per dp·cp replica.
     whole = parameter_count(SEVEN_B)
@@ -188,7 +190,8 @@ def test_memo_alpha_is_solved_against_bandwidth_and_host_memory():
     # A given α keeps both bounds, as the training run's report does (one choose_alpha for both).
     plan = memory.host_plan(sizes, 12, 0.1, 0.7, 1000.0, budget=4000)
     assert (plan.solution.alpha, plan.solution.binding) == (0.1, "fixed")
-    assert (plan.solution.alpha_bandwidth, plan.solution.alpha_host) == (pytest.approx(0.5), pytest.approx(0.2))
+    bounds = (plan.solution.alpha_bandwidth, plan.solution.alpha_host)
+    assert bounds == (pytest.approx(0.5), pytest.approx(0.2))
     assert plan.per_device == 10 * 300
     with pytest.raises(HostMemoryError, match="alpha=0.3 swaps"):
         memory.host_plan(sizes, 12, 0.3, 0.7, 1000.0, budget=4000)
@@ -242,7 +245,7 @@ def test_verdicts_ok_oom_and_oohm():
 def test_predicted_time_is_the_flop_count_over_the_assumed_rates():
     fit = FitConfig()
     h, f, n, s, peak = 4096, 16384, 32, 64 * 1024, A800.peak_flops
-    t = predict_time(SEVEN_B, NONE, ParallelConfig(), s, 1, 1, 2, A800, fit, local_params=0)
+    t = predict_time(work(seq=s), 1, A800, fit, local_params=0)
     gemm = 2 * s * (4 * h * h + 2 * h * f) / (peak * fit.gemm_efficiency)
     attention_flops = 2 * s * s * h
     forward = gemm + attention_flops / (peak * fit.attention_forward_efficiency)
@@ -254,7 +257,7 @@ def test_predicted_time_is_the_flop_count_over_the_assumed_rates():
     flops = 6 * s * params + 6 * n * h * s * s  # the paper's model FLOPs
     assert t.mfu == pytest.approx(flops / (t.iteration_s * peak))
     # Full recomputation runs every layer's forward once more; the model FLOPs stay the same.
-    again = predict_time(SEVEN_B, FULL_RECOMPUTE, ParallelConfig(), s, 1, 1, 2, A800, fit)
+    again = predict_time(work(method=FULL_RECOMPUTE, seq=s), 1, A800, fit)
     assert again.iteration_s == pytest.approx(t.iteration_s + n * forward)
     assert again.mfu < t.mfu
 
@@ -273,11 +276,10 @@ def test_tiny_activation_peak_matches_a_real_cpu_iteration():
         host_memory_bytes=16 * GiB,
         host_link_bytes_per_s=1e10,
     )
-    tiny = Problem(
-        model=model, method=NONE, hardware=cpu, fit=FitConfig(device_reserved_gib=0), dtype=torch.float32
-    )
-    prediction = predict(tiny, ParallelConfig(), 4096)
-    real = without_gradients(trace_iteration(model, NONE, ParallelConfig(), 4096, 1, torch.float32, "cpu"))
+    tiny = work(model, NONE, seq=4096, dtype="fp32")
+    fit = FitConfig(device_reserved_gib=0)
+    prediction = predict(Problem(tiny, hardware=cpu, fit=fit), ParallelConfig(), 4096)
+    real = without_gradients(trace_iteration(tiny, "cpu"))
     measured = max_load(real.buffers())
     assert prediction.acts.allocated_peak == pytest.approx(measured, rel=0.10)
     assert prediction.states.weights == 4 * prediction.states.params  # fp32, no main copy
@@ -314,7 +316,7 @@ def test_tiny_memo_prediction_matches_a_cpu_training_run(tmp_path):
         host_memory_bytes=16 * GiB,
         host_link_bytes_per_s=1e10,
     )
-    tiny = Problem(model=TINY, method=MEMO, hardware=cpu, fit=FitConfig(), dtype=torch.float32, alpha=0.5)
+    tiny = Problem(work(TINY, MEMO, dtype="fp32"), hardware=cpu, fit=FitConfig(), alpha=0.5)
     prediction = predict(tiny, ParallelConfig(), 2048)
     assert prediction.rounding_buffers == pytest.approx(row["swap.rounding_buffer_bytes"], rel=0.10)
     assert prediction.host_per_device == pytest.approx(row["swap.host_bytes"], rel=0.10)
@@ -483,7 +485,9 @@ def test_calibration_predicts_measured_rows_again_and_gives_the_errors(tmp_path)
     table = compare(rows)
     assert len(table) == 2
     problem_, parallel, seq = problem_of_row(rows.iloc[0])
-    assert (problem_.model.name, problem_.method.name, seq, parallel.tp) == ("tiny", "none", 2048, 1)
+    w = problem_.workload
+    assert (w.model.name, w.method.name, seq, parallel.tp, w.dtype) == ("tiny", "none", 2048, 1, "fp32")
+    assert w.method.loss == measured["train.loss"]  # the loss the run used
     assert problem_.hardware.peak_flops == measured["hardware.peak_flops"]  # the run's own denominator
     expected = predict(problem_, parallel, seq)
     cpu, device = table.iloc[0], table.iloc[1]

@@ -11,7 +11,7 @@ from hydra_plugins.memo_launch.slurm_launcher import (
     job_shape,
 )
 from memo.config import ConfigError
-from memo.results import claim_run_dir, set_aside_unfinished, write_json_atomic
+from memo.results import claim_run_dir, finished_row, set_aside_unfinished, write_json_atomic
 
 from conftest import compose_config, run_in_process
 
@@ -56,6 +56,18 @@ def test_an_unfinished_attempt_is_set_aside_whole_and_a_second_one_does_not_over
     assert (first / ".hydra" / "config.yaml").read_text() == "seq: 1k\n"
     assert (tmp_path / "interrupted" / "2" / "metrics.jsonl").read_text() == '{"step": 2}\n'
     assert (tmp_path / "interrupted" / "2" / "result.json").exists()
+
+
+def test_an_attempt_whose_row_is_damaged_is_set_aside_byte_for_byte(tmp_path):
+    """A requeued job does not run into a directory whose row cannot be read (it would be refused
+    as another run's), nor lose that row: the attempt moves whole and the job runs again."""
+    claim_run_dir(tmp_path)
+    damaged = b'{"status": "ok", "mfu": 0.4'
+    (tmp_path / "result.json").write_bytes(damaged)
+    assert finished_row(tmp_path) is None
+    assert set_aside_unfinished(tmp_path) == tmp_path / "interrupted" / "1"
+    assert (tmp_path / "interrupted" / "1" / "result.json").read_bytes() == damaged
+    claim_run_dir(tmp_path)  # the directory is free for the next attempt
 
 
 def test_a_finished_attempt_is_never_set_aside(tmp_path):

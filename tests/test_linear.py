@@ -1,10 +1,9 @@
 """The sequence-tiled column- and row-parallel linear layers of MEMO's layers (memo.model.linear)."""
 
 import pytest
-import torch
 
 from conftest import run_under_torchrun
-from memo.config import MethodConfig, ModelConfig, ParallelConfig
+from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.model.tiles import eighth_tile_tokens
 from memo.profile.iteration import trace_iteration
 
@@ -27,8 +26,8 @@ def _traced(layer_activations: str, seq: int):
                         num_attention_heads=4, vocab_size=1024)
     # the tiled loss: Megatron's output layer would gather into the buffer too
     method = MethodConfig(name=layer_activations, layer_activations=layer_activations, loss="tiled")
-    return trace_iteration(model, method, ParallelConfig(tp=2, sequence_parallel=True), seq, 1,
-                           torch.float32, "fake")
+    layout = ParallelConfig(tp=2, sequence_parallel=True)
+    return trace_iteration(Workload(model, method, layout, seq, dtype="fp32"), "fake")
 
 
 def _persistent_bytes(layer_activations: str, seq: int) -> int:

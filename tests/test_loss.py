@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, resolve_loss, validate
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, validate, Workload
 from memo.model.loss import tiled_cross_entropy
 from memo.model.tiles import auto_tile_tokens
 from memo.profile.iteration import trace_iteration
 
-from conftest import compose_config, run_in_process, run_under_torchrun
+from conftest import compose_config, resolve_config, run_in_process, run_under_torchrun
 from loss_worker import gradients
 
 
@@ -79,8 +79,8 @@ def _loss_peak(loss: str) -> int:
     """Bytes the output layer and loss add, at their peak, to what the layers left live (fp32)."""
     model = ModelConfig(name="v50304", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                         num_attention_heads=4, vocab_size=50304)
-    trace = trace_iteration(model, MethodConfig(name="none", loss=loss), ParallelConfig(), 16384, 1,
-                            torch.float32, "fake")
+    trace = trace_iteration(Workload(model, MethodConfig(name="none", loss=loss), ParallelConfig(), 16384,
+                                     dtype="fp32"), "fake")
     return _phase_peak(trace, ("head.fwd", "loss.fwd", "loss.bwd", "head.bwd"))
 
 
@@ -96,8 +96,8 @@ def _embedding_backward_peak(loss: str, parallel: ParallelConfig, seq: int) -> i
     a vocabulary small enough that the [s, h] gradient is the largest thing there)."""
     model = ModelConfig(name="v1024", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                         num_attention_heads=4, vocab_size=1024)
-    trace = trace_iteration(model, MethodConfig(name="none", loss=loss), parallel, seq, 1,
-                            torch.float32, "fake")
+    workload = Workload(model, MethodConfig(name="none", loss=loss), parallel, seq, dtype="fp32")
+    trace = trace_iteration(workload, "fake")
     return _phase_peak(trace, ("embedding.bwd",))
 
 
@@ -119,8 +119,8 @@ def test_the_tiled_embedding_backward_holds_no_gradient_of_the_whole_sequence(pa
 def test_tiled_trace_has_the_phases_of_megatrons():
     model = ModelConfig(name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=2)
     phases = {
-        loss: trace_iteration(model, MethodConfig(name="none", loss=loss), ParallelConfig(), 256, 1,
-                              torch.float32, "fake").phases
+        loss: trace_iteration(Workload(model, MethodConfig(name="none", loss=loss), ParallelConfig(), 256,
+                                       dtype="fp32"), "fake").phases
         for loss in ("megatron", "tiled")
     }
     assert phases["tiled"] == phases["megatron"]
@@ -141,7 +141,7 @@ def test_tiled_trace_has_the_phases_of_megatrons():
     ],
 )
 def test_each_method_has_its_default_loss_and_train_loss_overrides_it(overrides, loss):
-    assert resolve_loss(compose_config(*overrides)) == loss
+    assert resolve_config(*overrides).workload.method.loss == loss
 
 
 @pytest.mark.parametrize(

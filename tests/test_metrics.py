@@ -11,7 +11,7 @@ from memo.config import ConfigError
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import build_gpt, padded_vocab_size, parameter_count
 
-from conftest import compose_config
+from conftest import compose_config, resolve_config
 
 # 7B of the paper: n=32, h=4096, f=16384, vocab 50257 padded to 50304.
 #   per layer 4h² + 2hf + 9h + f = 67,108,864 + 134,217,728 + 36,864 + 16,384 = 201,379,840
@@ -56,9 +56,9 @@ def test_vocab_padding_is_the_same_for_common_tp(tp):
 
 
 def test_parameters_counted_from_the_model_match_the_formula(single_process):
-    cfg = compose_config("model=tiny")
-    built = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu")
-    assert built.params == parameter_count(cfg.model) == 16_037_376
+    workload = resolve_config("model=tiny", "seq=256", "train.loss=megatron").workload
+    built = build_gpt(workload, "cpu")
+    assert built.params == parameter_count(workload.model) == 16_037_376
     assert built.params == sum(p.numel() for p in built.module.parameters())
 
 

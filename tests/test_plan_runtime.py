@@ -5,11 +5,10 @@ import ctypes
 import functools
 
 import pytest
-import torch
 from conftest import compose_config, run_in_process
 from requirements import c_compiler_missing, require
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, validate
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, validate, Workload
 from memo.execute.cuda_arena import ArenaAllocator, build_library
 from memo.execute.plan_runtime import CPU_SERVING, measured_allocator_row
 from memo.execute.plan_server import PlanServer
@@ -73,7 +72,8 @@ def test_plan_needs_a_warm_up_step_and_one_micro_batch():
 def _tiny_plan():
     model = ModelConfig(name="tiny", num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
                         vocab_size=512)
-    trace = trace_iteration(model, MethodConfig(name="none"), ParallelConfig(), 256, 1, torch.float32, "fake")
+    trace = trace_iteration(Workload(model, MethodConfig(name="none"), ParallelConfig(), 256, dtype="fp32"),
+                            "fake")
     return trace, plan_iteration(trace, time_limit_s=5, mip="none", alignment=512)
 
 

@@ -6,9 +6,8 @@ import functools
 import random
 
 import pytest
-import torch
 
-from memo.config import MethodConfig, ModelConfig, ParallelConfig
+from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.execute.plan_server import PlanServer, is_layer_region, serve_events
 from memo.plan.bilevel import addresses, plan_iteration
 from memo.dsa.buffers import Buffer, validate
@@ -25,9 +24,10 @@ ALIGN = 512
 @functools.lru_cache
 def traced(model_name: str, method: str) -> tuple[Trace, object]:
     tiny = model_name == "tiny"
-    model, seq, dtype = (TINY, 256, torch.float32) if tiny else (SEVEN_B, 8192, torch.bfloat16)
-    trace = trace_iteration(model, MethodConfig(name=method, layer_activations=(
-        "recompute" if method == "full_recompute" else "megatron")), ParallelConfig(), seq, 1, dtype, "fake")
+    model, seq, dtype = (TINY, 256, "fp32") if tiny else (SEVEN_B, 8192, "bf16")
+    trace = trace_iteration(Workload(model, MethodConfig(name=method, layer_activations=(
+        "recompute" if method == "full_recompute" else "megatron")), ParallelConfig(), seq, dtype=dtype),
+        "fake")
     return trace, plan_iteration(trace, time_limit_s=10, mip="none", alignment=ALIGN)
 
 

@@ -43,12 +43,12 @@ def test_a_cut_trace_or_an_oom_is_refused():
 def test_the_cuda_back_end_runs_on_a_gpu_and_is_refused_in_one_line_without():
     import torch
 
-    from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
+    from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
     from memo.profile.iteration import trace_iteration
 
     tiny = ModelConfig(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=1024,
                        num_attention_heads=4)
-    args = (tiny, MethodConfig(name="none"), ParallelConfig(), 256, 1, torch.bfloat16, "cuda")
+    args = (Workload(tiny, MethodConfig(name="none"), ParallelConfig(), 256, dtype="bf16"), "cuda")
     if torch.cuda.is_available():
         trace = trace_iteration(*args)
         assert trace.phases[0] == "embedding.fwd" and trace.meta["cuda.max_memory_reserved"] > 0

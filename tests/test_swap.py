@@ -15,7 +15,7 @@ from memo.profile.layers import layer_bytes
 from memo.profile.recorder import record
 from memo.profile.trace import Trace
 
-from conftest import compose_config
+from conftest import compose_config, resolve_config
 from swap_training import train_gradients
 
 SIX = ["model.num_layers=6"]  # four swapped layers: both rounding buffers are reused
@@ -113,11 +113,11 @@ def test_each_missing_wait_would_corrupt_the_gradients(reference, waiter, produc
 
 def test_skeletal_sizes_of_a_layer_match_a_hand_count(parallel_state):
     # tiny: h = 256, 4 heads of 64, ffn 1024; one sequence of S = 256 tokens in fp32.
-    cfg = compose_config("method=memo", *SIX)
+    workload = resolve_config("method=memo", *SIX, "seq=256", "train.loss=megatron").workload
     torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu").module
+    model = build_gpt(workload, "cpu").module
     runtime = SwapRuntime(6, DeferredStreams(), torch.device("cpu"))
-    report = prepare_swap(runtime, model, 256, 1, torch.float32, 0.25, 2**40)
+    report = prepare_swap(runtime, model, workload, 0.25, 2**40)
     S, h, f, heads = 256, 256, 1024, 4
     assert report.skeletal_input_bytes == 4 * S * h
     assert report.skeletal_attention_bytes == 4 * S * (h + heads)  # output and log-sum-exp
@@ -152,11 +152,11 @@ def test_device_bytes_do_not_grow_with_layers_and_host_bytes_follow_the_formula(
 
 def _recorded_memo_step(layers: int, seq: int):
     """The allocation trace of one real CPU step of ``method=memo`` (α = 0.5) and its runtime."""
-    cfg = compose_config("method=memo", f"model.num_layers={layers}")
+    workload = resolve_config("method=memo", f"model.num_layers={layers}", f"seq={seq}").workload
     torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.float32, "cpu", loss="tiled").module
+    model = build_gpt(workload, "cpu").module
     runtime = SwapRuntime(layers, InlineStreams(), torch.device("cpu"))
-    prepare_swap(runtime, model, seq, 1, torch.float32, 0.5, 2**40)
+    prepare_swap(runtime, model, workload, 0.5, 2**40)
     (batch,) = next(micro_batches(SyntheticTokens(50257, 0), seq, 1, 1, 0, 1, torch.device("cpu")))
 
     def step(marker):
@@ -253,12 +253,12 @@ def test_copies_to_and_from_the_host_are_contiguous_blocks():
 
 
 def test_a_swapped_layer_does_not_run_fc2_again_when_recomputing(parallel_state):
-    cfg = compose_config("method=memo", *SIX)
+    workload = resolve_config("method=memo", *SIX, "seq=256").workload
     torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu", loss="tiled").module
+    model = build_gpt(workload, "cpu").module
     streams = _RecordingStreams()
     runtime = SwapRuntime(6, streams, torch.device("cpu"))
-    prepare_swap(runtime, model, 256, 1, torch.float32, 0.5, 2**40)
+    prepare_swap(runtime, model, workload, 0.5, 2**40)
     calls = [0] * 6
     for i, layer in enumerate(model.decoder.layers):
         layer.mlp.linear_fc2.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -336,11 +336,12 @@ def test_saved_tensors_come_back_in_the_layout_they_were_saved_in(parallel_state
 
     monkeypatch.setattr(SwapRuntime, "_pack", spy_pack)
     monkeypatch.setattr(SwapRuntime, "_unpack", spy_unpack)
-    cfg = compose_config("method=memo", *SIX)
+    batch = f"train.micro_batch_size={micro_batch_size}"
+    workload = resolve_config("method=memo", *SIX, "seq=256", batch).workload
     torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu", loss="tiled").module
+    model = build_gpt(workload, "cpu").module
     runtime = SwapRuntime(6, InlineStreams(), torch.device("cpu"))
-    prepare_swap(runtime, model, 256, micro_batch_size, torch.float32, 0.5, 2**40)
+    prepare_swap(runtime, model, workload, 0.5, 2**40)
     batches = micro_batches(SyntheticTokens(50257, 0), 256, micro_batch_size, 1, 0, 1, torch.device("cpu"))
     (batch,) = next(batches)
     model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean().backward()

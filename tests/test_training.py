@@ -13,7 +13,7 @@ from megatron.core import tensor_parallel
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.model import build_gpt
 
-from conftest import PYTHON, REPO, compose_config, free_port, run_in_process
+from conftest import PYTHON, REPO, free_port, resolve_config, run_in_process
 
 METHODS = ["none", "megatron_full_recompute", "megatron_selective"]
 SHORT = ["seq=256", "train.warmup_steps=1"]
@@ -33,9 +33,9 @@ def test_each_method_trains_and_the_loss_falls(tmp_path, method):
 
 def _one_backward(method: str, loss: str):
     """Loss, gradients and saved-activation bytes of one forward/backward pass (seed 0)."""
-    cfg = compose_config(f"method={method}")
+    workload = resolve_config(f"method={method}", "seq=256", f"train.loss={loss}").workload
     torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, 256, torch.float32, "cpu", loss=loss).module
+    model = build_gpt(workload, "cpu").module
     (batch,) = next(micro_batches(SyntheticTokens(50257, 0), 256, 2, 1, 0, 1, torch.device("cpu")))
     saved = []
 

@@ -222,11 +222,6 @@ def _check_alpha(cfg) -> None:
         raise ConfigError(f"alpha={cfg.alpha} applies to method=memo only; drop it or use method=memo")
 
 
-def resolve_loss(cfg) -> str:
-    """The loss a run uses: ``train.loss``, or the method's own ``loss`` when that is "auto"."""
-    return cfg.method.loss if cfg.train.loss == "auto" else cfg.train.loss
-
-
 def _check_method(method) -> None:
     _choice("method.loss", method.loss, LOSSES)
     _choice("method.recompute_granularity", method.recompute_granularity, RECOMPUTE_GRANULARITIES)

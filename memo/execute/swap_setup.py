@@ -19,7 +19,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from memo.config import Workload
 from memo.execute.swap import ATTENTION, INPUT, TOKENS, SwapRuntime
+from memo.model import torch_dtype
 from memo.plan.alpha import SkeletalBytes, check_host, choose_alpha, host_bound
 
 
@@ -86,19 +88,13 @@ def _min_over_processes(value: int, device: torch.device) -> int:
 
 
 def prepare_swap(
-    runtime: SwapRuntime,
-    model,
-    seq: int,
-    micro_batch_size: int,
-    dtype: torch.dtype,
-    alpha: Optional[float],
-    host_budget: float,
+    runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float], host_budget: float
 ) -> SwapReport:
-    """Attach ``runtime`` to ``model`` (a Megatron ``GPTModel``) and get it ready to train.
+    """Attach ``runtime`` to ``model`` (``workload``'s Megatron ``GPTModel``) and get it ready to
+    train ``workload.micro_batch_size`` sequences of ``workload.seq`` tokens (all tensor-parallel
+    ranks together) per micro-batch.
 
     Args:
-        seq: tokens per sequence (all tensor-parallel ranks together).
-        micro_batch_size: sequences per micro-batch.
         alpha: a fixed swap ratio, or ``None`` to solve for it.
         host_budget: bytes of host memory this process may fill with activations (M_host).
 
@@ -109,11 +105,12 @@ def prepare_swap(
     layers = list(model.decoder.layers)
     runtime.attach(layers)
     config = model.config
+    seq = workload.seq
     tokens = seq // runtime.sequence_chunks
     # A generator of its own: measuring must not move the RNG that training draws from.
     generator = torch.Generator(device.type).manual_seed(0)
-    hidden = torch.randn(tokens, micro_batch_size, config.hidden_size, dtype=dtype, device=device,
-                         generator=generator, requires_grad=True)
+    hidden = torch.randn(tokens, workload.micro_batch_size, config.hidden_size, dtype=torch_dtype(workload),
+                         device=device, generator=generator, requires_grad=True)
     kwargs = {"hidden_states": hidden, "attention_mask": None, "rotary_pos_emb": model.rotary_pos_emb(seq)}
     layout = runtime.discover(layers[0], kwargs)
     layer_time = _layer_time(layers[0], kwargs, device)

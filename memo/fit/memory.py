@@ -26,9 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
-from memo.config import ModelConfig, ParallelConfig
+from memo.config import Workload
 from memo.fit.template import INNER_LAYERS, IterationTemplate
 from memo.model.gpt import parameter_count
 from memo.plan.alpha import AlphaSolution, SkeletalBytes, choose_alpha
@@ -53,12 +51,11 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
-def model_states(
-    model: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, distributed_optimizer: bool
-) -> ModelStates:
+def model_states(workload: Workload, distributed_optimizer: bool) -> ModelStates:
     """Weights, gradients and Adam states of one device, bytes."""
-    params = parameter_count(model, parallel.tp, parallel.pp)
-    element = dtype.itemsize
+    parallel = workload.parallel
+    params = parameter_count(workload.model, parallel.tp, parallel.pp)
+    element = workload.dtype_bytes
     # 16-bit training keeps fp32 main weights next to Adam's two fp32 moments.
     optimizer_per_param = 12 if element < 4 else 8
     shards = parallel.dp * parallel.cp if distributed_optimizer else 1
@@ -149,22 +146,17 @@ def activations(trace: Trace, capacity: Optional[int], plan: bool, time_limit_s:
     return Activations(**at_peak, held=stats.peak_reserved, alloc_retries=stats.num_alloc_retries)
 
 
-def swapped_sizes(
-    template: IterationTemplate,
-    model: ModelConfig,
-    parallel: ParallelConfig,
-    tokens: int,
-    micro_batch_size: int,
-    dtype: torch.dtype,
-) -> SkeletalBytes:
+def swapped_sizes(template: IterationTemplate, workload: Workload) -> SkeletalBytes:
     """One layer's skeletal bytes on one device as MEMO's runtime keeps them, split as its α
     problem needs them: the layer input (as traced), what attention produced (its output,
     ``b·s·h/tp`` elements, and its fp32 log-sum-exp per head and token), and the rest."""
+    model, parallel, b = workload.model, workload.parallel, workload.micro_batch_size
+    tokens = workload.seq // parallel.cp
     layer = min(2, template.layers - 1)
     total = template.kept_bytes(layer, tokens)
     layer_input = template.input_bytes(tokens)
     heads = model.num_attention_heads // parallel.tp
-    attention = micro_batch_size * tokens * (model.hidden_size // parallel.tp * dtype.itemsize + heads * 4)
+    attention = b * tokens * (model.hidden_size // parallel.tp * workload.dtype_bytes + heads * 4)
     return SkeletalBytes(layer_input, attention, total - layer_input - attention)
 
 
@@ -173,13 +165,14 @@ def rounding_buffer_bytes(sizes: SkeletalBytes) -> int:
     return 2 * -(-(sizes.input + sizes.attention + sizes.other) // _ALIGN) * _ALIGN
 
 
-def context_parallel_buffers(
-    model: ModelConfig, parallel: ParallelConfig, tokens: int, micro_batch_size: int, dtype: torch.dtype
-) -> int:
+def context_parallel_buffers(workload: Workload) -> int:
     """Key/value blocks in flight in ring attention (bytes); 0 without context parallelism."""
+    parallel = workload.parallel
     if parallel.cp == 1:
         return 0
-    return 4 * micro_batch_size * tokens * (model.hidden_size // parallel.tp) * dtype.itemsize
+    tokens = workload.seq // parallel.cp
+    hidden = workload.model.hidden_size // parallel.tp
+    return 4 * workload.micro_batch_size * tokens * hidden * workload.dtype_bytes
 
 
 @dataclass(frozen=True)

@@ -5,32 +5,27 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
-from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig
+from memo.config import FitConfig, ParallelConfig, Workload
 from memo.fit import memory
 from memo.fit.template import iteration_template
 from memo.fit.timing import TimePrediction, predict_time
 from memo.hardware import GiB, Hardware
 from memo.plan.alpha import HostMemoryError
+from memo.results import finite
 
 
 @dataclass(frozen=True)
 class Problem:
     """What stays fixed while layouts and lengths vary."""
 
-    model: ModelConfig
-    method: MethodConfig
+    workload: Workload  # each prediction takes its own layout and length instead of this one's
     hardware: Hardware
     fit: FitConfig
-    dtype: torch.dtype
-    micro_batch_size: int = 1
     micro_batches: int = 1
     distributed_optimizer: bool = False
     plan: bool = False  # transient tensors from the memory plan instead of the caching allocator
-    alpha: Optional[float] = None  # swapping methods: fixed α, or None to solve it
+    alpha: Optional[float] = None  # swapping methods: the swapped fraction given, or None to solve it
     plan_time_limit_s: float = 10.0
-    loss_tile_tokens: Optional[int] = None  # train.loss_tile_tokens (the tiled loss)
 
 
 @dataclass(frozen=True)
@@ -91,17 +86,13 @@ class Prediction:
             "predicted_host_capacity_per_node_bytes": self.host_capacity_per_node,
             "predicted_alpha": self.alpha,
             "predicted_alpha_binding": self.alpha_binding,
-            "predicted_alpha_bandwidth": _finite(self.alpha_bandwidth),
-            "predicted_alpha_host": _finite(self.alpha_host),
+            "predicted_alpha_bandwidth": finite(self.alpha_bandwidth),
+            "predicted_alpha_host": finite(self.alpha_host),
         }
         t = self.time
         row.update({f"predicted_{f.name}": getattr(t, f.name) for f in dataclasses.fields(t)})
         row["predicted_iter_time_s"] = row.pop("predicted_iteration_s")
         return row
-
-
-def _finite(value: Optional[float]) -> Optional[float]:
-    return None if value is None or math.isinf(value) else value
 
 
 def prediction_hardware(hw: Hardware) -> Hardware:
@@ -112,47 +103,26 @@ def prediction_hardware(hw: Hardware) -> Hardware:
 def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
     """Predict ``problem`` under ``parallel`` at ``seq`` tokens (see :mod:`memo.fit.memory` and
     :mod:`memo.fit.timing`)."""
-    model, method, hw, fit, dtype = (
-        problem.model,
-        problem.method,
-        problem.hardware,
-        problem.fit,
-        problem.dtype,
-    )
-    b = problem.micro_batch_size
+    workload = problem.workload.at(parallel, seq)
+    model, method, hw, fit = workload.model, workload.method, problem.hardware, problem.fit
     tokens = seq // parallel.cp
     layers = model.num_layers // parallel.pp
     in_flight = min(parallel.pp, problem.micro_batches)
-    template = iteration_template(
-        model, method, parallel.tp, parallel.sequence_parallel, layers * in_flight, b, dtype
-    )
-    states = memory.model_states(model, parallel, dtype, problem.distributed_optimizer)
+    template = iteration_template(workload, layers * in_flight)
+    states = memory.model_states(workload, problem.distributed_optimizer)
     devices = parallel.tp * parallel.cp * parallel.pp * parallel.dp
     local = min(devices, hw.devices_per_node or 1)  # the job's devices on one node
     host_capacity = int(hw.host_memory_bytes * fit.host_usable_fraction)
     swap = method.layer_activations == "swap"
 
     def timed(alpha: float = 1.0, swapped: float = 0.0) -> TimePrediction:
-        return predict_time(
-            model,
-            method,
-            parallel,
-            seq,
-            b,
-            problem.micro_batches,
-            dtype.itemsize,
-            hw,
-            fit,
-            alpha,
-            swapped,
-            states.params,
-        )
+        return predict_time(workload, problem.micro_batches, hw, fit, alpha, swapped, states.params)
 
     common = dict(
         seq=seq,
         parallel=parallel,
         states=states,
-        cp_buffers=memory.context_parallel_buffers(model, parallel, tokens, b, dtype),
+        cp_buffers=memory.context_parallel_buffers(workload),
         reserved=int(fit.device_reserved_gib * GiB),
         device_capacity=hw.device_memory_bytes,
         host_capacity_per_node=host_capacity,
@@ -160,9 +130,9 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
     alpha = solution = None
     host = rounding = recompute = 0
     if swap:
-        sizes = memory.swapped_sizes(template, model, parallel, tokens, b, dtype)
+        sizes = memory.swapped_sizes(template, workload)
         rounding = memory.rounding_buffer_bytes(sizes)
-        fixed = method.alpha if method.alpha is not None else problem.alpha
+        fixed = problem.alpha
         try:
             plan = memory.host_plan(
                 sizes,
@@ -195,7 +165,7 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
     fixed_part = common["reserved"] + states.total + rounding + common["cp_buffers"]
     room = hw.device_memory_bytes - fixed_part
     trace = template.instance(tokens, layers * in_flight, swap=swap, recompute_bytes=recompute,
-                              loss_tile_tokens=problem.loss_tile_tokens)
+                              loss_tile_tokens=workload.loss_tile_tokens)
     acts = memory.activations(trace, room, problem.plan, problem.plan_time_limit_s)
     total = fixed_part + acts.held
     status, reason = "ok", ""

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.model.gpt import padded_vocab_size
 from memo.model.tiles import auto_tile_tokens, eighth_tile_tokens
 from memo.profile.iteration import trace_iteration
@@ -212,32 +212,26 @@ class IterationTemplate:
         )
 
 
-def iteration_template(
-    model: ModelConfig,
-    method: MethodConfig,
-    tp: int,
-    sequence_parallel: bool,
-    num_layers: int,
-    micro_batch_size: int,
-    dtype: torch.dtype,
-) -> IterationTemplate:
-    """The template of ``num_layers`` layers (``model``'s shape) on one rank of ``tp``.
+def iteration_template(workload: Workload, num_layers: int) -> IterationTemplate:
+    """The template of ``num_layers`` layers of ``workload``'s model on one rank of its tensor-
+    parallel layout; the rest of the layout, the length and the loss tile do not change it.
 
     Swapping methods are traced with ``method.layer_activations=keep`` (the same layer,
     everything kept): the instance then takes their kept tensors out
     (:meth:`IterationTemplate.instance`).
     Templates are cached per process, so a sweep traces each shape once.
     """
+    method = workload.method
     traced_method = MethodConfig(name=method.name, layer_activations="keep", loss=method.loss) \
         if method.layer_activations == "swap" else method
     return _template(
-        _frozen(model),
+        _frozen(workload.model),
         _frozen(traced_method),
-        tp,
-        sequence_parallel,
+        workload.parallel.tp,
+        workload.parallel.sequence_parallel,
         min(num_layers, TEMPLATE_LAYERS),
-        micro_batch_size,
-        dtype,
+        workload.micro_batch_size,
+        workload.dtype,
     )
 
 
@@ -256,7 +250,7 @@ def _template(
     sequence_parallel: bool,
     layers: int,
     micro_batch_size: int,
-    dtype: torch.dtype,
+    dtype: str,
 ) -> IterationTemplate:
     shape = ModelConfig(**{**dict(model), "num_layers": layers})
     method_config = MethodConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in method})
@@ -265,7 +259,7 @@ def _template(
     tokens = tuple(t * chunk for t in _TRACED_TOKENS)
     # one tile of the tiled loss per pass (every token of the rank): see the module docstring
     small, large = (
-        trace_iteration(shape, method_config, parallel, t, micro_batch_size, dtype,
-                        loss_tile_tokens=t // chunk) for t in tokens
+        trace_iteration(Workload(shape, method_config, parallel, t, micro_batch_size, dtype,
+                                 loss_tile_tokens=t // chunk)) for t in tokens
     )
     return IterationTemplate(small, large, tokens, layers)

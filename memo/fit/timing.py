@@ -26,7 +26,7 @@ a share ``dp_comm_overlap`` hidden. The optimizer step is not counted.
 import math
 from dataclasses import dataclass
 
-from memo.config import ConfigError, FitConfig, MethodConfig, ModelConfig, ParallelConfig
+from memo.config import ConfigError, FitConfig, Workload
 from memo.hardware import Hardware
 from memo.metrics import mfu, model_flops_per_sample, tgs
 from memo.model.gpt import padded_vocab_size, parameter_count
@@ -75,29 +75,24 @@ def _link(ranks_spanned: int, hw: Hardware, efficiency: float) -> float:
 
 
 def predict_time(
-    model: ModelConfig,
-    method: MethodConfig,
-    parallel: ParallelConfig,
-    seq: int,
-    micro_batch_size: int,
+    workload: Workload,
     micro_batches: int,
-    element_bytes: int,
     hw: Hardware,
     fit: FitConfig,
     alpha: float = 1.0,
     swapped_bytes_per_layer: float = 0.0,
     local_params: int = 0,
 ) -> TimePrediction:
-    """Predict one iteration (see the module docstring).
+    """Predict one iteration of ``workload`` (see the module docstring).
 
     Args:
-        seq: tokens per sequence; ``micro_batch_size`` sequences per micro-batch, ``micro_batches``
-            per data-parallel rank and iteration.
-        element_bytes: bytes per activation element (2 for bf16).
+        micro_batches: micro-batches per data-parallel rank and iteration.
         alpha: swapping methods: the fraction of tokens swapped (the rest is recomputed).
         swapped_bytes_per_layer: swapping methods: bytes one layer sends to the host.
         local_params: parameters on one device (for the gradient reduction).
     """
+    model, method, parallel, seq = workload.model, workload.method, workload.parallel, workload.seq
+    micro_batch_size, element_bytes = workload.micro_batch_size, workload.dtype_bytes
     h, f, n = model.hidden_size, model.ffn_hidden_size, model.num_layers
     tp, cp, pp, dp = parallel.tp, parallel.cp, parallel.pp, parallel.dp
     b, t = micro_batch_size, seq / cp

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from memo.config import resolve_loss
+from memo.config import resolve
 from memo.execute import distributed
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.distributed import ProcessInfo
@@ -27,6 +27,7 @@ from memo.model import build_gpt
 from memo.model.attention import select_backend
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # method, alpha (memo's), as the pack compares them
 METHODS = [("memo", 0.0), ("memo", 0.5), ("memo", 1.0), ("full_swap", None), ("full_recompute", None),
            ("megatron_full_recompute", None)]
@@ -38,16 +39,16 @@ def gradients(method: str, alpha, model_overrides: list[str], seq: int, device: 
 
     Megatron's parallel state must be initialized for one process.
     """
-    cfg = compose(f"method={method}", *model_overrides)
-    torch.manual_seed(cfg.train.seed)
-    model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, dtype, device.type, kernel,
-                      loss=resolve_loss(cfg)).module
+    given = [] if alpha is None else [f"alpha={alpha}"]
+    run = resolve(compose(f"method={method}", *given, *model_overrides, f"seq={seq}",
+                          f"train.dtype={DTYPE_NAMES[dtype]}"), gpu_visible=device.type == "cuda")
+    torch.manual_seed(run.train.seed)
+    model = build_gpt(run.workload, device.type, kernel).module
     runtime = None
-    if cfg.method.layer_activations == "swap":
-        runtime = SwapRuntime(cfg.model.num_layers, streams_for(device), device)
-        fixed = cfg.method.alpha if cfg.method.alpha is not None else alpha
-        prepare_swap(runtime, model, seq, 1, dtype, fixed, 2**50)
-    (batch,) = next(micro_batches(SyntheticTokens(cfg.model.vocab_size, 0), seq, 1, 1, 0, 1, device))
+    if run.swaps:
+        runtime = SwapRuntime(run.workload.model.num_layers, streams_for(device), device)
+        prepare_swap(runtime, model, run.workload, run.alpha, 2**50)
+    (batch,) = next(micro_batches(SyntheticTokens(run.workload.model.vocab_size, 0), seq, 1, 1, 0, 1, device))
     loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float().mean()
     loss.backward()
     if runtime is not None:

@@ -51,6 +51,7 @@ def main(argv=None) -> int:
         return skip(args.out, "overlap", "needs a GPU: copies on CUDA streams beside compute kernels")
     from torch.profiler import ProfilerActivity, profile
 
+    from memo.config import resolve
     from memo.gpucheck.common import compose
     from memo.execute import distributed
     from memo.execute.distributed import ProcessInfo
@@ -62,15 +63,16 @@ def main(argv=None) -> int:
 
     torch.cuda.set_device(0)
     device, seq = torch.device("cuda", 0), 32 * 1024
-    cfg = compose("model=1.3b", "method=memo")
-    distributed.initialize(cfg.parallel, "cuda", ProcessInfo(0, 1, 0))
+    run = resolve(compose("model=1.3b", "method=memo", "seq=32k", "train.dtype=bf16", "train.loss=tiled"),
+                  gpu_visible=True)
+    workload = run.workload
+    distributed.initialize(workload.parallel, "cuda", ProcessInfo(0, 1, 0))
     try:
         torch.manual_seed(0)
-        model = build_gpt(cfg.model, cfg.method, cfg.parallel, seq, torch.bfloat16, "cuda",
-                          loss="tiled").module
-        runtime = SwapRuntime(cfg.model.num_layers, streams_for(device), device)
-        report = prepare_swap(runtime, model, seq, 1, torch.bfloat16, None, 64 * 2**30)
-        batches = micro_batches(SyntheticTokens(cfg.model.vocab_size, 0), seq, 1, 1, 0, 1, device)
+        model = build_gpt(workload, "cuda").module
+        runtime = SwapRuntime(workload.model.num_layers, streams_for(device), device)
+        report = prepare_swap(runtime, model, workload, None, 64 * 2**30)
+        batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1, device)
 
         def step():
             (batch,) = next(batches)

@@ -6,7 +6,7 @@ from memo.model.gpt import (
     count_parameters,
     padded_vocab_size,
     parameter_count,
-    resolve_dtype,
+    torch_dtype,
     unsupported_layout,
     uses_transformer_engine,
 )
@@ -17,7 +17,7 @@ __all__ = [
     "count_parameters",
     "padded_vocab_size",
     "parameter_count",
-    "resolve_dtype",
+    "torch_dtype",
     "unsupported_layout",
     "uses_transformer_engine",
 ]

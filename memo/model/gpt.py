@@ -25,7 +25,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.config.validate import LOSSES
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.host import HostRotaryEmbedding, run_megatron_on_device, run_megatron_on_host
@@ -55,11 +55,9 @@ class BuiltModel:
     params: int  # of the whole model, all shards
 
 
-def resolve_dtype(name: str, device_type: str) -> torch.dtype:
-    """``train.dtype`` as a torch dtype; "auto" is bf16 on a GPU and fp32 on the CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
-    return DTYPES[name]
+def torch_dtype(workload: Workload) -> torch.dtype:
+    """The workload's ``dtype`` as a torch dtype."""
+    return DTYPES[workload.dtype]
 
 
 def padded_vocab_size(model: ModelConfig, tp: int) -> int:
@@ -95,14 +93,9 @@ def count_parameters(module: torch.nn.Module) -> int:
     )
 
 
-def transformer_config(
-    model: ModelConfig,
-    method: MethodConfig,
-    parallel: ParallelConfig,
-    dtype: torch.dtype,
-    device_type: str,
-) -> TransformerConfig:
+def transformer_config(workload: Workload, device_type: str) -> TransformerConfig:
     """The Megatron ``TransformerConfig`` for one run."""
+    model, method, parallel, dtype = workload.model, workload.method, workload.parallel, torch_dtype(workload)
     recompute = {}
     if method.recompute_granularity is not None:
         recompute = {
@@ -230,22 +223,13 @@ def _prepare_megatron(device_type: str) -> None:
     model_parallel_cuda_manual_seed(torch.initial_seed())
 
 
-def build_gpt(
-    model: ModelConfig,
-    method: MethodConfig,
-    parallel: ParallelConfig,
-    seq: int,
-    dtype: torch.dtype,
-    device_type: str,
-    attention_backend: str = "auto",
-    loss: str = "megatron",
-    loss_tile_tokens: Optional[int] = None,
-) -> BuiltModel:
-    """Build the GPT for this rank on ``device_type`` ("cuda" or "cpu").
+def build_gpt(workload: Workload, device_type: str, attention_backend: str = "auto") -> BuiltModel:
+    """Build the GPT of ``workload`` for this rank on ``device_type`` ("cuda" or "cpu"), for
+    sequences of up to ``workload.seq`` tokens.
 
-    ``loss`` is "megatron" (Megatron's output layer and vocab-parallel cross entropy) or "tiled"
-    (:class:`~memo.model.loss.TiledLossGPTModel`, ``loss_tile_tokens`` tokens per tile, ``None``
-    for its default).
+    The method's ``loss`` is "megatron" (Megatron's output layer and vocab-parallel cross entropy)
+    or "tiled" (:class:`~memo.model.loss.TiledLossGPTModel`, ``workload.loss_tile_tokens`` tokens
+    per tile, ``None`` for its default).
 
     Megatron's parallel state must be initialized (see :mod:`memo.execute.distributed`) and
     the torch seed set: the weights are drawn from it (on a GPU, from Megatron's CUDA generators,
@@ -255,7 +239,9 @@ def build_gpt(
         ConfigError: if the attention backend asked for is not available here.
     """
     _prepare_megatron(device_type)
-    config = transformer_config(model, method, parallel, dtype, device_type)
+    model, method, parallel, loss = workload.model, workload.method, workload.parallel, workload.method.loss
+    dtype = torch_dtype(workload)
+    config = transformer_config(workload, device_type)
     use_te = uses_transformer_engine(parallel, device_type, attention_backend, method)
     if use_te:
         spec = ModuleSpec(
@@ -270,12 +256,12 @@ def build_gpt(
 
     if loss not in LOSSES:
         raise ConfigError(f"train.loss={loss} is not a loss; choose one of: {', '.join(LOSSES)}")
-    extra = {"loss_tile_tokens": loss_tile_tokens} if loss == "tiled" else {}
+    extra = {"loss_tile_tokens": workload.loss_tile_tokens} if loss == "tiled" else {}
     gpt = (TiledLossGPTModel if loss == "tiled" else GPTModel)(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(model, parallel.tp),
-        max_sequence_length=seq,
+        max_sequence_length=workload.seq,
         share_embeddings_and_output_weights=True,
         position_embedding_type="rope",
         rotary_base=model.rotary_base,

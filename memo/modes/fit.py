@@ -18,14 +18,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+import torch
+from omegaconf import DictConfig
 
 from memo import hardware
-from memo.config import ConfigError, ParallelConfig, parse_alpha, parse_seq, resolve_loss, validate
+from memo.config import ConfigError, Run, SeqSearch, resolve
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
 from memo.fit.search import Candidate, LayoutResult, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
-from memo.model import resolve_dtype, unsupported_layout
+from memo.model import torch_dtype, unsupported_layout
 from memo.model.gpt import parameter_count
 from memo.modes.frame import job_frame
 from memo.modes.train import METRIC_FIELDS
@@ -40,9 +41,8 @@ def _gib(n: Optional[float]) -> str:
     return "-" if n is None else f"{n / GiB:,.2f} GiB"
 
 
-def _hardware(cfg: DictConfig) -> hardware.Hardware:
-    hw = hardware.resolve(cfg.hardware)
-    hw = prediction_hardware(hw)
+def _hardware(run: Run) -> hardware.Hardware:
+    hw = prediction_hardware(hardware.resolve(run.hardware))
     missing = [name for name in ("device_memory_bytes", "host_memory_bytes") if getattr(hw, name) is None]
     if missing:
         raise ConfigError(
@@ -52,35 +52,28 @@ def _hardware(cfg: DictConfig) -> hardware.Hardware:
     return hw
 
 
-def problem_of(cfg: DictConfig, hw: hardware.Hardware) -> Problem:
-    """The fixed part of ``cfg``'s prediction (model, method, hardware, assumptions)."""
-    dtype = resolve_dtype(cfg.train.dtype, hw.device_type)
+def problem_of(run: Run, hw: hardware.Hardware) -> Problem:
+    """The fixed part of ``run``'s prediction (workload, hardware, assumptions)."""
     return Problem(
-        model=OmegaConf.to_object(cfg.model),
-        method=dataclasses.replace(OmegaConf.to_object(cfg.method), loss=resolve_loss(cfg)),
-        hardware=hardware.with_measured_peak(hw, dtype),
-        fit=OmegaConf.to_object(cfg.fit),
-        dtype=dtype,
-        micro_batch_size=cfg.train.micro_batch_size,
-        micro_batches=cfg.train.micro_batches,
-        distributed_optimizer=cfg.train.distributed_optimizer,
-        plan=cfg.plan,
-        alpha=parse_alpha(cfg.alpha),
-        plan_time_limit_s=cfg.planner.time_limit_s,
-        loss_tile_tokens=cfg.train.loss_tile_tokens,
+        workload=run.workload,
+        hardware=hardware.with_measured_peak(hw, torch_dtype(run.workload)),
+        fit=run.fit,
+        micro_batches=run.train.micro_batches,
+        distributed_optimizer=run.train.distributed_optimizer,
+        plan=run.plan,
+        alpha=run.alpha,
+        plan_time_limit_s=run.planner.time_limit_s,
     )
 
 
-def evaluate(
-    problem: Problem, candidate: Candidate, seq: Optional[int], step: int, limit: int
-) -> LayoutResult:
-    """One layout at ``seq`` tokens, or at the longest multiple of ``step`` up to ``limit`` if None."""
+def evaluate(problem: Problem, candidate: Candidate, seq: int, search: Optional[SeqSearch]) -> LayoutResult:
+    """One layout at ``seq`` tokens, or at the longest length ``search`` allows (if given)."""
     parallel, unrunnable = candidate.parallel, candidate.unrunnable
-    if seq is not None:
+    if search is None:
         prediction = predict(problem, parallel, seq)
         found = (prediction, None) if prediction.fits else (None, prediction)
         return LayoutResult(parallel, *found, unrunnable=unrunnable)
-    grid = seq_grid_step(step, parallel)
+    grid, limit = seq_grid_step(search.step, parallel), search.limit
     if grid > limit:
         raise ConfigError(
             f"fit.seq_limit={limit} is below the first length this layout can split ({grid}); "
@@ -90,24 +83,20 @@ def evaluate(
     return LayoutResult(parallel, best, failed, unrunnable=unrunnable)
 
 
-def _candidates(cfg: DictConfig, problem: Problem) -> list[Candidate]:
+def _candidates(run: Run, problem: Problem) -> list[Candidate]:
     """The layouts to predict, each with why training cannot run it (predicted for a GPU
     cluster with Transformer Engine installed)."""
-    if not cfg.parallel.search:
-        parallel = OmegaConf.to_object(cfg.parallel)
-        return [Candidate(parallel, unsupported_layout(parallel, problem.method, have_te=True))]
+    method, parallel = run.workload.method, run.workload.parallel
+    if not parallel.search:
+        return [Candidate(parallel, unsupported_layout(parallel, method, have_te=True))]
     found = [
-        Candidate(p, unsupported_layout(p, problem.method, have_te=True))
-        for p in layouts(
-            problem.model,
-            cfg.cluster.gpus,
-            problem.hardware.devices_per_node or 1,
-            cfg.parallel.sequence_parallel,
-        )
+        Candidate(p, unsupported_layout(p, method, have_te=True))
+        for p in layouts(run.workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
+                         parallel.sequence_parallel)
     ]
     if not found:
         raise ConfigError(
-            f"no valid layout of cluster.gpus={cfg.cluster.gpus} for model={problem.model.name}"
+            f"no valid layout of cluster.gpus={run.cluster.gpus} for model={run.workload.model.name}"
         )
     return found
 
@@ -119,24 +108,21 @@ def fit_job(cfg: DictConfig, output_dir: Path, overrides=(), claimed: bool = Fal
     and ``error``; measured figures are None, in the same columns.
     """
     with job_frame(cfg, output_dir, overrides, claimed=claimed, columns=METRIC_FIELDS) as job:
-        _fit(cfg, output_dir, job.row)
+        _fit(resolve(cfg, gpu_visible=torch.cuda.is_available()), output_dir, job.row)
     return job.row
 
 
-def _fit(cfg: DictConfig, output_dir: Path, row: dict[str, Any]) -> None:
-    seq = validate(cfg)
-    hw = _hardware(cfg)
-    problem = problem_of(cfg, hw)
-    step, limit = parse_seq(cfg.fit.seq_step), parse_seq(cfg.fit.seq_limit)
-    candidates = _candidates(cfg, problem)
+def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
+    problem = problem_of(run, _hardware(run))
+    candidates = _candidates(run, problem)
     skipped = []
-    if cfg.parallel.search and cfg.fit.layouts == "runnable":
+    if run.workload.parallel.search and run.fit.layouts == "runnable":
         skipped = [c for c in candidates if c.unrunnable]
         candidates = [c for c in candidates if not c.unrunnable]
         if not candidates:
             raise ConfigError(
-                f"training runs no layout of cluster.gpus={cfg.cluster.gpus} for "
-                f"method={problem.method.name} ({skipped[0].unrunnable}); set fit.layouts=all "
+                f"training runs no layout of cluster.gpus={run.cluster.gpus} for "
+                f"method={run.workload.method.name} ({skipped[0].unrunnable}); set fit.layouts=all "
                 "to predict them anyway"
             )
     for c in skipped:
@@ -144,7 +130,7 @@ def _fit(cfg: DictConfig, output_dir: Path, row: dict[str, Any]) -> None:
     start = time.perf_counter()
     results = []
     for k, candidate in enumerate(candidates, 1):
-        result = evaluate(problem, candidate, seq, step, limit)
+        result = evaluate(problem, candidate, run.workload.seq, run.seq_search)
         results.append(result)
         shown = result.shown
         log.info(
@@ -163,7 +149,7 @@ def _fit(cfg: DictConfig, output_dir: Path, row: dict[str, Any]) -> None:
     row["fit.layouts_tried"] = len(results)
     row["fit.runners_up"] = "; ".join(
         f"{layout_label(r.parallel)}: {r.best.seq if r.best else r.failed.status}"
-        for r in results[1 : 1 + cfg.fit.runners_up]
+        for r in results[1 : 1 + run.fit.runners_up]
     )
     chosen = results[0].shown
     row.update(_row(chosen, problem))
@@ -175,15 +161,16 @@ def _fit(cfg: DictConfig, output_dir: Path, row: dict[str, Any]) -> None:
 def _row(p: Prediction, problem: Problem) -> dict[str, Any]:
     """Training-row columns for prediction ``p``: its layout and length, sizes, ``predicted_*``."""
     devices = p.parallel.tp * p.parallel.cp * p.parallel.pp * p.parallel.dp
-    global_batch = problem.micro_batch_size * problem.micro_batches * p.parallel.dp
+    workload = problem.workload
+    global_batch = workload.micro_batch_size * problem.micro_batches * p.parallel.dp
     return {
         **{f"parallel.{k}": v for k, v in dataclasses.asdict(p.parallel).items() if k != "search"},
         "seq": p.seq,
         "world_size": devices,
-        "dtype": str(problem.dtype).removeprefix("torch."),
+        "dtype": str(torch_dtype(workload)).removeprefix("torch."),
         **{f"hardware.{k}": v for k, v in dataclasses.asdict(problem.hardware).items()},
-        "params": parameter_count(problem.model),
-        "train.loss": problem.method.loss,
+        "params": parameter_count(workload.model),
+        "train.loss": workload.method.loss,
         "global_batch_size": global_batch,
         "tokens_per_iter": global_batch * p.seq,
         "flops_per_iter": p.time.flops_per_iteration,
@@ -245,8 +232,9 @@ def _write_layouts(path: Path, results: list[LayoutResult], skipped: list[Candid
 def report(p: Prediction, problem: Problem) -> str:
     """The prediction as the lines a user reads: terms per device and per node, α, verdict, time."""
     a, s, t = p.acts, p.states, p.time
+    model, method = problem.workload.model, problem.workload.method
     lines = [
-        f"{problem.model.name}, {problem.method.name}{' + plan' if problem.plan else ''}, "
+        f"{model.name}, {method.name}{' + plan' if problem.plan else ''}, "
         f"{p.seq} tokens, {layout_label(p.parallel)} on {problem.hardware.name}: {p.status.upper()}"
         + (f" ({p.reason})" if p.reason else ""),
         "per device:",
@@ -271,7 +259,7 @@ def report(p: Prediction, problem: Problem) -> str:
         f"  total                      {_gib(p.device_total)} of {_gib(p.device_capacity)}"
         + (f"  (activations peak in {a.peak_phase})" if a else ""),
     ]
-    if problem.method.layer_activations == "swap":
+    if method.layer_activations == "swap":
         lines += [
             "per node:",
             f"  swapped activations        {_gib(p.host_per_node)} of {_gib(p.host_capacity_per_node)}",

@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+import torch
+from omegaconf import DictConfig
 
-from memo.config import ConfigError, resolve_loss, validate
-from memo.model import resolve_dtype
+from memo.config import ConfigError, PlannerConfig, Run, resolve
+from memo.model import torch_dtype
 from memo.plan.bilevel import plan_iteration, write_plan
 from memo.dsa.caching_allocator import simulate
 from memo.profile.iteration import trace_iteration
@@ -33,10 +34,6 @@ PLAN_FILE = "plan.json"
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:,.3f} GiB"
-
-
-def _backend(cfg: DictConfig) -> str:
-    return "fake" if cfg.profile.backend == "auto" else cfg.profile.backend
 
 
 def _simulated(trace: Trace, phase: Optional[str], prefix: str) -> dict[str, Any]:
@@ -56,20 +53,17 @@ def profile_and_plan(
     and ``error``, not an exception.
     """
     with job_frame(cfg, output_dir, overrides, claimed=claimed) as job:
-        _profile(cfg, output_dir, job.row)
+        _profile(resolve(cfg, gpu_visible=torch.cuda.is_available()), output_dir, job.row)
     return job.row
 
 
-def _profile(cfg: DictConfig, output_dir: Path, row: dict[str, Any]) -> None:
-    row["seq"] = seq = validate(cfg)
-    backend = _backend(cfg)
-    dtype = resolve_dtype(cfg.train.dtype, "cpu" if backend == "cpu" else "cuda")
-    row["dtype"] = str(dtype).removeprefix("torch.")
+def _profile(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
+    workload, backend = run.workload, run.profile_backend
+    row["seq"] = workload.seq
+    row["dtype"] = str(torch_dtype(workload)).removeprefix("torch.")
+    row["train.loss"] = workload.method.loss
     start = time.perf_counter()
-    row["train.loss"] = loss = resolve_loss(cfg)
-    method = dataclasses.replace(OmegaConf.to_object(cfg.method), loss=loss)
-    trace = trace_iteration(cfg.model, method, cfg.parallel, seq, cfg.train.micro_batch_size,
-                            dtype, backend, cfg.train.seed, cfg.train.loss_tile_tokens)
+    trace = trace_iteration(workload, backend, run.train.seed)
     row["profile.seconds"] = time.perf_counter() - start
     row["profile.events"] = len(trace.events)
     write_trace(output_dir / TRACE_FILE, trace)
@@ -77,11 +71,11 @@ def _profile(cfg: DictConfig, output_dir: Path, row: dict[str, Any]) -> None:
     try:
         row["profile.layers_identical"] = ",".join(map(str, check_identical_layers(trace, requests)))
     except LayerMismatchError as error:
-        if cfg.mode == "plan":
+        if run.mode == "plan":
             raise ConfigError(f"cannot plan one layer for all: {error}") from None
         row["profile.layers_identical"] = None
         log.warning("%s", error)
-    layer = 1 if cfg.model.num_layers > 2 else 0
+    layer = 1 if workload.model.num_layers > 2 else 0
     bytes_ = layer_bytes(trace, layer, requests)
     row.update({f"layer.{k}_bytes" if k not in ("layer", "skeletal_requests") else f"layer.{k}": v
                 for k, v in dataclasses.asdict(bytes_).items()})
@@ -90,12 +84,12 @@ def _profile(cfg: DictConfig, output_dir: Path, row: dict[str, Any]) -> None:
              len(trace.events), row["profile.seconds"], backend, layer, _gib(bytes_.skeletal),
              bytes_.skeletal_requests, _gib(bytes_.transient_forward), _gib(bytes_.transient_backward),
              _gib(bytes_.transient_forward_peak), _gib(bytes_.transient_backward_peak))
-    if cfg.mode == "plan":
-        row.update(_plan(cfg, trace, layer, output_dir))
+    if run.mode == "plan":
+        row.update(_plan(run.planner, trace, layer, output_dir))
 
 
-def _plan(cfg: DictConfig, trace: Trace, layer: int, output_dir: Path) -> dict[str, Any]:
-    memory_plan = plan_iteration(trace, cfg.planner.time_limit_s, cfg.planner.mip)
+def _plan(planner: PlannerConfig, trace: Trace, layer: int, output_dir: Path) -> dict[str, Any]:
+    memory_plan = plan_iteration(trace, planner.time_limit_s, planner.mip)
     levels = [*memory_plan.blocks.values(), memory_plan.iteration]
     for message in dict.fromkeys(level.mip_message for level in levels if level.mip_message):
         log.info("MIP: %s", message)

@@ -7,7 +7,6 @@ the job ends to the row's status and writes the row.
 import dataclasses
 import gc
 import logging
-import math
 import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -18,7 +17,7 @@ from megatron.core import parallel_state
 from omegaconf import DictConfig
 
 from memo import hardware
-from memo.config import ConfigError, parse_alpha, resolve_loss, validate
+from memo.config import ConfigError, Run, resolve
 from memo.execute import distributed
 from memo.execute.streams import streams_for
 from memo.execute.swap import SwapRuntime
@@ -30,10 +29,10 @@ from memo.execute.plan_server import ServingStats
 from memo.execute.progress import format_seconds, step_progress
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
-from memo.model import build_gpt, resolve_dtype, unsupported_layout, uses_transformer_engine
+from memo.model import build_gpt, torch_dtype, unsupported_layout, uses_transformer_engine
 from memo.model.gpt import HAVE_TE
 from memo.modes.frame import job_frame
-from memo.results import ResultWriter
+from memo.results import ResultWriter, finite
 
 log = logging.getLogger("memo")
 
@@ -46,34 +45,21 @@ METRIC_FIELDS = (
 )
 
 
-def _check_device_visible(name: str, device_type: str) -> None:
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"hardware={name} trains on a GPU and none is visible here; "
-            "use hardware=auto or hardware=cpu"
-        )
-
-
-def _check_runtime_support(cfg: DictConfig, device_type: str) -> None:
-    reason = unsupported_layout(cfg.parallel, cfg.method, have_te=device_type == "cuda" and HAVE_TE)
+def _check_runtime_support(run: Run) -> None:
+    w = run.workload
+    reason = unsupported_layout(w.parallel, w.method, have_te=run.device_type == "cuda" and HAVE_TE)
     if reason is not None:
         raise ConfigError(reason)
-    if device_type == "cpu" and cfg.train.dtype == "fp16":
-        raise ConfigError("train.dtype=fp16 needs a GPU (loss scaling); use fp32 or bf16 on the CPU")
-    uses_transformer_engine(cfg.parallel, device_type, cfg.train.attention_backend, cfg.method)
+    uses_transformer_engine(w.parallel, run.device_type, run.train.attention_backend, w.method)
 
 
-def _finite(value):
-    return None if isinstance(value, float) and math.isinf(value) else value
-
-
-def _prepare_swap(cfg: DictConfig, model, seq: int, dtype: torch.dtype, hw: hardware.Hardware):
+def _prepare_swap(run: Run, model, hw: hardware.Hardware):
     """A swap runtime attached to ``model`` and ready to train, and its report."""
     device = torch.device(hw.device_type, torch.cuda.current_device()) if hw.device_type == "cuda" \
         else torch.device("cpu")
-    chunks = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-    runtime = SwapRuntime(cfg.model.num_layers, streams_for(device), device, chunks)
-    fixed = cfg.method.alpha if cfg.method.alpha is not None else parse_alpha(cfg.alpha)
+    parallel = run.workload.parallel
+    chunks = parallel.tp if parallel.sequence_parallel else 1
+    runtime = SwapRuntime(run.workload.model.num_layers, streams_for(device), device, chunks)
     budget = (hw.host_memory_bytes or hardware.host_memory_bytes()) / (hw.devices_per_node or 1)
     if device.type == "cuda":
         # Swapped activations live in page-locked memory: what can be pinned here now bounds
@@ -84,7 +70,7 @@ def _prepare_swap(cfg: DictConfig, model, seq: int, dtype: torch.dtype, hw: hard
             log.warning("ulimit -l is %.2f GiB, below the %.2f GiB of swapped activations this GPU may "
                         "pin; where the container enforces it, raise it (ulimit -l unlimited)",
                         memlock / 2**30, budget / 2**30)
-    report = prepare_swap(runtime, model, seq, cfg.train.micro_batch_size, dtype, fixed, budget)
+    report = prepare_swap(runtime, model, run.workload, run.alpha, budget)
     return runtime, report
 
 
@@ -140,7 +126,7 @@ def run_job(
                    columns=METRIC_FIELDS) as job:
         job.row["world_size"] = info.world_size
         try:
-            _train(cfg, info, job.row, job.writer)
+            _train(resolve(cfg, gpu_visible=torch.cuda.is_available()), info, job.row, job.writer)
         finally:
             distributed.shutdown()
             # The failed job's model and optimizer are garbage now; give their memory back
@@ -151,43 +137,38 @@ def run_job(
     return job.row
 
 
-def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: ResultWriter) -> None:
+def _train(run: Run, info: distributed.ProcessInfo, row: dict, writer: ResultWriter) -> None:
     """Everything of a job that can fail; fills ``row`` as facts become known."""
-    seq = validate(cfg)
+    workload, train, device_type = run.workload, run.train, run.device_type
+    model, seq = workload.model, workload.seq
     row["seq"] = seq
-    row["train.loss"] = loss = resolve_loss(cfg)
-    device_type = hardware.device_type_of(cfg.hardware)
-    _check_device_visible(cfg.hardware.name, device_type)
+    row["train.loss"] = workload.method.loss
     arena = None
-    if cfg.plan and device_type == "cuda":
+    if run.plan and device_type == "cuda":
         from memo.execute import cuda_arena
 
         # before this process's first CUDA tensor, and before anything (reading the GPU's name
         # for hardware=auto, say) initialises CUDA
         arena = cuda_arena.install(phase=lambda: "setup", device=distributed.device_index(info))
-    hw = hardware.resolve(cfg.hardware)
-    _check_runtime_support(cfg, device_type)
-    dtype = resolve_dtype(cfg.train.dtype, device_type)
-    hw = hardware.with_measured_peak(hw, dtype)
-    row["dtype"] = str(dtype).removeprefix("torch.")
+    hw = hardware.resolve(run.hardware)
+    _check_runtime_support(run)
+    hw = hardware.with_measured_peak(hw, torch_dtype(workload))
+    row["dtype"] = str(torch_dtype(workload)).removeprefix("torch.")
     row.update({f"hardware.{k}": v for k, v in dataclasses.asdict(hw).items()})
     if device_type == "cuda":
         row["device_name"] = torch.cuda.get_device_name()
 
-    distributed.initialize(cfg.parallel, device_type, info)
-    torch.manual_seed(cfg.train.seed)  # build_gpt seeds Megatron's CUDA generators from it
+    distributed.initialize(workload.parallel, device_type, info)
+    torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     memory = PeakMemory(device_type, arena)
     memory.reset()
     swap = None
     try:
-        built = build_gpt(
-            cfg.model, cfg.method, cfg.parallel, seq, dtype, device_type, cfg.train.attention_backend,
-            loss, cfg.train.loss_tile_tokens,
-        )
-        optimizer = build_optimizer(built.module, cfg.train, device_type)
-        if cfg.method.layer_activations == "swap":
-            swap, report = _prepare_swap(cfg, built.module, seq, dtype, hw)
-            row.update({f"swap.{k}": _finite(v) for k, v in dataclasses.asdict(report).items()})
+        built = build_gpt(workload, device_type, train.attention_backend)
+        optimizer = build_optimizer(built.module, train, device_type)
+        if run.swaps:
+            swap, report = _prepare_swap(run, built.module, hw)
+            row.update({f"swap.{k}": finite(v) for k, v in dataclasses.asdict(report).items()})
             log.info(
                 "swapping: alpha %.4f (%s), %d of %d tokens per chunk, T_layer %.4f s, "
                 "B %.2f GB/s, host %.2f GiB", report.alpha, report.alpha_binding,
@@ -195,15 +176,14 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
                 report.host_bandwidth_bytes_per_s / 1e9, report.host_bytes / 2**30,
             )
         dp_size = parallel_state.get_data_parallel_world_size()
-        source = token_source(cfg.train.data, cfg.model.vocab_size, cfg.train.seed, seq)
+        source = token_source(train.data, model.vocab_size, train.seed, seq)
         batches = micro_batches(
-            source, seq, cfg.train.micro_batch_size, cfg.train.micro_batches,
+            source, seq, workload.micro_batch_size, train.micro_batches,
             parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type),
         )
-        global_batch = cfg.train.micro_batch_size * cfg.train.micro_batches * dp_size
-        flops_per_iter = global_batch * model_flops_per_sample(
-            seq, built.params, cfg.model.num_layers, cfg.model.hidden_size
-        )
+        global_batch = workload.micro_batch_size * train.micro_batches * dp_size
+        flops_per_iter = global_batch * model_flops_per_sample(seq, built.params, model.num_layers,
+                                                               model.hidden_size)
         row.update(
             params=built.params,
             global_batch_size=global_batch,
@@ -215,7 +195,7 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
         )
         log.info(
             "%s: %s params, seq %d, %s on %s (%s, %s attention), %d process(es)",
-            cfg.model.name, f"{built.params:,}", seq, cfg.method.name, hw.name,
+            model.name, f"{built.params:,}", seq, workload.method.name, hw.name,
             row["dtype"], built.attention_backend, info.world_size,
         )
 
@@ -233,16 +213,16 @@ def _train(cfg: DictConfig, info: distributed.ProcessInfo, row: dict, writer: Re
             if info.rank == 0:
                 log.info(
                     "step %d/%d  loss %.4f  %.3f s/it  TGS %.1f  MFU %.2f%%  %s left%s",
-                    record["step"], cfg.train.steps, record["loss"], record["iter_time_s"],
+                    record["step"], train.steps, record["loss"], record["iter_time_s"],
                     record["tgs"], 100 * record["mfu"], format_seconds(left_s),
                     "" if record["timed"] else "  (warm-up)",
                 )
 
-        runtime = PlanRuntime(built.module, cfg.plan, cfg.planner, cfg.train.warmup_steps, device_type, arena)
+        runtime = PlanRuntime(built.module, run.plan, run.planner, train.warmup_steps, device_type, arena)
         if arena is not None:
             arena.phase = runtime.phase
-        with step_progress(cfg.train.steps, show_bar=info.rank == 0) as progress:
-            run_steps(optimizer, batches, cfg.train, device_type, on_step, runtime.step)
+        with step_progress(train.steps, show_bar=info.rank == 0) as progress:
+            run_steps(optimizer, batches, train, device_type, on_step, runtime.step)
         row.update(runtime.finish())
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone

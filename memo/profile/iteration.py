@@ -20,15 +20,15 @@ CPU back-ends); any other request alive at the end persists from one iteration t
 
 import contextlib
 import dataclasses
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from omegaconf import OmegaConf
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig
-from memo.model import build_gpt
+from memo.config import ConfigError, ParallelConfig, Workload
+from memo.model import build_gpt, torch_dtype
 from memo.model.attention import select_backend
 from memo.model.gpt import transformer_config
 from memo.profile.recorder import PhaseMarker, record
@@ -88,24 +88,14 @@ def _process_group(parallel: ParallelConfig, backend: str) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def trace_iteration(
-    model: ModelConfig,
-    method: MethodConfig,
-    parallel: ParallelConfig,
-    seq: int,
-    micro_batch_size: int,
-    dtype: torch.dtype,
-    backend: str = "fake",
-    seed: int = 1234,
-    loss_tile_tokens: Optional[int] = None,
-) -> Trace:
+def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234) -> Trace:
     """Allocation trace of one iteration of rank 0 (see the module docstring).
 
     Args:
-        method: its ``loss`` is the loss traced ("tiled" or "megatron").
-        seq: tokens per sequence (all of them; each rank holds its share).
-        micro_batch_size: sequences per micro-batch.
-        loss_tile_tokens: the tiled loss's tokens per tile (``None``: its default).
+        workload: what is traced; its ``seq`` counts the tokens of all ranks (each holds its
+            share), its method's ``loss`` is the loss traced.
+        backend: "fake", "cpu" or "cuda".
+        seed: the torch seed the weights are drawn from.
 
     Raises:
         ConfigError: for a back-end or method that cannot be traced here.
@@ -116,6 +106,8 @@ def trace_iteration(
     if backend == "cuda" and not torch.cuda.is_available():
         raise ConfigError("profile.backend=cuda needs a GPU and none is visible here; "
                           "use profile.backend=fake")
+    method, parallel, seq = workload.method, workload.parallel, workload.seq
+    micro_batch_size, dtype = workload.micro_batch_size, torch_dtype(workload)
     if method.layer_activations == "swap":
         raise ConfigError(
             f"method={method.name} moves skeletal tensors into its rounding buffers at run time, "
@@ -128,7 +120,7 @@ def trace_iteration(
         raise ConfigError(f"parallel.cp={parallel.cp}: context parallelism needs Transformer Engine's "
                           "attention, which a trace cannot run; use parallel.cp=1")
     device = "cuda" if backend == "cuda" else "cpu"
-    config = transformer_config(model, method, parallel, dtype, device)
+    config = transformer_config(workload, device)
     attention = select_backend(device, dtype, config.kv_channels)  # a real probe, outside fake mode
     mode = contextlib.nullcontext()
     if backend == "fake":
@@ -138,8 +130,7 @@ def trace_iteration(
     figures, gradients = {}, None
     with _process_group(parallel, backend), mode:
         torch.manual_seed(seed)
-        gpt = build_gpt(model, method, parallel, seq, dtype, device, attention, method.loss,
-                        loss_tile_tokens).module
+        gpt = build_gpt(workload, device, attention).module
         # One implementation on every back-end (the CUDA default, foreach, allocates otherwise).
         optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-4, foreach=False)
         for p in gpt.parameters():  # states exist before the traced step, as after step 1
@@ -175,7 +166,7 @@ def trace_iteration(
             )
     meta = {
         "backend": backend,
-        "model": _plain(model),
+        "model": _plain(workload.model),
         "method": method.name,
         "loss": method.loss,
         "parallel": _plain(parallel),

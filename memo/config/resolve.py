@@ -1,0 +1,147 @@
+"""The run configuration resolved once: checked, with every ``auto`` and every text figure turned
+into the value the code below uses, as typed dataclasses.
+
+A mode calls :func:`resolve` once and passes its :class:`Run` (or only the :class:`Workload`)
+on; nothing below reads the composed DictConfig again. Figures that only the machine knows (a
+detected GPU's memory, a CPU's measured peak FLOP/s) are left to :mod:`memo.hardware`, which
+takes :attr:`Run.hardware` as checked here.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from memo.config.schema import (
+    ClusterConfig,
+    FitConfig,
+    HardwareConfig,
+    MethodConfig,
+    ModelConfig,
+    ParallelConfig,
+    PlannerConfig,
+    TrainConfig,
+)
+from memo.config.validate import ConfigError, parse_alpha, parse_seq, validate
+
+# Bytes per element of each ``train.dtype`` a workload can have.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One iteration's work, as built, traced, trained or predicted: the model, how it keeps its
+    activations, its parallel layout, and the tokens of one micro-batch."""
+
+    model: ModelConfig
+    method: MethodConfig  # its ``loss`` is the one the run uses: "tiled" or "megatron"
+    parallel: ParallelConfig
+    seq: int  # tokens per sequence, all ranks together
+    micro_batch_size: int = 1  # sequences per micro-batch
+    dtype: str = "fp32"  # "fp32", "bf16" or "fp16" (never "auto")
+    loss_tile_tokens: Optional[int] = None  # the tiled loss's tokens per tile; None: its default
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the workload's dtype."""
+        return DTYPE_BYTES[self.dtype]
+
+    def at(self, parallel: ParallelConfig, seq: int) -> "Workload":
+        """The same work under another layout and length (``seq`` tokens)."""
+        return dataclasses.replace(self, parallel=parallel, seq=seq)
+
+
+@dataclass(frozen=True)
+class SeqSearch:
+    """``mode=fit seq=max``: the lengths tried are multiples of ``step`` up to ``limit`` (tokens)."""
+
+    step: int
+    limit: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """A composed :class:`memo.config.RunConfig`, resolved (see :func:`resolve`)."""
+
+    mode: str  # train, profile, plan or fit
+    workload: Workload  # with seq=max: at ``seq_search.limit`` tokens
+    device_type: str  # "cuda" or "cpu": where the run trains, or the device it is traced or predicted for
+    # The fraction of tokens a swapping method swaps: the method's fixed one (full_swap: 1.0) or
+    # the run's given ``alpha``; None where MEMO solves it, and for methods that do not swap.
+    alpha: Optional[float]
+    plan: bool
+    hardware: HardwareConfig
+    cluster: ClusterConfig
+    train: TrainConfig
+    profile_backend: str  # "fake", "cpu" or "cuda" (``auto`` is fake)
+    planner: PlannerConfig
+    fit: FitConfig
+    seq_search: Optional[SeqSearch] = None  # mode=fit seq=max only
+
+    @property
+    def swaps(self) -> bool:
+        """Whether the method swaps activations to the host (MEMO, full swap)."""
+        return self.workload.method.layer_activations == "swap"
+
+
+def resolve(cfg, gpu_visible: bool) -> Run:
+    """Check ``cfg`` (a composed :class:`memo.config.RunConfig`, every range and name as
+    :func:`memo.config.validate` does) and resolve it into a :class:`Run`.
+
+    Args:
+        gpu_visible: whether this process sees a GPU (``torch.cuda.is_available()``): it picks
+            the device of ``hardware=auto`` and with it the dtype of ``train.dtype=auto``.
+
+    Raises:
+        ConfigError: on the first problem found, in one line naming the key.
+    """
+    seq = validate(cfg)
+    backend = "fake" if cfg.profile.backend == "auto" else cfg.profile.backend
+    device_type = _device_type(cfg, backend, gpu_visible)
+    if cfg.mode == "train":
+        if device_type == "cuda" and not gpu_visible:
+            raise ConfigError(f"hardware={cfg.hardware.name} trains on a GPU and none is visible here; "
+                              "use hardware=auto or hardware=cpu")
+        if device_type == "cpu" and cfg.train.dtype == "fp16":
+            raise ConfigError("train.dtype=fp16 needs a GPU (loss scaling); use fp32 or bf16 on the CPU")
+    method: MethodConfig = OmegaConf.to_object(cfg.method)
+    loss = method.loss if cfg.train.loss == "auto" else cfg.train.loss
+    search = None
+    if seq is None:
+        search = SeqSearch(parse_seq(cfg.fit.seq_step), parse_seq(cfg.fit.seq_limit))
+        seq = search.limit
+    dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device_type == "cuda" else "fp32")
+    workload = Workload(
+        model=OmegaConf.to_object(cfg.model),
+        method=dataclasses.replace(method, loss=loss),
+        parallel=OmegaConf.to_object(cfg.parallel),
+        seq=seq,
+        micro_batch_size=cfg.train.micro_batch_size,
+        dtype=dtype,
+        loss_tile_tokens=cfg.train.loss_tile_tokens,
+    )
+    swaps = method.layer_activations == "swap"
+    return Run(
+        mode=cfg.mode,
+        workload=workload,
+        device_type=device_type,
+        alpha=(method.alpha if method.alpha is not None else parse_alpha(cfg.alpha)) if swaps else None,
+        plan=cfg.plan,
+        hardware=OmegaConf.to_object(cfg.hardware),
+        cluster=OmegaConf.to_object(cfg.cluster),
+        train=OmegaConf.to_object(cfg.train),
+        profile_backend=backend,
+        planner=OmegaConf.to_object(cfg.planner),
+        fit=OmegaConf.to_object(cfg.fit),
+        seq_search=search,
+    )
+
+
+def _device_type(cfg, backend: str, gpu_visible: bool) -> str:
+    if cfg.mode in ("profile", "plan"):
+        return "cpu" if backend == "cpu" else "cuda"
+    if cfg.hardware.name == "auto":
+        return "cuda" if gpu_visible else "cpu"
+    return "cpu" if cfg.hardware.name == "cpu" else "cuda"
+
