@@ -26,9 +26,10 @@ def test_the_pack_runs_every_step_on_the_cpu_and_goes_on_where_it_stopped(tmp_pa
     assert (numerics["status"] == "ok").all()
     assert (numerics["grad_error"].dropna() <= numerics["tolerance"].dropna()).all()
     smoke = pd.read_csv(tmp_path / "smoke.csv")
-    assert set(smoke["status"]) == {"ok", "skipped"} and len(smoke) == 10
+    assert set(smoke["status"]) == {"ok", "skipped"} and len(smoke) == 8
     throughput = pd.read_csv(tmp_path / "throughput.csv")
-    assert len(throughput) == 6 and (throughput["status"] == "ok").all() and (throughput["mfu"] > 0).all()
+    assert list(throughput["job"]) == ["none-256", "memo-true-256"]
+    assert (throughput["status"] == "ok").all() and (throughput["mfu"] > 0).all()
     summary = (tmp_path / "summary.md").read_text()
     assert "# GPU validation pack: cpu" in summary and "## numerics" in summary and "megatron-core" in summary
 
