@@ -173,7 +173,7 @@ def test_memo_buffers_host_bytes_and_alpha_at_one_million_tokens():
         layer_input + attention + other / 2
     )
     assert oohm.host_per_node > oohm.host_capacity_per_node == int(2048 * GiB * 0.9)
-    assert prediction.cp_buffers == 4 * t * h // tp * 2
+    assert prediction.cp_buffers == 2 * S * h // tp * 2  # all S tokens' keys and values, bf16
 
 
 def test_memo_alpha_is_solved_against_bandwidth_and_host_memory():
@@ -260,6 +260,17 @@ def test_predicted_time_is_the_flop_count_over_the_assumed_rates():
     again = predict_time(work(method=FULL_RECOMPUTE, seq=s), 1, A800, fit)
     assert again.iteration_s == pytest.approx(t.iteration_s + n * forward)
     assert again.mfu < t.mfu
+
+
+def test_context_parallel_time_is_the_gathers_and_the_reduce_scatter_of_keys_and_values():
+    """cp = 2 within one A800 node: the other rank's key and value block (b·t·h/tp elements each,
+    bf16) over NVLink at 80% of 400 GB/s, once in the forward, twice in the backward."""
+    s, h, tp = 64 * 1024, 4096, 4
+    t = predict_time(work(seq=s, parallel=LAYOUT), 1, A800, FitConfig())
+    block = 2 * (s // 2) * h // tp * 2
+    assert t.layer_cp_comm_exposed_s == pytest.approx(3 * block / (400e9 * 0.8))
+    without = predict_time(work(seq=s, parallel=ParallelConfig(tp=4)), 1, A800, FitConfig())
+    assert without.layer_cp_comm_exposed_s == 0
 
 
 # ---------------------------------------------------------------- tiny: predicted against a CPU run

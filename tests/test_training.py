@@ -97,6 +97,20 @@ def test_tensor_and_sequence_parallel_two_processes_match_one(tmp_path):
 
 
 @pytest.mark.slow
+def test_context_parallel_two_processes_match_one_with_either_loss(tmp_path):
+    """The sequence split over two ranks (our attention gathering keys and values): the losses
+    and gradient norms of the one-process run."""
+    for loss in ("megatron", "tiled"):
+        common = ["train.steps=3", *SHORT, f"train.loss={loss}"]
+        cp2 = _torchrun(tmp_path, f"cp2-{loss}", "parallel.cp=2", *common)
+        cp1 = _steps(tmp_path, f"cp1-{loss}", *common)
+        assert len(cp2) == 3
+        for a, b in zip(cp2, cp1, strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
 def test_data_parallel_two_processes_match_gradient_accumulation(tmp_path):
     common = ["train.steps=3", *SHORT]
     dp2 = _torchrun(tmp_path, "dp2", "parallel.dp=2", *common)

@@ -59,6 +59,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel
     dp: int = 1  # data parallel
     sequence_parallel: bool = False  # shard norms and dropout regions along the sequence (tp > 1)
+    # How context-parallel ranks exchange keys and values (Megatron's names): all_gather (every
+    # rank gathers all keys and values before its attention).
+    cp_comm_type: str = "all_gather"
     # mode=fit only (conf/parallel/search.yaml): try every valid layout of cluster.gpus instead
     # of the sizes above, and report the one that fits the longest sequence.
     search: bool = False

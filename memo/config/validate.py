@@ -22,6 +22,7 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 LOSSES = ("tiled", "megatron")
+CP_COMM_TYPES = ("all_gather",)
 
 
 class ConfigError(ValueError):
@@ -261,6 +262,7 @@ def _check_parallel(p, model, seq: Optional[int]) -> None:
         raise ConfigError(
             f"parallel.pp={p.pp} does not divide model.num_layers={model.num_layers}"
         )
+    _choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     # Megatron splits the sequence into 2·cp chunks (load balance of the causal mask), and

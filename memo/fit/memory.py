@@ -166,13 +166,13 @@ def rounding_buffer_bytes(sizes: SkeletalBytes) -> int:
 
 
 def context_parallel_buffers(workload: Workload) -> int:
-    """Key/value blocks in flight in ring attention (bytes); 0 without context parallelism."""
+    """The keys and values of all ``s`` tokens that a layer's attention gathers (bytes), counted as
+    held although they live only while one layer's attention runs; 0 without context parallelism."""
     parallel = workload.parallel
     if parallel.cp == 1:
         return 0
-    tokens = workload.seq // parallel.cp
     hidden = workload.model.hidden_size // parallel.tp
-    return 4 * workload.micro_batch_size * tokens * hidden * workload.dtype_bytes
+    return 2 * workload.micro_batch_size * workload.seq * hidden * workload.dtype_bytes
 
 
 @dataclass(frozen=True)

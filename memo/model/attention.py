@@ -3,7 +3,9 @@
 Megatron-core's own ``DotProductAttention`` materializes the s×s score matrix and calls
 ``torch.cuda``; this module keeps attention memory O(s) (FlashAttention-style kernels on the GPU,
 PyTorch's fused CPU kernel on the host), which is what every activation figure of MEMO assumes.
-It plugs into the local layer spec as ``core_attention`` when Transformer Engine is absent.
+It plugs into the local layer spec as ``core_attention`` when Transformer Engine is absent. With
+context parallelism each rank attends with its queries over the whole sequence's keys and values
+(:mod:`memo.model.context_parallel`).
 
 The kernel is chosen once per (device, dtype, head size) by trying the candidates in order of
 speed on a small causal problem, forward and backward; the winner is the only one allowed
@@ -15,11 +17,13 @@ import math
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memo.config import ConfigError
+from memo.model.context_parallel import context_parallel_attention
 
 # Fastest first on Hopper: cuDNN's fused attention, then FlashAttention-2, then the rest.
 _CANDIDATES = {
@@ -110,9 +114,13 @@ class SdpaAttention(MegatronModule):
         self.runtime = None  # a SwapRuntime, attached after the model is built
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SdpaAttention supports causal masks only, not {attn_mask_type}")
-        if config.context_parallel_size > 1:
-            raise ValueError("context parallelism needs Transformer Engine's attention")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = None  # the context-parallel group when the sequence is split over one
+        if config.context_parallel_size > 1:
+            if cp_comm_type not in (None, "all_gather") or self.dropout:
+                raise ValueError(f"SdpaAttention's context parallelism gathers keys and values "
+                                 f"(cp_comm_type=all_gather, not {cp_comm_type}) without dropout")
+            self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.grouped = config.num_query_groups is not None and (
@@ -133,6 +141,9 @@ class SdpaAttention(MegatronModule):
         the causal mask is implicit, so no s×s tensor is ever built."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("SdpaAttention supports neither attention bias nor packed sequences")
+        if self.cp_group is not None:
+            return context_parallel_attention(query, key, value, self.cp_group, _CANDIDATES[self.backend],
+                                              self.softmax_scale, self.grouped)
         return causal_attention(
             query,
             key,

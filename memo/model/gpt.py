@@ -114,6 +114,7 @@ def transformer_config(workload: Workload, device_type: str) -> TransformerConfi
         pipeline_model_parallel_size=parallel.pp,
         context_parallel_size=parallel.cp,
         sequence_parallel=parallel.sequence_parallel,
+        cp_comm_type=parallel.cp_comm_type if parallel.cp > 1 else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
@@ -159,24 +160,20 @@ def _local_block_spec(
     )
 
 
-def unsupported_layout(parallel: ParallelConfig, method: MethodConfig, have_te: bool) -> Optional[str]:
+def unsupported_layout(parallel: ParallelConfig, method: MethodConfig) -> Optional[str]:
     """Why training cannot run ``method`` under ``parallel`` (one line naming what to change), or
-    ``None`` if it can. ``have_te``: Transformer Engine can be used (installed, on a GPU)."""
+    ``None`` if it can."""
     if parallel.pp > 1:
         return (f"parallel.pp={parallel.pp}: the training loop has no pipeline schedule yet; "
                 "use parallel.pp=1")
-    return _unsupported_context_parallel(parallel, method, have_te)
+    return _unsupported_context_parallel(parallel, method)
 
 
-def _unsupported_context_parallel(
-    parallel: ParallelConfig, method: MethodConfig, have_te: bool
-) -> Optional[str]:
+def _unsupported_context_parallel(parallel: ParallelConfig, method: MethodConfig) -> Optional[str]:
     if parallel.cp > 1 and method.layer_activations != "megatron":
-        return (f"method={method.name} runs on Megatron's local layers, so parallel.cp={parallel.cp} "
-                "(Transformer Engine's attention) is not supported with it yet; use parallel.cp=1")
-    if parallel.cp > 1 and not have_te:
-        return (f"parallel.cp={parallel.cp} needs Transformer Engine's attention on a GPU "
-                "(pip install '.[gpu]'); use parallel.cp=1")
+        return (f"method={method.name} keeps its activations in its own layers, which do not split "
+                f"the sequence over context-parallel ranks yet; use parallel.cp=1 (parallel.cp="
+                f"{parallel.cp} runs with Megatron's methods)")
     return None
 
 
@@ -189,15 +186,15 @@ def uses_transformer_engine(
     local spec, whose attention and norms the swap runtime knows how to take apart.
 
     Raises:
-        ConfigError: if the run needs Transformer Engine (``attention_backend=te``, or context
-            parallelism) and it cannot be used here.
+        ConfigError: if the run needs Transformer Engine (``attention_backend=te``) and it cannot
+            be used here, or a method's layers cannot run the context-parallel layout.
     """
     if method.layer_activations != "megatron" and attention_backend == "te":
         raise ConfigError(
             f"method={method.name} runs on Megatron's local layers, so train.attention_backend=te "
             "(Transformer Engine's attention) is not supported with it; use train.attention_backend=auto"
         )
-    reason = _unsupported_context_parallel(parallel, method, have_te=device_type == "cuda" and HAVE_TE)
+    reason = _unsupported_context_parallel(parallel, method)
     if reason is not None:
         raise ConfigError(reason)
     use_te = (

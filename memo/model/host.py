@@ -1,9 +1,10 @@
 """What Megatron-core needs to run where PyTorch has no CUDA (CPU-only builds).
 
-Three places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
+Four places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
 
-* ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()``.
-  :class:`HostRotaryEmbedding` keeps them where they are.
+* ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()``, and its
+  forward picks a context-parallel rank's positions with a pinned index sent to the GPU.
+  :class:`HostRotaryEmbedding` keeps them where they are and picks the positions on the host.
 * Activation checkpointing (``tensor_parallel.checkpoint``, used by full and selective
   recomputation) saves and restores the CUDA generator's state around every recomputed region,
   and the embedding forks the tracker's "model-parallel-rng" state under sequence parallelism.
@@ -18,9 +19,13 @@ machine (the gloo tests, ``hardware=cpu``) needs them too, and a GPU job built a
 process gets Megatron's own functions back (:func:`run_megatron_on_device`).
 """
 
+import functools
+
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import random as megatron_random
+
+from memo.model.context_parallel import split_for_rank
 
 
 class HostRotaryEmbedding(RotaryEmbedding):
@@ -34,6 +39,16 @@ class HostRotaryEmbedding(RotaryEmbedding):
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, None, None, :]
+
+    @functools.lru_cache(maxsize=32)  # one angle tensor per length, as Megatron's forward keeps
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group=None) -> torch.Tensor:
+        """RoPE angles of this context-parallel rank's positions (its two chunks of the sequence)."""
+        emb = self.get_emb(max_seq_len, offset)
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is not None and group.size() > 1 and not packed_seq:
+            emb = split_for_rank(emb, 0, group.rank(), group.size())
+        return emb
 
 
 def _no_cuda_rng_state(*_args, **_kwargs) -> torch.Tensor:

@@ -84,13 +84,12 @@ def evaluate(problem: Problem, candidate: Candidate, seq: int, search: Optional[
 
 
 def _candidates(run: Run, problem: Problem) -> list[Candidate]:
-    """The layouts to predict, each with why training cannot run it (predicted for a GPU
-    cluster with Transformer Engine installed)."""
+    """The layouts to predict, each with why training cannot run it."""
     method, parallel = run.workload.method, run.workload.parallel
     if not parallel.search:
-        return [Candidate(parallel, unsupported_layout(parallel, method, have_te=True))]
+        return [Candidate(parallel, unsupported_layout(parallel, method))]
     found = [
-        Candidate(p, unsupported_layout(p, method, have_te=True))
+        Candidate(p, unsupported_layout(p, method))
         for p in layouts(run.workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
                          parallel.sequence_parallel)
     ]

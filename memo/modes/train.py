@@ -30,7 +30,6 @@ from memo.execute.progress import format_seconds, step_progress
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import build_gpt, torch_dtype, unsupported_layout, uses_transformer_engine
-from memo.model.gpt import HAVE_TE
 from memo.modes.frame import job_frame
 from memo.results import ResultWriter, finite
 
@@ -47,7 +46,7 @@ METRIC_FIELDS = (
 
 def _check_runtime_support(run: Run) -> None:
     w = run.workload
-    reason = unsupported_layout(w.parallel, w.method, have_te=run.device_type == "cuda" and HAVE_TE)
+    reason = unsupported_layout(w.parallel, w.method)
     if reason is not None:
         raise ConfigError(reason)
     uses_transformer_engine(w.parallel, run.device_type, run.train.attention_backend, w.method)

@@ -1,0 +1,153 @@
+"""Context parallelism in our own core attention, without Transformer Engine.
+
+The sequence is cut into ``2·cp`` chunks of ``c`` tokens and context-parallel rank ``r`` holds
+chunks ``r`` and ``2·cp − 1 − r``, one from each end, as Megatron-core's
+``get_batch_on_this_cp_rank`` lays it out: under the causal mask every rank then does the same
+work. Each rank computes attention for its own queries over every earlier key of the whole
+sequence. With ``cp_comm_type=all_gather`` (Megatron's name) the keys and values of all ranks are
+gathered before the layer's attention, in sequence order, and their gradients are summed back to
+the ranks that own them (a reduce-scatter) in the backward pass.
+
+A query chunk ``j`` attends to keys ``[0, (j + 1)·c)`` with the causal mask aligned at the lower
+right (its last query sees every one of those keys), which SDPA takes as
+:func:`torch.nn.attention.bias.causal_lower_right` without building a ``c × (j + 1)·c`` mask on
+kernels that support it.
+
+Memory: the gathered keys and values (``2·s·b·h/tp`` elements, all ``s`` tokens) live while one
+layer's attention runs, forward or backward, and are not kept in between: the backward pass is
+given the views it saved of them by gathering them again from this rank's own parts
+(saved-tensor hooks), one more all-gather per layer, as Transformer Engine's ``all_gather`` does.
+"""
+
+import functools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention import sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
+
+
+def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of ``2·cp``) that context-parallel rank ``rank`` holds, in its order."""
+    return rank, 2 * cp - 1 - rank
+
+
+def split_for_rank(t: torch.Tensor, dim: int, rank: int, cp: int) -> torch.Tensor:
+    """This rank's part of ``t`` (a whole sequence along ``dim``): its two chunks, concatenated."""
+    if t.shape[dim] % (2 * cp):
+        raise ValueError(f"a sequence of {t.shape[dim]} tokens cannot be cut into 2·cp = {2 * cp} chunks")
+    chunks = t.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[i] for i in rank_chunks(rank, cp)], dim=dim)
+
+
+def _sequence_order(cp: int) -> list[int]:
+    """Where each chunk of the gathered ``[rank 0's two, rank 1's two, ...]`` belongs: entry ``k``
+    is the position in the gathered list of sequence chunk ``k``."""
+    owner = {chunk: 2 * r + i for r in range(cp) for i, chunk in enumerate(rank_chunks(r, cp))}
+    return [owner[k] for k in range(2 * cp)]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All ranks' parts (dim 0) as the whole sequence in order; backward: each rank's part of the
+    summed gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        cp = dist.get_world_size(group)
+        ctx.group, ctx.cp = group, cp
+        gathered = local.new_empty((cp * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        chunks = gathered.chunk(2 * cp)
+        return torch.cat([chunks[i] for i in _sequence_order(cp)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cp = ctx.cp
+        chunks = grad.chunk(2 * cp)
+        by_rank = torch.cat([chunks[k] for r in range(cp) for k in rank_chunks(r, cp)])
+        local = grad.new_empty((grad.shape[0] // cp, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(local, by_rank, group=ctx.group)
+        return local, None
+
+
+def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence (dim 0) from every context-parallel rank's part, differentiably."""
+    return _GatherSequence.apply(local, group)
+
+
+@functools.lru_cache(maxsize=None)
+def _lower_right(queries: int, keys: int) -> CausalBias:
+    """The causal mask aligned at the lower right. It holds no data, only the two lengths, but it is
+    a tensor subclass, which cannot be made while a dispatch mode (the CPU allocation recorder of
+    :mod:`memo.execute.plan_runtime`) wraps every new tensor: it is made outside any."""
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
+
+class _GatheredSaved:
+    """Saved-tensor hooks for one attention call: views of the gathered keys and values are saved
+    as where they lie in them, and gathered again (once) when the backward pass asks for them."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, group):
+        self.local = (key.detach(), value.detach())  # this rank's parts, saved anyway by autograd
+        self.group = group
+        self.storages: dict[int, int] = {}  # data pointer of a gathered tensor's storage -> 0 (keys), 1
+        self.regathered: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def gather(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = gather_sequence(key, self.group), gather_sequence(value, self.group)
+        self.storages = {t.untyped_storage().data_ptr(): i for i, t in enumerate((keys, values))}
+        return keys, values
+
+    def pack(self, t: torch.Tensor):
+        which = self.storages.get(t.untyped_storage().data_ptr())
+        return t if which is None else (which, t.storage_offset(), t.shape, t.stride())
+
+    def unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        which, offset, shape, stride = saved
+        if self.regathered is None:
+            with torch.no_grad():
+                self.regathered = tuple(_GatherSequence.apply(t, self.group) for t in self.local)
+        return self.regathered[which].as_strided(shape, stride, offset)
+
+
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group,
+    backend,
+    scale: float,
+    grouped: bool = False,
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence's keys.
+
+    Args:
+        query, key, value: this rank's ``[2·c, b, heads, dim]`` (its two chunks, in its order).
+        group: the context-parallel process group.
+        backend: the SDPA kernel (a :class:`torch.nn.attention.SDPBackend`).
+        scale: the softmax scale.
+
+    Returns:
+        ``[2·c, b, heads·dim]``, this rank's tokens in its order.
+    """
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    saved = _GatheredSaved(key, value, group)
+    c = query.shape[0] // 2
+    masks = [_lower_right(c, (chunk + 1) * c) for chunk in rank_chunks(rank, cp)]
+    outs = []
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        keys, values = saved.gather(key, value)
+        for part, mask in zip(query.split(c), masks):
+            end = mask.seq_len_kv
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (part, keys[:end], values[:end]))
+            with sdpa_kernel([backend]):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
+            b, n, _, d = out.shape
+            outs.append(out.permute(2, 0, 1, 3).reshape(c, b, n * d))
+    return torch.cat(outs)

@@ -1,0 +1,28 @@
+"""Context parallelism in our own attention: Megatron's load-balanced layout, and attention over
+the whole sequence equal to textbook causal attention, forward and backward, in 2 and 4 processes."""
+
+import pytest
+import torch
+
+from memo.model.context_parallel import _sequence_order, rank_chunks, split_for_rank
+
+from conftest import run_under_torchrun
+
+
+def test_each_rank_holds_one_chunk_from_each_end_as_megatron_lays_it_out():
+    tokens = torch.arange(8)
+    assert [split_for_rank(tokens, 0, r, 2).tolist() for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [rank_chunks(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    # gathered as [rank 0's two, rank 1's two, ...]: chunks 0, 7, 1, 6, 2, 5, 3, 4
+    assert _sequence_order(4) == [0, 2, 4, 6, 7, 5, 3, 1]
+
+
+def test_a_length_that_does_not_cut_into_two_chunks_a_rank_is_refused():
+    with pytest.raises(ValueError, match="a sequence of 6 tokens cannot be cut into 2·cp = 4 chunks"):
+        split_for_rank(torch.arange(6), 0, 0, 2)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_attention_over_context_parallel_ranks_equals_textbook_attention(processes):
+    result = run_under_torchrun("context_parallel_worker.py", processes)
+    assert result.stdout.count("6 cases match textbook attention") == processes
