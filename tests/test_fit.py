@@ -262,7 +262,7 @@ def test_predicted_time_is_the_flop_count_over_the_assumed_rates():
     assert again.mfu < t.mfu
 
 
-def test_context_parallel_time_is_the_gathers_and_the_reduce_scatter_of_keys_and_values():
+def test_context_parallel_time_is_the_exchange_of_keys_and_values():
     """cp = 2 within one A800 node: the other rank's key and value block (b·t·h/tp elements each,
     bf16) over NVLink at 80% of 400 GB/s, once in the forward, twice in the backward."""
     s, h, tp = 64 * 1024, 4096, 4
@@ -271,6 +271,11 @@ def test_context_parallel_time_is_the_gathers_and_the_reduce_scatter_of_keys_and
     assert t.layer_cp_comm_exposed_s == pytest.approx(3 * block / (400e9 * 0.8))
     without = predict_time(work(seq=s, parallel=ParallelConfig(tp=4)), 1, A800, FitConfig())
     assert without.layer_cp_comm_exposed_s == 0
+    # Ulysses: four all-to-alls each way of the rank's b·t·h/tp elements, half of them leaving it
+    ulysses = dataclasses.replace(LAYOUT, cp_comm_type="a2a")
+    t = predict_time(work(seq=s, parallel=ulysses), 1, A800, FitConfig())
+    assert t.layer_cp_comm_exposed_s == pytest.approx(2 * 4 * (1 / 2) * (block / 2) / (400e9 * 0.8))
+    assert predict(problem(NONE), ulysses, s).cp_buffers == 0
 
 
 # ---------------------------------------------------------------- tiny: predicted against a CPU run
@@ -345,6 +350,11 @@ def test_layouts_of_eight_devices_keep_tensor_parallelism_in_a_node():
     # By hand: tp ∈ {1, 2, 4, 8}; for each, ordered (cp, pp, dp) with product 16/tp: 15 + 10 + 6 + 3.
     assert len(found) == 15 + 10 + 6 + 3
     assert all(p.sequence_parallel == (p.tp > 1) for p in found)
+    # Ulysses splits the heads over tp·cp: with 12 heads, only layouts whose tp·cp divides 12
+    ulysses = layouts(dataclasses.replace(SEVEN_B, num_attention_heads=12, hidden_size=4608), 16, 8,
+                      cp_comm_type="a2a")
+    assert ulysses and all(12 % (p.tp * p.cp) == 0 and p.cp_comm_type == "a2a" for p in ulysses)
+    assert {(p.tp, p.cp) for p in ulysses} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}
 
 
 def test_binary_search_finds_the_longest_length_that_fits():

@@ -66,16 +66,16 @@ def test_megatron_recomputation_gives_the_same_gradients(single_process, monkeyp
         torch.testing.assert_close(grads_r[name], grads[name], msg=name)
 
 
-def _torchrun(tmp_path, name: str, *overrides: str) -> list[dict]:
+def _torchrun(tmp_path, name: str, *overrides: str, processes: int = 2) -> list[dict]:
     out = tmp_path / name
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
-        [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+        [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
          str(free_port()), str(REPO / "run.py"), f"hydra.run.dir={out}", *overrides],
         check=True, cwd=tmp_path, env=env, timeout=600, capture_output=True,
     )
     row = json.loads((out / "result.json").read_text())
-    assert row["status"] == "ok" and row["world_size"] == 2, row["error"]
+    assert row["status"] == "ok" and row["world_size"] == processes, row["error"]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -97,17 +97,30 @@ def test_tensor_and_sequence_parallel_two_processes_match_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_context_parallel_two_processes_match_one_with_either_loss(tmp_path):
-    """The sequence split over two ranks (our attention gathering keys and values): the losses
-    and gradient norms of the one-process run."""
-    for loss in ("megatron", "tiled"):
+def test_context_parallel_two_processes_match_one_with_either_exchange_and_loss(tmp_path):
+    """The sequence split over two ranks (our attention gathering keys and values, or Ulysses'
+    all-to-all): the losses and gradient norms of the one-process run."""
+    for comm, loss in (("all_gather", "megatron"), ("a2a", "tiled")):
         common = ["train.steps=3", *SHORT, f"train.loss={loss}"]
-        cp2 = _torchrun(tmp_path, f"cp2-{loss}", "parallel.cp=2", *common)
+        cp2 = _torchrun(tmp_path, f"cp2-{loss}", "parallel.cp=2", f"parallel.cp_comm_type={comm}", *common)
         cp1 = _steps(tmp_path, f"cp1-{loss}", *common)
         assert len(cp2) == 3
         for a, b in zip(cp2, cp1, strict=True):
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_tensor_sequence_and_context_parallel_four_processes_match_one(tmp_path):
+    """tp = 2 with sequence parallelism and cp = 2, as the paper's layouts combine them."""
+    common = ["train.steps=3", *SHORT]
+    four = _torchrun(tmp_path, "tp2cp2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
+                     *common, processes=4)
+    one = _steps(tmp_path, "one", *common)
+    assert len(four) == 3
+    for a, b in zip(four, one, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.slow

@@ -60,7 +60,8 @@ class ParallelConfig:
     dp: int = 1  # data parallel
     sequence_parallel: bool = False  # shard norms and dropout regions along the sequence (tp > 1)
     # How context-parallel ranks exchange keys and values (Megatron's names): all_gather (every
-    # rank gathers all keys and values before its attention).
+    # rank gathers all keys and values before its attention) or a2a (Ulysses: all-to-all from
+    # sequence to heads and back; the heads must divide by tp·cp).
     cp_comm_type: str = "all_gather"
     # mode=fit only (conf/parallel/search.yaml): try every valid layout of cluster.gpus instead
     # of the sizes above, and report the one that fits the longest sequence.

@@ -22,7 +22,7 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 LOSSES = ("tiled", "megatron")
-CP_COMM_TYPES = ("all_gather",)
+CP_COMM_TYPES = ("all_gather", "a2a")
 
 
 class ConfigError(ValueError):
@@ -263,6 +263,11 @@ def _check_parallel(p, model, seq: Optional[int]) -> None:
             f"parallel.pp={p.pp} does not divide model.num_layers={model.num_layers}"
         )
     _choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
+    heads = model.num_attention_heads
+    if p.cp > 1 and p.cp_comm_type == "a2a" and heads % (p.tp * p.cp):
+        raise ConfigError(f"parallel.cp_comm_type=a2a splits the heads over tp·cp = {p.tp * p.cp} ranks and "
+                          f"model.num_attention_heads={heads} does not divide; use parallel.cp_comm_type="
+                          "all_gather or another cp")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     # Megatron splits the sequence into 2·cp chunks (load balance of the causal mask), and

@@ -167,9 +167,10 @@ def rounding_buffer_bytes(sizes: SkeletalBytes) -> int:
 
 def context_parallel_buffers(workload: Workload) -> int:
     """The keys and values of all ``s`` tokens that a layer's attention gathers (bytes), counted as
-    held although they live only while one layer's attention runs; 0 without context parallelism."""
+    held although they live only while one layer's attention runs; 0 without context parallelism
+    and with Ulysses, whose re-sharded q, k, v take the place of the rank's own."""
     parallel = workload.parallel
-    if parallel.cp == 1:
+    if parallel.cp == 1 or parallel.cp_comm_type == "a2a":
         return 0
     hidden = workload.model.hidden_size // parallel.tp
     return 2 * workload.micro_batch_size * workload.seq * hidden * workload.dtype_bytes

@@ -2,8 +2,8 @@
 that fits one.
 
 A layout is valid when ``tp·cp·pp·dp`` is the number of devices, tensor parallelism stays within
-a node and divides the attention heads and the FFN width, and pipeline parallelism divides the
-layers. Whether a length fits is monotone in the length (every activation grows with it), so the
+a node and divides the attention heads and the FFN width (Ulysses' ``tp·cp`` divides the heads),
+and pipeline parallelism divides the layers. Whether a length fits is monotone in the length (every activation grows with it), so the
 longest one is found by binary search over multiples of ``fit.seq_step`` that every layout can
 split (``2·cp``, and ``tp`` under sequence parallelism).
 """
@@ -22,14 +22,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(
-    model: ModelConfig, devices: int, devices_per_node: int, sequence_parallel: bool = True
+    model: ModelConfig, devices: int, devices_per_node: int, sequence_parallel: bool = True,
+    cp_comm_type: str = "all_gather",
 ) -> list[ParallelConfig]:
-    """Every valid ``(tp, cp, pp, dp)`` for ``devices`` (see the module docstring), tp first."""
+    """Every valid ``(tp, cp, pp, dp)`` for ``devices`` (see the module docstring), tp first, each
+    exchanging context-parallel keys and values by ``cp_comm_type``."""
     found = []
     for tp in _divisors(devices):
         if tp > devices_per_node or model.num_attention_heads % tp or model.ffn_hidden_size % tp:
             continue
         for cp in _divisors(devices // tp):
+            if cp > 1 and cp_comm_type == "a2a" and model.num_attention_heads % (tp * cp):
+                continue
             for pp in _divisors(devices // (tp * cp)):
                 if model.num_layers % pp:
                     continue
@@ -40,6 +44,7 @@ def layouts(
                         pp=pp,
                         dp=devices // (tp * cp * pp),
                         sequence_parallel=sequence_parallel and tp > 1,
+                        cp_comm_type=cp_comm_type,
                     )
                 )
     return found

@@ -10,9 +10,10 @@ Per micro-batch and pipeline stage, each layer costs:
 * tensor parallelism: with sequence parallelism two all-gathers and two reduce-scatters of the
   layer's ``b·t·h`` activations per pass, otherwise two all-reductions, over NVLink, a share
   ``tp_comm_overlap`` hidden;
-* context parallelism (``cp_comm_type=all_gather``): every rank gathers the ``cp − 1`` other
-  ranks' key/value blocks before its attention, and in the backward gathers them again and
-  reduce-scatters their gradients; none of it overlaps attention;
+* context parallelism, not overlapping attention: with ``cp_comm_type=all_gather`` every rank
+  gathers the ``cp − 1`` other ranks' key/value blocks before its attention, and in the backward
+  gathers them again and reduce-scatters their gradients; with ``a2a`` (Ulysses) four all-to-alls
+  of the rank's ``b·t·h/tp`` elements each way (q, k, v in, the output back; their gradients);
 * recomputation: a whole extra forward (full recomputation), the attention forward (selective),
   or for MEMO the token-wise layers' GEMMs (QKV, projection, FC1) on the ``1 − α`` dropped tokens;
 * swapping: a layer's copy to the host beyond the next layer's compute (zero when α solves the
@@ -111,8 +112,13 @@ def predict_time(
 
     block = 2 * b * t * h / tp * element_bytes  # one key and one value block
     cp_link = _link(tp * cp, hw, fit.link_efficiency)
-    cp_fwd = (cp - 1) * block / cp_link if cp > 1 else 0.0
-    cp_bwd = 2 * cp_fwd
+    if cp == 1:
+        cp_fwd = cp_bwd = 0.0
+    elif parallel.cp_comm_type == "a2a":
+        cp_fwd = cp_bwd = 4 * (cp - 1) / cp * (block / 2) / cp_link
+    else:
+        cp_fwd = (cp - 1) * block / cp_link
+        cp_bwd = 2 * cp_fwd
 
     forward = gemm + attention + tp_pass + cp_fwd
     backward = 2 * gemm + attention_bwd + tp_pass + cp_bwd

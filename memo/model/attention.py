@@ -116,10 +116,11 @@ class SdpaAttention(MegatronModule):
             raise ValueError(f"SdpaAttention supports causal masks only, not {attn_mask_type}")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_group = None  # the context-parallel group when the sequence is split over one
+        self.cp_comm_type = cp_comm_type or "all_gather"
         if config.context_parallel_size > 1:
-            if cp_comm_type not in (None, "all_gather") or self.dropout:
-                raise ValueError(f"SdpaAttention's context parallelism gathers keys and values "
-                                 f"(cp_comm_type=all_gather, not {cp_comm_type}) without dropout")
+            if self.cp_comm_type not in ("all_gather", "a2a") or self.dropout:
+                raise ValueError(f"SdpaAttention's context parallelism runs cp_comm_type=all_gather or a2a "
+                                 f"(not {cp_comm_type}) without dropout")
             self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -143,7 +144,7 @@ class SdpaAttention(MegatronModule):
             raise ValueError("SdpaAttention supports neither attention bias nor packed sequences")
         if self.cp_group is not None:
             return context_parallel_attention(query, key, value, self.cp_group, _CANDIDATES[self.backend],
-                                              self.softmax_scale, self.grouped)
+                                              self.softmax_scale, self.grouped, self.cp_comm_type)
         return causal_attention(
             query,
             key,

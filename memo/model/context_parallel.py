@@ -4,9 +4,13 @@ The sequence is cut into ``2·cp`` chunks of ``c`` tokens and context-parallel r
 chunks ``r`` and ``2·cp − 1 − r``, one from each end, as Megatron-core's
 ``get_batch_on_this_cp_rank`` lays it out: under the causal mask every rank then does the same
 work. Each rank computes attention for its own queries over every earlier key of the whole
-sequence. With ``cp_comm_type=all_gather`` (Megatron's name) the keys and values of all ranks are
-gathered before the layer's attention, in sequence order, and their gradients are summed back to
-the ranks that own them (a reduce-scatter) in the backward pass.
+sequence, exchanged as Megatron's ``cp_comm_type`` names it:
+
+* ``all_gather``: the keys and values of all ranks are gathered before the layer's attention, in
+  sequence order, and their gradients are summed back to the ranks that own them (a
+  reduce-scatter) in the backward pass;
+* ``a2a`` (Ulysses): all-to-all exchanges give each rank every token of ``heads/cp`` of the heads
+  for attention, and then its own tokens of every head back.
 
 A query chunk ``j`` attends to keys ``[0, (j + 1)·c)`` with the causal mask aligned at the lower
 right (its last query sees every one of those keys), which SDPA takes as
@@ -123,6 +127,7 @@ def context_parallel_attention(
     backend,
     scale: float,
     grouped: bool = False,
+    comm_type: str = "all_gather",
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
@@ -131,10 +136,13 @@ def context_parallel_attention(
         group: the context-parallel process group.
         backend: the SDPA kernel (a :class:`torch.nn.attention.SDPBackend`).
         scale: the softmax scale.
+        comm_type: ``all_gather`` or ``a2a`` (Ulysses).
 
     Returns:
         ``[2·c, b, heads·dim]``, this rank's tokens in its order.
     """
+    if comm_type == "a2a":
+        return _ulysses_attention(query, key, value, group, backend, scale, grouped)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     saved = _GatheredSaved(key, value, group)
     c = query.shape[0] // 2
@@ -151,3 +159,54 @@ def context_parallel_attention(
             b, n, _, d = out.shape
             outs.append(out.permute(2, 0, 1, 3).reshape(c, b, n * d))
     return torch.cat(outs)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``x`` cut into cp parts along ``scatter``, part ``i`` sent to rank ``i``, and the parts
+    received joined along ``gather``; the backward pass sends the gradient back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
+        ctx.group, ctx.scatter, ctx.gather = group, scatter, gather
+        return _all_to_all(x, group, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    sent = [part.contiguous() for part in x.chunk(cp, dim=scatter)]
+    received = [torch.empty_like(sent[0]) for _ in range(cp)]
+    dist.all_to_all(received, sent, group=group)
+    return torch.cat(received, dim=gather)
+
+
+def _in_order(t: torch.Tensor, order: list[int]) -> torch.Tensor:
+    chunks = t.chunk(len(order))
+    return torch.cat([chunks[i] for i in order])
+
+
+def _ulysses_attention(query, key, value, group, backend, scale: float, grouped: bool) -> torch.Tensor:
+    """Ulysses (``cp_comm_type=a2a``): an all-to-all gives each rank every token of ``heads/cp``
+    heads, attention runs over the whole sequence on them, and a second all-to-all gives each rank
+    its own tokens of every head back. Nothing is gathered beyond this rank's share: the
+    re-sharded q, k, v hold as many elements as its own."""
+    cp = dist.get_world_size(group)
+    if query.shape[2] % cp or key.shape[2] % cp:
+        raise ValueError(f"Ulysses splits the heads over cp={cp} ranks: {query.shape[2]} query and "
+                         f"{key.shape[2]} key heads per rank do not divide")
+    order = _sequence_order(cp)
+    # [2·c, b, n, d] by rank -> [s, b, n/cp, d] in sequence order
+    q, k, v = (_in_order(_AllToAll.apply(t, group, 2, 0), order).permute(1, 2, 0, 3)
+               for t in (query, key, value))
+    with sdpa_kernel([backend]):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
+    back = [0] * len(order)  # sequence order -> the gathered ranks' order
+    for chunk, position in enumerate(order):
+        back[position] = chunk
+    out = _in_order(out.permute(2, 0, 1, 3), back)  # [s, b, n/cp, d] by rank
+    out = _AllToAll.apply(out, group, 0, 2)  # [2·c, b, n, d]
+    return out.reshape(out.shape[0], out.shape[1], -1)

@@ -91,7 +91,7 @@ def _candidates(run: Run, problem: Problem) -> list[Candidate]:
     found = [
         Candidate(p, unsupported_layout(p, method))
         for p in layouts(run.workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
-                         parallel.sequence_parallel)
+                         parallel.sequence_parallel, parallel.cp_comm_type)
     ]
     if not found:
         raise ConfigError(
