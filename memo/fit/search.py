@@ -3,9 +3,9 @@ that fits one.
 
 A layout is valid when ``tp·cp·pp·dp`` is the number of devices, tensor parallelism stays within
 a node and divides the attention heads and the FFN width (Ulysses' ``tp·cp`` divides the heads),
-and pipeline parallelism divides the layers. Whether a length fits is monotone in the length (every activation grows with it), so the
-longest one is found by binary search over multiples of ``fit.seq_step`` that every layout can
-split (``2·cp``, and ``tp`` under sequence parallelism).
+and pipeline parallelism divides the layers. Whether a length fits is monotone in the length
+(every activation grows with it), so the longest one is found by binary search over multiples of
+``fit.seq_step`` that every layout can split (``2·cp``, and ``tp`` under sequence parallelism).
 """
 
 import math
