@@ -95,7 +95,9 @@ class _GatheredSaved:
     as where they lie in them, and gathered again (once) when the backward pass asks for them."""
 
     def __init__(self, key: torch.Tensor, value: torch.Tensor, group):
-        self.local = (key.detach(), value.detach())  # this rank's parts, saved anyway by autograd
+        # this rank's own parts, kept in place of the gathered ones, as much as attention keeps
+        # without context parallelism
+        self.local = (key.detach(), value.detach())
         self.group = group
         self.storages: dict[int, int] = {}  # data pointer of a gathered tensor's storage -> 0 (keys), 1
         self.regathered: Optional[tuple[torch.Tensor, torch.Tensor]] = None
