@@ -23,7 +23,7 @@ from analysis.rows import load_results
 from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, Workload, parse_alpha
 from memo.fit.predict import Problem, predict, prediction_hardware
 from memo.hardware import Hardware
-from memo.model.gpt import DTYPES
+from memo.model.gpt import DTYPES, dtype_label
 
 _LISTS = {"recompute_modules"}  # flattened to comma-separated strings in rows
 
@@ -61,7 +61,7 @@ class _Train:
 
 def problem_of_row(row: pd.Series) -> tuple[Problem, ParallelConfig, int]:
     """The prediction problem, layout and length (tokens) of one training row."""
-    dtype = next(name for name, d in DTYPES.items() if str(d).removeprefix("torch.") == row["dtype"])
+    dtype = next(name for name, d in DTYPES.items() if dtype_label(d) == row["dtype"])
     method = _section(row, "method.", MethodConfig)
     loss = _value(row.get("train.loss"))  # the loss the run used (the method's, or train.loss)
     method = dataclasses.replace(method, loss=loss or method.loss)

@@ -134,7 +134,7 @@ def _unwritable(path: Path, error: OSError) -> ConfigError:
                        "choose a writable hydra.run.dir (hydra.sweep.dir in a sweep) with free space")
 
 
-def claim_run_dir(output_dir: Path, config_files: Mapping[str, str] = {}) -> None:
+def claim_run_dir(output_dir: Path, config_files: Optional[Mapping[str, str]] = None) -> None:
     """Make ``output_dir`` this run's before anything is written into it, then write
     ``config_files`` (name → text) into its ``.hydra/``.
 
@@ -164,7 +164,7 @@ def claim_run_dir(output_dir: Path, config_files: Mapping[str, str] = {}) -> Non
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(owner)
-        for name, text in config_files.items():
+        for name, text in (config_files or {}).items():
             create_file_atomic(output_dir / CONFIG_DIR / name, text)
     except OSError as error:
         raise _unwritable(output_dir, error) from None

@@ -1,5 +1,6 @@
 """Shared fixtures: composing configs as ``run.py`` does, and a one-process parallel state."""
 
+import hashlib
 import sys
 import warnings
 from pathlib import Path
@@ -27,6 +28,13 @@ def compose_config(*overrides: str):
     """The configuration ``python run.py OVERRIDES`` would run."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    """Every file under ``root`` with the hash of its bytes: equal before and after means no byte
+    changed."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def resolve_config(*overrides: str) -> Run:

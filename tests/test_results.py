@@ -1,7 +1,6 @@
 """Result rows are flat, atomic, never overwritten, and load into pandas."""
 
 import errno
-import hashlib
 import io
 import json
 import os
@@ -13,6 +12,8 @@ import memo.results
 from analysis.rows import load_results
 from memo.config import ConfigError
 from memo.results import ResultWriter, RunDirTaken, claim_run_dir, flatten, write_json_atomic
+
+from conftest import file_hashes
 
 
 def test_flatten_gives_dotted_keys_and_joins_lists():
@@ -45,10 +46,10 @@ def test_a_claimed_directory_is_refused_and_left_as_it_is(tmp_path):
     writer.append_step({"step": 1, "loss": 2.0})
     writer.append_step({"step": 2, "loss": 1.5})
     writer.write_result({"status": "ok"})
-    before = _tree(tmp_path)
+    before = file_hashes(tmp_path)
     with pytest.raises(RunDirTaken, match=r"holds another run \(claimed .* by process \d+ on "):
         claim_run_dir(tmp_path, {"config.yaml": "seq: 2k\n"})
-    assert _tree(tmp_path) == before
+    assert file_hashes(tmp_path) == before
     assert writer.steps == 2
 
 
@@ -97,12 +98,6 @@ def test_a_read_only_directory_is_refused_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^cannot write .*: Read-only file system; choose a writable "
                                           r"hydra.run.dir"):
         claim_run_dir(tmp_path / "run")
-
-
-def _tree(root):
-    """Every file under ``root`` with its bytes' hash."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

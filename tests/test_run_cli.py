@@ -1,16 +1,14 @@
 """``run.py`` as a user runs it: a job, a sweep, and one-line errors for bad input."""
 
-import hashlib
 import json
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import PYTHON, REPO
+from conftest import PYTHON, REPO, file_hashes
 
 FAST = ["train.steps=2", "train.warmup_steps=1"]
 
@@ -56,11 +54,11 @@ def test_an_invalid_combination_in_a_sweep_leaves_an_error_row_and_the_sweep_goe
     rows = {r["parallel.tp"]: r for r in (json.loads(p.read_text()) for p in sweep.glob("*/result.json"))}
     assert rows[3]["status"] == "error" and rows[1]["status"] == "ok"
     # The same sweep directory again: refused before anything is written, the first sweep kept whole.
-    before = _files(sweep)
+    before = file_hashes(sweep)
     again = run("-m", "parallel.tp=1", "seq=256", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: {sweep} holds an earlier sweep and is kept; give this sweep another hydra.sweep.dir"]
-    assert _files(sweep) == before
+    assert file_hashes(sweep) == before
 
 
 @pytest.mark.parametrize(
@@ -89,12 +87,6 @@ def test_a_directory_that_cannot_be_made_fails_with_one_line(tmp_path):
     assert lines[0].endswith("Not a directory; choose a writable hydra.run.dir"), done.stderr
 
 
-def _files(root: Path) -> dict[str, str]:
-    """Every file under ``root`` with the hash of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def _start(*args: str, cwd) -> subprocess.Popen:
     return subprocess.Popen([PYTHON, str(REPO / "run.py"), *args], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -120,12 +112,12 @@ def test_two_runs_started_at_once_into_one_directory_one_runs_and_one_is_refused
 def test_a_refused_rerun_leaves_every_byte_of_the_earlier_run(tmp_path):
     out = tmp_path / "job"
     assert run("seq=128", *FAST, f"hydra.run.dir={out}", cwd=tmp_path).returncode == 0
-    before = _files(out)
+    before = file_hashes(out)
     assert {".memo-run", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "result.json",
             "metrics.jsonl", "run.log"} <= set(before)
     again = run("seq=256", *FAST, f"hydra.run.dir={out}", cwd=tmp_path)
     assert again.returncode == 2 and "holds another run" in again.stderr
-    assert _files(out) == before
+    assert file_hashes(out) == before
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -85,15 +85,21 @@ def _steps(tmp_path, name: str, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
+def _assert_same_steps(got: list[dict], expected: list[dict]) -> None:
+    """Step by step, the same loss (1e-4) and gradient norm (1e-4 relative)."""
+    for a, b in zip(got, expected, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
 @pytest.mark.slow
 def test_tensor_and_sequence_parallel_two_processes_match_one(tmp_path):
     common = ["train.steps=3", *SHORT]
     tp2 = _torchrun(tmp_path, "tp2", "parallel.tp=2", *common)
     sp2 = _torchrun(tmp_path, "sp2", "parallel.tp=2", "parallel.sequence_parallel=true", *common)
     tp1 = _steps(tmp_path, "tp1", *common)
-    for a, b in [*zip(tp2, tp1, strict=True), *zip(sp2, tp1, strict=True)]:
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    _assert_same_steps(tp2, tp1)
+    _assert_same_steps(sp2, tp1)
 
 
 @pytest.mark.slow
@@ -105,9 +111,7 @@ def test_context_parallel_two_processes_match_one_with_either_exchange_and_loss(
         cp2 = _torchrun(tmp_path, f"cp2-{loss}", "parallel.cp=2", f"parallel.cp_comm_type={comm}", *common)
         cp1 = _steps(tmp_path, f"cp1-{loss}", *common)
         assert len(cp2) == 3
-        for a, b in zip(cp2, cp1, strict=True):
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        _assert_same_steps(cp2, cp1)
 
 
 @pytest.mark.slow
@@ -118,9 +122,7 @@ def test_tensor_sequence_and_context_parallel_four_processes_match_one(tmp_path)
                      *common, processes=4)
     one = _steps(tmp_path, "one", *common)
     assert len(four) == 3
-    for a, b in zip(four, one, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    _assert_same_steps(four, one)
 
 
 @pytest.mark.slow
@@ -128,6 +130,4 @@ def test_data_parallel_two_processes_match_gradient_accumulation(tmp_path):
     common = ["train.steps=3", *SHORT]
     dp2 = _torchrun(tmp_path, "dp2", "parallel.dp=2", *common)
     accumulated = _steps(tmp_path, "acc2", "train.micro_batches=2", *common)
-    for a, b in zip(dp2, accumulated, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    _assert_same_steps(dp2, accumulated)

@@ -60,6 +60,7 @@ class SlurmLauncherConf(SlurmQueueConf):
 ConfigStore.instance().store(group="hydra/launcher", name="memo_slurm", node=SlurmLauncherConf,
                              provider="memo")
 
+
 @dataclass(frozen=True)
 class JobShape:
     """What one job asks SLURM for."""

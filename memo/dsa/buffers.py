@@ -55,16 +55,24 @@ def read_buffers(path: Path) -> list[Buffer]:
     Raises:
         ValueError: naming the file and line of the first row that is not a buffer.
     """
-    buffers = []
+    return _read(path)[0]
+
+
+def _read(path: Path, offsets: bool = False) -> tuple[list[Buffer], list[int]]:
+    """The buffers of ``path`` and, if ``offsets``, its ``offset`` column (else an empty list)."""
+    columns = {"id", "lower", "upper", "size", *(["offset"] if offsets else [])}
+    buffers, placed = [], []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         try:
-            missing = {"id", "lower", "upper", "size"} - set(reader.fieldnames or ())
+            missing = columns - set(reader.fieldnames or ())
             if missing:
                 raise ValueError(f"{path}: the header lacks {', '.join(sorted(missing))}")
             for line, row in enumerate(reader, start=2):
                 try:
                     buffers.append(Buffer(row["id"], int(row["lower"]), int(row["upper"]), int(row["size"])))
+                    if offsets:
+                        placed.append(int(row["offset"]))
                 except (TypeError, ValueError) as error:
                     raise ValueError(f"{path}:{line}: not a buffer ({error})") from None
         except (csv.Error, UnicodeDecodeError) as error:
@@ -73,7 +81,7 @@ def read_buffers(path: Path) -> list[Buffer]:
         check_buffers(buffers)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
-    return buffers
+    return buffers, placed
 
 
 def write_plan(path: Path, buffers: Sequence[Buffer], offsets: Sequence[int]) -> None:
@@ -90,11 +98,8 @@ def write_plan(path: Path, buffers: Sequence[Buffer], offsets: Sequence[int]) ->
 
 
 def read_plan(path: Path) -> tuple[list[Buffer], list[int]]:
-    """Buffers and offsets of a file written by :func:`write_plan`."""
-    buffers = read_buffers(path)
-    with open(path, newline="") as f:
-        offsets = [int(row["offset"]) for row in csv.DictReader(f)]
-    return buffers, offsets
+    """Buffers and offsets of a file written by :func:`write_plan`, read once."""
+    return _read(path, offsets=True)
 
 
 def max_load(buffers: Sequence[Buffer]) -> int:

@@ -110,12 +110,13 @@ def predict_time(
     # Two all-gathers and two reduce-scatters, or two all-reductions (each is both): four rings.
     tp_pass = 4 * _ring_seconds(activation, tp, tp_link) * (1 - fit.tp_comm_overlap)
 
-    block = 2 * b * t * h / tp * element_bytes  # one key and one value block
+    kv = b * t * h / tp * element_bytes  # this rank's keys (or values, or q, or the output)
+    block = 2 * kv  # one key and one value block
     cp_link = _link(tp * cp, hw, fit.link_efficiency)
     if cp == 1:
         cp_fwd = cp_bwd = 0.0
     elif parallel.cp_comm_type == "a2a":
-        cp_fwd = cp_bwd = 4 * (cp - 1) / cp * (block / 2) / cp_link
+        cp_fwd = cp_bwd = 4 * (cp - 1) / cp * kv / cp_link
     else:
         cp_fwd = (cp - 1) * block / cp_link
         cp_bwd = 2 * cp_fwd

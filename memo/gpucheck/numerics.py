@@ -23,11 +23,10 @@ from memo.execute.streams import streams_for
 from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import prepare_swap
 from memo.gpucheck.common import arguments, compose, run_job, write_rows
-from memo.model import build_gpt
+from memo.model import build_gpt, dtype_label, dtype_setting
 from memo.model.attention import select_backend
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # method, alpha (memo's), as the pack compares them
 METHODS = [("memo", 0.0), ("memo", 0.5), ("memo", 1.0), ("full_swap", None), ("full_recompute", None),
            ("megatron_full_recompute", None)]
@@ -41,7 +40,7 @@ def gradients(method: str, alpha, model_overrides: list[str], seq: int, device: 
     """
     given = [] if alpha is None else [f"alpha={alpha}"]
     run = resolve(compose(f"method={method}", *given, *model_overrides, f"seq={seq}",
-                          f"train.dtype={DTYPE_NAMES[dtype]}"), gpu_visible=device.type == "cuda")
+                          f"train.dtype={dtype_setting(dtype)}"), gpu_visible=device.type == "cuda")
     torch.manual_seed(run.train.seed)
     model = build_gpt(run.workload, device.type, kernel).module
     runtime = None
@@ -93,7 +92,7 @@ def compare_methods(model_overrides: list[str], seq: int, device: torch.device, 
                 errors = relative_errors(loss, grads, reference)
                 ok = errors["grad_error"] <= TOLERANCE[dtype] and errors["loss_error"] <= TOLERANCE[dtype]
                 rows.append({"kernel": kernel, "method": method, "alpha": alpha, "seq": seq,
-                             "dtype": str(dtype).removeprefix("torch."), **errors,
+                             "dtype": dtype_label(dtype), **errors,
                              "tolerance": TOLERANCE[dtype], "status": "ok" if ok else "failed"})
                 print(f"numerics: {kernel} {method} alpha={alpha}: gradient error {errors['grad_error']:.2e} "
                       f"({'ok' if ok else 'ABOVE'} {TOLERANCE[dtype]:g})", flush=True)

@@ -46,11 +46,30 @@ def split_for_rank(t: torch.Tensor, dim: int, rank: int, cp: int) -> torch.Tenso
     return torch.cat([chunks[i] for i in rank_chunks(rank, cp)], dim=dim)
 
 
+def _rank_order(cp: int) -> list[int]:
+    """The sequence chunks as the ranks hold them, one rank after another: entry ``p`` is the
+    chunk at position ``p`` of ``[rank 0's two, rank 1's two, ...]``."""
+    return [chunk for r in range(cp) for chunk in rank_chunks(r, cp)]
+
+
 def _sequence_order(cp: int) -> list[int]:
-    """Where each chunk of the gathered ``[rank 0's two, rank 1's two, ...]`` belongs: entry ``k``
-    is the position in the gathered list of sequence chunk ``k``."""
-    owner = {chunk: 2 * r + i for r in range(cp) for i, chunk in enumerate(rank_chunks(r, cp))}
-    return [owner[k] for k in range(2 * cp)]
+    """The inverse of :func:`_rank_order`: entry ``k`` is the position of sequence chunk ``k`` in
+    the ranks' order."""
+    return [_rank_order(cp).index(k) for k in range(2 * cp)]
+
+
+def _in_order(t: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """``t``'s chunks along dim 0 (``len(order)`` of them) taken in ``order``."""
+    chunks = t.chunk(len(order))
+    return torch.cat([chunks[i] for i in order])
+
+
+def _gather_in_order(local: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's part (dim 0) gathered, in sequence order; not differentiable."""
+    cp = dist.get_world_size(group)
+    gathered = local.new_empty((cp * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+    return _in_order(gathered, _sequence_order(cp))
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -59,20 +78,14 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
-        cp = dist.get_world_size(group)
-        ctx.group, ctx.cp = group, cp
-        gathered = local.new_empty((cp * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
-        chunks = gathered.chunk(2 * cp)
-        return torch.cat([chunks[i] for i in _sequence_order(cp)])
+        ctx.group = group
+        return _gather_in_order(local, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        cp = ctx.cp
-        chunks = grad.chunk(2 * cp)
-        by_rank = torch.cat([chunks[k] for r in range(cp) for k in rank_chunks(r, cp)])
+        cp = dist.get_world_size(ctx.group)
         local = grad.new_empty((grad.shape[0] // cp, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(local, by_rank, group=ctx.group)
+        dist.reduce_scatter_tensor(local, _in_order(grad, _rank_order(cp)), group=ctx.group)
         return local, None
 
 
@@ -116,8 +129,7 @@ class _GatheredSaved:
             return saved
         which, offset, shape, stride = saved
         if self.regathered is None:
-            with torch.no_grad():
-                self.regathered = tuple(_GatherSequence.apply(t, self.group) for t in self.local)
+            self.regathered = tuple(_gather_in_order(t, self.group) for t in self.local)
         return self.regathered[which].as_strided(shape, stride, offset)
 
 
@@ -185,11 +197,6 @@ def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tens
     return torch.cat(received, dim=gather)
 
 
-def _in_order(t: torch.Tensor, order: list[int]) -> torch.Tensor:
-    chunks = t.chunk(len(order))
-    return torch.cat([chunks[i] for i in order])
-
-
 def _ulysses_attention(query, key, value, group, backend, scale: float, grouped: bool) -> torch.Tensor:
     """Ulysses (``cp_comm_type=a2a``): an all-to-all gives each rank every token of ``heads/cp``
     heads, attention runs over the whole sequence on them, and a second all-to-all gives each rank
@@ -199,16 +206,12 @@ def _ulysses_attention(query, key, value, group, backend, scale: float, grouped:
     if query.shape[2] % cp or key.shape[2] % cp:
         raise ValueError(f"Ulysses splits the heads over cp={cp} ranks: {query.shape[2]} query and "
                          f"{key.shape[2]} key heads per rank do not divide")
-    order = _sequence_order(cp)
     # [2·c, b, n, d] by rank -> [s, b, n/cp, d] in sequence order
-    q, k, v = (_in_order(_AllToAll.apply(t, group, 2, 0), order).permute(1, 2, 0, 3)
+    q, k, v = (_in_order(_AllToAll.apply(t, group, 2, 0), _sequence_order(cp)).permute(1, 2, 0, 3)
                for t in (query, key, value))
     with sdpa_kernel([backend]):
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
-    back = [0] * len(order)  # sequence order -> the gathered ranks' order
-    for chunk, position in enumerate(order):
-        back[position] = chunk
-    out = _in_order(out.permute(2, 0, 1, 3), back)  # [s, b, n/cp, d] by rank
+    out = _in_order(out.permute(2, 0, 1, 3), _rank_order(cp))  # [s, b, n/cp, d] by rank
     out = _AllToAll.apply(out, group, 0, 2)  # [2·c, b, n, d]
     return out.reshape(out.shape[0], out.shape[1], -1)

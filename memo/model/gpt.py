@@ -60,6 +60,16 @@ def torch_dtype(workload: Workload) -> torch.dtype:
     return DTYPES[workload.dtype]
 
 
+def dtype_setting(dtype: torch.dtype) -> str:
+    """The ``train.dtype`` that names ``dtype``: "fp32", "bf16" or "fp16"."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """How rows and traces record ``dtype``: "float32", "bfloat16", "float16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def padded_vocab_size(model: ModelConfig, tp: int) -> int:
     """Vocabulary rows of the embedding: a multiple of ``make_vocab_size_divisible_by`` and tp."""
     multiple = math.lcm(model.make_vocab_size_divisible_by, tp)

@@ -26,7 +26,7 @@ from memo.config import ConfigError, Run, SeqSearch, resolve
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
 from memo.fit.search import Candidate, LayoutResult, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
-from memo.model import torch_dtype, unsupported_layout
+from memo.model import dtype_label, torch_dtype, unsupported_layout
 from memo.model.gpt import parameter_count
 from memo.modes.frame import job_frame
 from memo.modes.train import METRIC_FIELDS
@@ -166,7 +166,7 @@ def _row(p: Prediction, problem: Problem) -> dict[str, Any]:
         **{f"parallel.{k}": v for k, v in dataclasses.asdict(p.parallel).items() if k != "search"},
         "seq": p.seq,
         "world_size": devices,
-        "dtype": str(torch_dtype(workload)).removeprefix("torch."),
+        "dtype": dtype_label(torch_dtype(workload)),
         **{f"hardware.{k}": v for k, v in dataclasses.asdict(problem.hardware).items()},
         "params": parameter_count(workload.model),
         "train.loss": workload.method.loss,

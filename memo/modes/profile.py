@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from memo.config import ConfigError, PlannerConfig, Run, resolve
-from memo.model import torch_dtype
+from memo.model import dtype_label, torch_dtype
 from memo.plan.bilevel import plan_iteration, write_plan
 from memo.dsa.caching_allocator import simulate
 from memo.profile.iteration import trace_iteration
@@ -60,7 +60,7 @@ def profile_and_plan(
 def _profile(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
     workload, backend = run.workload, run.profile_backend
     row["seq"] = workload.seq
-    row["dtype"] = str(torch_dtype(workload)).removeprefix("torch.")
+    row["dtype"] = dtype_label(torch_dtype(workload))
     row["train.loss"] = workload.method.loss
     start = time.perf_counter()
     trace = trace_iteration(workload, backend, run.train.seed)

@@ -29,7 +29,7 @@ from memo.execute.plan_server import ServingStats
 from memo.execute.progress import format_seconds, step_progress
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
-from memo.model import build_gpt, torch_dtype, unsupported_layout, uses_transformer_engine
+from memo.model import build_gpt, dtype_label, torch_dtype, unsupported_layout, uses_transformer_engine
 from memo.modes.frame import job_frame
 from memo.results import ResultWriter, finite
 
@@ -151,8 +151,9 @@ def _train(run: Run, info: distributed.ProcessInfo, row: dict, writer: ResultWri
         arena = cuda_arena.install(phase=lambda: "setup", device=distributed.device_index(info))
     hw = hardware.resolve(run.hardware)
     _check_runtime_support(run)
-    hw = hardware.with_measured_peak(hw, torch_dtype(workload))
-    row["dtype"] = str(torch_dtype(workload)).removeprefix("torch.")
+    dtype = torch_dtype(workload)
+    hw = hardware.with_measured_peak(hw, dtype)
+    row["dtype"] = dtype_label(dtype)
     row.update({f"hardware.{k}": v for k, v in dataclasses.asdict(hw).items()})
     if device_type == "cuda":
         row["device_name"] = torch.cuda.get_device_name()

@@ -28,7 +28,7 @@ from megatron.core import parallel_state, tensor_parallel
 from omegaconf import OmegaConf
 
 from memo.config import ConfigError, ParallelConfig, Workload
-from memo.model import build_gpt, torch_dtype
+from memo.model import build_gpt, dtype_label, torch_dtype
 from memo.model.attention import select_backend
 from memo.model.gpt import transformer_config
 from memo.profile.recorder import PhaseMarker, record
@@ -172,7 +172,7 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         "parallel": _plain(parallel),
         "seq": seq,
         "micro_batch_size": micro_batch_size,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_label(dtype),
         "attention": attention,
         "gradient_requests": gradients,
         **{f"cuda.{k}": v for k, v in figures.items()},
