@@ -2,7 +2,7 @@
 process, on this machine's cores.
 
 Each job is ``python run.py`` (cp = 1) or ``torchrun --nproc-per-node 2 run.py parallel.cp=2``
-with each exchange (``all_gather``, ``a2a``), the cores shared out between the processes
+with each exchange (``all_gather``, ``p2p``, ``a2a``), the cores shared out between the processes
 (``OMP_NUM_THREADS``); a job that cannot run shows its status and reason. A benchmark, not a
 test: the figures depend on the machine.
 
@@ -22,6 +22,7 @@ METHODS = ("none", "memo")
 LAYOUTS = {  # label: (processes, overrides)
     "cp=1": (1, []),
     "cp=2 all_gather": (2, ["parallel.cp=2", "parallel.cp_comm_type=all_gather"]),
+    "cp=2 p2p": (2, ["parallel.cp=2", "parallel.cp_comm_type=p2p"]),
     "cp=2 a2a": (2, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
 }
 

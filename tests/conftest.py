@@ -67,15 +67,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_under_torchrun(worker: str, processes: int = 2):
-    """Run ``tests/<worker>`` in ``processes`` gloo processes; fails the test unless all exit 0."""
+def run_under_torchrun(worker: str, processes: int = 2, *args: str):
+    """Run ``tests/<worker>`` (with ``args``) in ``processes`` gloo processes; fails the test unless
+    all exit 0."""
     import os
     import subprocess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
     result = subprocess.run(
         [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
-         str(free_port()), str(REPO / "tests" / worker)],
+         str(free_port()), str(REPO / "tests" / worker), *args],
         cwd=REPO, env=env, timeout=600, capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

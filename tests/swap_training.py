@@ -2,6 +2,9 @@
 checking MEMO's swapping and recomputation (used in-process and under torchrun)."""
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.optimizer import HostOptimizer
@@ -26,17 +29,22 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
     torch.manual_seed(run.train.seed)
     model = build_gpt(workload, "cpu").module
     runtime = None
+    parallel = workload.parallel
     if run.swaps:
-        chunks = workload.parallel.tp if workload.parallel.sequence_parallel else 1
+        chunks = parallel.tp if parallel.sequence_parallel else 1
+        segments = 2 if parallel.cp > 1 and chunks == 1 else 1
         runtime = SwapRuntime(workload.model.num_layers, streams or InlineStreams(), torch.device("cpu"),
-                              chunks)
-        prepare_swap(runtime, model, workload, run.alpha, 2**40)
+                              chunks, segments)
+        group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
+        prepare_swap(runtime, model, workload, run.alpha, 2**40, group)
     optimizer = HostOptimizer(model, run.train)
     source = SyntheticTokens(workload.model.vocab_size, 0)
     batches = micro_batches(source, seq, 1, 1, 0, 1, torch.device("cpu"))
     losses, grads = [], []
     for _ in range(steps):
         (batch,) = next(batches)
+        if parallel.cp > 1:  # this rank's two chunks of the sequence, as training takes them
+            batch = get_batch_on_this_cp_rank(dict(batch))
         optimizer.zero_grad()
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
         loss.backward()

@@ -118,7 +118,7 @@ def test_seq_sweep_values_compose_as_strings():
         (["+train.stepz=3"], "train.stepz is not a key of this configuration; did you mean train.steps?"),
         (["+fit.layout=all"], "fit.layout is not a key of this configuration; did you mean fit.layouts?"),
         (["+sequence=4k"], "sequence is not a key of this configuration"),
-        (["parallel.cp_comm_type=p2p"], "parallel.cp_comm_type=p2p is not allowed"),
+        (["parallel.cp_comm_type=ring"], "parallel.cp_comm_type=ring is not allowed"),
         (["parallel.cp=8", "parallel.cp_comm_type=a2a", "seq=16k"],
          "parallel.cp_comm_type=a2a splits the heads over tp·cp = 8 ranks and model.num_attention_heads=4"),
     ],

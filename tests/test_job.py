@@ -63,8 +63,6 @@ def test_configuration_errors_leave_an_error_row(tmp_path):
         (["train.dtype=fp16"], "train.dtype=fp16 needs a GPU"),
         (["train.attention_backend=te"], "train.attention_backend=te needs Transformer Engine"),
         (["method=memo", "train.attention_backend=te"], "method=memo runs on Megatron's local layers"),
-        (["method=full_recompute", "parallel.cp=2"], "method=full_recompute keeps its activations in its own "
-                                                     "layers, which do not split the sequence"),
     ],
 )
 def test_what_this_machine_cannot_run_is_refused_up_front(tmp_path, overrides, message):

@@ -77,5 +77,16 @@ def test_fifty_steps_on_text_follow_the_loss_of_keeping_everything(tmp_path):
 
 @pytest.mark.slow
 def test_tensor_and_sequence_parallel_gradients_match_in_two_processes():
-    result = run_under_torchrun("swap_worker.py")
-    assert result.stdout.count("6 methods match over 3 steps with both losses") == 2
+    result = run_under_torchrun("swap_worker.py", 2, "tp2-sp")
+    assert result.stdout.count("6 methods match over 3 steps with tiled and megatron (tp2-sp)") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, processes, loss", [
+    ("cp2", 2, "tiled"), ("cp2-p2p", 2, "megatron"), ("cp2-a2a", 2, "tiled"), ("tp2-sp-cp2", 4, "megatron")])
+def test_context_parallel_gradients_match_keeping_everything(layout, processes, loss):
+    """MEMO's swapping and recomputation of each rank's own tokens (α per load-balanced chunk),
+    full swapping and full recomputation: the gradients of keeping everything, with the sequence
+    split over ranks by every exchange."""
+    result = run_under_torchrun("swap_worker.py", processes, layout)
+    assert result.stdout.count(f"6 methods match over 3 steps with {loss} ({layout})") == processes

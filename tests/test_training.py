@@ -103,15 +103,18 @@ def test_tensor_and_sequence_parallel_two_processes_match_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_context_parallel_two_processes_match_one_with_either_exchange_and_loss(tmp_path):
-    """The sequence split over two ranks (our attention gathering keys and values, or Ulysses'
-    all-to-all): the losses and gradient norms of the one-process run."""
-    for comm, loss in (("all_gather", "megatron"), ("a2a", "tiled")):
-        common = ["train.steps=3", *SHORT, f"train.loss={loss}"]
-        cp2 = _torchrun(tmp_path, f"cp2-{loss}", "parallel.cp=2", f"parallel.cp_comm_type={comm}", *common)
-        cp1 = _steps(tmp_path, f"cp1-{loss}", *common)
+@pytest.mark.parametrize("method", ["none", "memo"])
+def test_context_parallel_two_processes_match_one_with_every_exchange(tmp_path, method):
+    """The sequence split over two ranks (keys and values gathered, passed around a ring, or
+    Ulysses' all-to-all): the losses and gradient norms of the one-process run, for Megatron's
+    layers and for MEMO's (α solved per rank)."""
+    one = {loss: _steps(tmp_path, f"cp1-{loss}", f"method={method}", "train.steps=3", *SHORT,
+                        f"train.loss={loss}") for loss in ("megatron", "tiled")}
+    for comm, loss in (("all_gather", "megatron"), ("p2p", "tiled"), ("a2a", "tiled")):
+        cp2 = _torchrun(tmp_path, f"cp2-{comm}", f"method={method}", "train.steps=3", *SHORT,
+                        f"train.loss={loss}", "parallel.cp=2", f"parallel.cp_comm_type={comm}")
         assert len(cp2) == 3
-        _assert_same_steps(cp2, cp1)
+        _assert_same_steps(cp2, one[loss])
 
 
 @pytest.mark.slow

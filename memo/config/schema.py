@@ -60,8 +60,9 @@ class ParallelConfig:
     dp: int = 1  # data parallel
     sequence_parallel: bool = False  # shard norms and dropout regions along the sequence (tp > 1)
     # How context-parallel ranks exchange keys and values (Megatron's names): all_gather (every
-    # rank gathers all keys and values before its attention) or a2a (Ulysses: all-to-all from
-    # sequence to heads and back; the heads must divide by tp·cp).
+    # rank gathers all keys and values before its attention), p2p (a ring of point-to-point
+    # transfers overlapped with attention) or a2a (Ulysses: all-to-all from sequence to heads and
+    # back; the heads must divide by tp·cp).
     cp_comm_type: str = "all_gather"
     # mode=fit only (conf/parallel/search.yaml): try every valid layout of cluster.gpus instead
     # of the sizes above, and report the one that fits the longest sequence.
@@ -147,8 +148,8 @@ class FitConfig:
     seq_step: str = "64k"  # seq=max searches multiples of this (tokens, 64k = 65536)
     seq_limit: str = "8192k"  # and none longer
     runners_up: int = 3  # parallel=search: layouts reported after the best one
-    # parallel=search: "runnable" (only layouts that training runs for the method, on GPUs with
-    # Transformer Engine; the others are listed in layouts.csv with the reason) or "all".
+    # parallel=search: "runnable" (only layouts that training runs: no pipeline parallelism; the
+    # others are listed in layouts.csv with the reason) or "all".
     layouts: str = "runnable"
     # Memory the activations cannot use: CUDA context, NCCL and cuBLAS workspaces (per device).
     device_reserved_gib: float = 2.0

@@ -22,7 +22,7 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 LOSSES = ("tiled", "megatron")
-CP_COMM_TYPES = ("all_gather", "a2a")
+CP_COMM_TYPES = ("all_gather", "p2p", "a2a")  # as Megatron-core names them
 
 
 class ConfigError(ValueError):

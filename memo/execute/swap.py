@@ -31,6 +31,12 @@ tensors between the gather and the reduce-scatter have all ``tp·S`` tokens, as 
 ``S``; the first ``k`` tokens of every chunk are kept, each chunk's one contiguous block copied
 on its own. Recomputation runs the same collectives on the dropped tokens of every rank, which
 are exactly those chunks' tails.
+
+Under context parallelism a rank's tokens are two chunks of the sequence, one from each end
+(:mod:`memo.model.context_parallel`): without sequence parallelism the layer input holds both, and
+its ``S`` tokens are taken as two *segments* of ``S/2``, ``k`` kept of each, so that the prefix is
+taken per load-balanced chunk. Attention is not run again in recomputation (its output is kept
+whole), so no context-parallel exchange is replayed.
 """
 
 import math
@@ -73,7 +79,7 @@ class Slot:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def rows_swapped(self, k: int, tokens: int) -> int:
-        """Rows of each chunk that go to the host: all of them unless the slot is TOKENS."""
+        """Rows of each run of ``tokens`` that go to the host: all unless the slot is TOKENS."""
         if self.kind == ALIAS:
             return 0
         return k if self.kind == TOKENS else tokens
@@ -88,6 +94,12 @@ class LayerLayout:
 
     slots: list[Slot]
     tokens: int  # S: tokens of the layer input on this rank
+    segments: int = 1  # equal runs of the S tokens that each keep their first k
+
+    @property
+    def segment_tokens(self) -> int:
+        """Tokens of one segment, ``S / segments``: ``k`` is at most this."""
+        return self.tokens // self.segments
 
     @property
     def buffer_bytes(self) -> int:
@@ -95,8 +107,8 @@ class LayerLayout:
         return max((s.offset + s.nbytes for s in self.slots), default=0)
 
     def host_bytes(self, k: int) -> int:
-        """Bytes one layer sends to the host keeping ``k`` tokens per chunk."""
-        return sum(s.swapped_bytes(k, self.tokens) for s in self.slots)
+        """Bytes one layer sends to the host keeping ``k`` tokens per segment of every chunk."""
+        return sum(s.swapped_bytes(k, self.segment_tokens) for s in self.slots)
 
     @property
     def bytes_kept(self) -> int:
@@ -178,14 +190,18 @@ class SwapRuntime:
         streams: compute, D2H and H2D streams (:mod:`memo.execute.streams`).
         device: where the rounding buffers live.
         sequence_chunks: tp under sequence parallelism, else 1.
+        segments: segments of a chunk that each keep their first ``k`` tokens: 2 when the layer
+            input holds both of a context-parallel rank's chunks, else 1.
     """
 
-    def __init__(self, num_layers: int, streams: Streams, device: torch.device, sequence_chunks: int = 1):
+    def __init__(self, num_layers: int, streams: Streams, device: torch.device, sequence_chunks: int = 1,
+                 segments: int = 1):
         self.num_layers = num_layers
         self.swapped_layers = max(num_layers - 2, 0)
         self.streams = streams
         self.device = device
         self.sequence_chunks = sequence_chunks
+        self.segments = segments
         self.layout: Optional[LayerLayout] = None
         self.keep_tokens: Optional[int] = None  # k
         self._region_bytes = 0  # one layer's share of the slab
@@ -224,18 +240,20 @@ class SwapRuntime:
         """
         capture = _Capture("discover", None, kwargs["hidden_states"].shape[0])
         self._run_captured(layer, kwargs, capture, self._pack, lambda t: t)
-        layout = LayerLayout(capture.slots, capture.tokens)
+        if capture.tokens % self.segments:
+            raise ValueError(f"{capture.tokens} tokens cannot be cut into {self.segments} segments")
+        layout = LayerLayout(capture.slots, capture.tokens, self.segments)
         _place(layout)
         return layout
 
     def allocate(self, layout: LayerLayout, keep_tokens: int, pin: bool) -> None:
-        """Allocate the two rounding buffers and the host slab for ``keep_tokens`` tokens per chunk.
+        """Allocate the two rounding buffers and the host slab for ``keep_tokens`` tokens per segment.
 
         Args:
             pin: page-lock the slab (on a GPU); it is registered whole, at its exact size.
         """
-        if not 0 <= keep_tokens <= layout.tokens:
-            raise ValueError(f"keep_tokens={keep_tokens} outside [0, {layout.tokens}]")
+        if not 0 <= keep_tokens <= layout.segment_tokens:
+            raise ValueError(f"keep_tokens={keep_tokens} outside [0, {layout.segment_tokens}]")
         self.release()
         self.layout, self.keep_tokens = layout, keep_tokens
         self._region_bytes = layout.host_bytes(keep_tokens)
@@ -422,7 +440,7 @@ class SwapRuntime:
         if source.data_ptr() == target.data_ptr():
             return (capture.state, j)  # made in place (memo.model.placement)
         if not self.resident(capture.state.index) and expected.kind == TOKENS:
-            source = _split(source, expected, capture.tokens, self.keep_tokens)[0]
+            source = self._split(source, expected)[0]
             target = self._swapped_part(b, j)
         self.streams.copy(self.streams.compute, target, source)
         return (capture.state, j)
@@ -460,8 +478,7 @@ class SwapRuntime:
                 if j is not None:  # else the kernel saved its own copy, swapped whole
                     self._fill(capture, j, x)
             out = self._roles["out"]
-            _, dropped = _split(self._slot_tensor(capture.state.index % 2, out), self.layout.slots[out],
-                                capture.tokens, self.keep_tokens)
+            _, dropped = self._split(self._slot_tensor(capture.state.index % 2, out), self.layout.slots[out])
             return dropped.flatten(0, 1).movedim(0, 2)
         capture.attention = (q, k, v)
         try:
@@ -503,7 +520,7 @@ class SwapRuntime:
             if state.prefetched is None:
                 self._prefetch(state, released)
             s.wait(s.compute, state.prefetched)
-            if self.keep_tokens < self.layout.tokens:
+            if self.keep_tokens < self.layout.segment_tokens:
                 self._recompute(state)
         state.ready = True
 
@@ -522,11 +539,11 @@ class SwapRuntime:
         layout, k = self.layout, self.keep_tokens
         b = state.index % 2
         inputs = [j for j, s in enumerate(layout.slots) if s.kind == INPUT]
-        hidden = self._slot_tensor(b, inputs[0])[k:].detach().requires_grad_(True)
+        hidden = _tail_rows(self._slot_tensor(b, inputs[0]), self.segments, k).detach().requires_grad_(True)
         kwargs = dict(state.kwargs, hidden_states=hidden)
         rope = kwargs.get("rotary_pos_emb")
         if rope is not None:
-            kwargs["rotary_pos_emb"] = _tail_rows(rope, self.sequence_chunks, k)
+            kwargs["rotary_pos_emb"] = _tail_rows(rope, self.sequence_chunks * self.segments, k)
         capture = _Capture("replay", state, layout.tokens)
         capture.outer = [j for j, s in enumerate(layout.slots) if s.role is None]
         layer = self.layers[state.index]
@@ -579,7 +596,7 @@ class SwapRuntime:
         if slot.kind in (INPUT, ALIAS):
             return  # kept whole on the host, nothing to recompute
         canonical = _canonical(t, slot.token_dim)
-        dropped = slot.chunks * (capture.tokens - self.keep_tokens)
+        dropped = slot.chunks * self.segments * (self.layout.segment_tokens - self.keep_tokens)
         rest = slot.shape[1:]
         if tuple(canonical.shape) != (dropped, *rest) or canonical.dtype != slot.dtype:
             raise RuntimeError(
@@ -587,7 +604,7 @@ class SwapRuntime:
                 f"expected {(dropped, *rest)}"
             )
         full = self._slot_tensor(capture.state.index % 2, j)
-        _, tail = _split(full, slot, capture.tokens, self.keep_tokens)
+        _, tail = self._split(full, slot)
         tail.copy_(canonical.reshape(tail.shape))
         self._account(capture.state.index, "recomputed", canonical.numel() * canonical.element_size())
 
@@ -618,16 +635,23 @@ class SwapRuntime:
         return _empty_in_layout(view, slot.saved_stride).copy_(view)
 
     def _swapped_part(self, b: int, j: int) -> torch.Tensor:
-        """The rows of slot ``j`` in buffer ``b`` that the host keeps, ``[chunks, k, ...]`` for TOKENS."""
+        """The rows of slot ``j`` in buffer ``b`` that the host keeps, ``[chunks·segments, k, ...]``
+        for TOKENS."""
         slot, full = self.layout.slots[j], self._slot_tensor(b, j)
-        return _split(full, slot, self.layout.tokens, self.keep_tokens)[0] if slot.kind == TOKENS else full
+        return self._split(full, slot)[0] if slot.kind == TOKENS else full
+
+    def _split(self, t: torch.Tensor, slot: Slot) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``k`` and the other rows of every segment of every chunk of token-major
+        ``t``, as ``[chunks·segments, rows, ...]`` views."""
+        runs = t.unflatten(0, (slot.chunks * self.segments, self.layout.segment_tokens))
+        return runs[:, : self.keep_tokens], runs[:, self.keep_tokens:]
 
     def _host_view(self, index: int, slot: Slot) -> torch.Tensor:
-        tokens, k = self.layout.tokens, self.keep_tokens
+        tokens, k = self.layout.segment_tokens, self.keep_tokens
         start = index * self._region_bytes + slot.host_offset
         raw = self.slab[start: start + slot.swapped_bytes(k, tokens)]
         if slot.kind == TOKENS:
-            return raw.view(slot.dtype).view(slot.chunks, k, *slot.shape[1:])
+            return raw.view(slot.dtype).view(slot.chunks * self.segments, k, *slot.shape[1:])
         return raw.view(slot.dtype).view(slot.shape)
 
 
@@ -642,13 +666,6 @@ def _copy_blocks(streams: Streams, stream, dst: torch.Tensor, src: torch.Tensor)
         if not (d.is_contiguous() and s.is_contiguous()):
             raise RuntimeError(f"a swap copy of shape {tuple(s.shape)} is not contiguous per chunk")
         streams.copy(stream, d, s)
-
-
-def _split(t: torch.Tensor, slot: Slot, tokens: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``k`` and the other rows of every chunk of token-major ``t``, as
-    ``[chunks, rows, ...]`` views."""
-    chunked = t.unflatten(0, (slot.chunks, tokens))
-    return chunked[:, :k], chunked[:, k:]
 
 
 def _tail_rows(t: torch.Tensor, chunks: int, k: int) -> torch.Tensor:
@@ -722,7 +739,7 @@ def _place_host(layout: LayerLayout, k: int) -> None:
     offset = 0
     for slot in sorted((s for s in layout.slots if s.kind != ALIAS), key=lambda s: -s.dtype.itemsize):
         slot.host_offset = offset
-        offset += slot.swapped_bytes(k, layout.tokens)
+        offset += slot.swapped_bytes(k, layout.segment_tokens)
 
 
 def _register(slab: torch.Tensor) -> None:

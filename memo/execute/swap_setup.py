@@ -7,8 +7,10 @@
 3. Measure B by copying a rounding buffer into that slab on the D2H stream.
 4. ``alpha=auto``: solve α; if it is smaller, allocate the slab again at its exact size.
 
-Every process of a model replica must swap the same number of tokens (the recomputation's
-collectives see their shapes), so the smallest k over all processes is used.
+The processes of a tensor-parallel group must swap the same number of tokens (the
+recomputation's collectives see their shapes), so the smallest k over the group is used. Other
+processes solve α on their own: under context parallelism each rank swaps its own tokens and
+recomputes them without exchanging any, and its host budget is its share of its node's.
 """
 
 import math
@@ -33,8 +35,9 @@ class SwapReport:
     alpha_binding: str  # "bandwidth", "host", "none" (α = 1) or "fixed" (given)
     alpha_bandwidth: float  # the bandwidth constraint's bound on α
     alpha_host: float  # the host constraint's bound on α
-    keep_tokens: int  # k: tokens per chunk swapped
+    keep_tokens: int  # k: tokens per segment swapped
     tokens: int  # S: tokens of a layer input on this device
+    segment_tokens: int  # S, or S/2 when the input holds two context-parallel chunks
     swapped_layers: int
     layer_time_s: float  # T_layer: one layer's forward
     host_bandwidth_bytes_per_s: float  # B: device-to-host copies into the slab
@@ -79,16 +82,17 @@ def _bandwidth(runtime: SwapRuntime, device: torch.device, repeats: int = 3) -> 
     return n / best
 
 
-def _min_over_processes(value: int, device: torch.device) -> int:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _min_over(value: int, device: torch.device, group) -> int:
+    if group is None or dist.get_world_size(group) == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
 
 
 def prepare_swap(
-    runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float], host_budget: float
+    runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float], host_budget: float,
+    group=None,
 ) -> SwapReport:
     """Attach ``runtime`` to ``model`` (``workload``'s Megatron ``GPTModel``) and get it ready to
     train ``workload.micro_batch_size`` sequences of ``workload.seq`` tokens (all tensor-parallel
@@ -97,6 +101,8 @@ def prepare_swap(
     Args:
         alpha: a fixed swap ratio, or ``None`` to solve for it.
         host_budget: bytes of host memory this process may fill with activations (M_host).
+        group: the processes whose recomputations exchange tokens (the tensor-parallel group),
+            which must keep the same ``k``; ``None`` for a process alone.
 
     Raises:
         HostMemoryError: if the swapped activations cannot fit in ``host_budget``.
@@ -106,7 +112,7 @@ def prepare_swap(
     runtime.attach(layers)
     config = model.config
     seq = workload.seq
-    tokens = seq // runtime.sequence_chunks
+    tokens = seq // (workload.parallel.cp * runtime.sequence_chunks)
     # A generator of its own: measuring must not move the RNG that training draws from.
     generator = torch.Generator(device.type).manual_seed(0)
     hidden = torch.randn(tokens, workload.micro_batch_size, config.hidden_size, dtype=torch_dtype(workload),
@@ -121,21 +127,23 @@ def prepare_swap(
     check_host(sizes, n, host_budget, 0.0 if alpha is None else alpha)
     cap = min(1.0, by_host) if alpha is None else alpha
     pin = device.type == "cuda"
-    keep = _min_over_processes(math.floor(cap * tokens + 1e-9), device)
+    segment = layout.segment_tokens
+    keep = _min_over(math.floor(cap * segment + 1e-9), device, group)
     runtime.allocate(layout, keep, pin)
     bandwidth = _bandwidth(runtime, device) if runtime.swapped_layers else math.inf
     solution = choose_alpha(sizes, n, layer_time, bandwidth, host_budget, alpha)
-    solved = _min_over_processes(math.floor(solution.alpha * tokens + 1e-9), device)
+    solved = _min_over(math.floor(solution.alpha * segment + 1e-9), device, group)
     if solved != keep:  # the bandwidth bound the cap
         keep = solved
         runtime.allocate(layout, keep, pin)
     return SwapReport(
-        alpha=keep / tokens,
+        alpha=keep / segment,
         alpha_binding=solution.binding,
         alpha_bandwidth=solution.alpha_bandwidth,
         alpha_host=solution.alpha_host,
         keep_tokens=keep,
         tokens=tokens,
+        segment_tokens=segment,
         swapped_layers=runtime.swapped_layers,
         layer_time_s=layer_time,
         host_bandwidth_bytes_per_s=bandwidth,

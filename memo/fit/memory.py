@@ -14,9 +14,8 @@
   layer's input, attention output and first α of its other skeletal tensors go to the host, so
   host memory per node is ``(n − 2)·(S_input + S_attn + α·S_other)`` per device times the
   devices of a node.
-* Context parallelism exchanges key/value blocks in a ring: four blocks of ``b·(s/cp)·h/tp``
-  elements (this step's and the next, and in the backward their gradients) are added; the trace
-  itself is of one context-parallel rank's tokens.
+* Context parallelism adds the buffers of its exchange at their backward peak
+  (:func:`context_parallel_buffers`); the trace itself is of one context-parallel rank's tokens.
 
 Pipeline parallelism is predicted for its first stage holding ``pp`` micro-batches in flight
 (1F1B), with the embedding, the head and the loss on the same stage: an upper bound.
@@ -166,14 +165,41 @@ def rounding_buffer_bytes(sizes: SkeletalBytes) -> int:
 
 
 def context_parallel_buffers(workload: Workload) -> int:
-    """The keys and values of all ``s`` tokens that a layer's attention gathers (bytes), counted as
-    held although they live only while one layer's attention runs; 0 without context parallelism
-    and with Ulysses, whose re-sharded q, k, v take the place of the rank's own."""
+    """Bytes one layer's context-parallel attention holds beyond attention without it, at its peak
+    (the backward pass), counted as held although they live only while that layer's attention
+    runs; 0 without context parallelism. With ``t = s/cp`` tokens per rank, ``h = hidden/tp``
+    channels and ``e``-byte elements:
+
+    * ``all_gather``: all ``s`` tokens' keys and values and their gradients, ``4·b·s·h·e``, and
+      ``b·t·h·(e + 4)`` for the query's gradient, summed in float32, and the kernels' gradients of
+      one block;
+    * ``p2p``: the held and the incoming keys and values, the gradient of the held ones and the one
+      received (both float32), the query's gradient in float32 and the kernels' block gradients:
+      ``b·t·h·(5·e + 28)``;
+    * ``a2a``: q, k, v, the output and the incoming gradient re-sharded by heads, the gradients
+      by heads and the all-to-alls' staging copies: at most ``7.5·b·t·h·e``.
+
+    These are the peaks :mod:`memo.model.context_parallel` reaches, beyond the dq, dk, dv and
+    contiguous incoming gradient that attention without context parallelism allocates too, as the
+    allocation recorder measures them in ``tests/context_parallel_worker.py`` (exactly for the
+    first two; the third is a bound within 15% at cp = 2 and 4).
+    """
     parallel = workload.parallel
-    if parallel.cp == 1 or parallel.cp_comm_type == "a2a":
+    return exchange_bytes(parallel.cp_comm_type, parallel.cp, workload.micro_batch_size, workload.seq,
+                          workload.model.hidden_size // parallel.tp, workload.dtype_bytes)
+
+
+def exchange_bytes(comm_type: str, cp: int, b: int, s: int, h: int, e: int) -> int:
+    """:func:`context_parallel_buffers` of ``b`` sequences of ``s`` tokens, ``h`` channels per
+    rank, ``e``-byte elements."""
+    if cp == 1:
         return 0
-    hidden = workload.model.hidden_size // parallel.tp
-    return 2 * workload.micro_batch_size * workload.seq * hidden * workload.dtype_bytes
+    t = s // cp
+    if comm_type == "a2a":
+        return 15 * b * t * h * e // 2
+    if comm_type == "p2p":
+        return b * t * h * (5 * e + 28)
+    return 4 * b * s * h * e + b * t * h * (e + 4)
 
 
 @dataclass(frozen=True)

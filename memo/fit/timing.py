@@ -10,10 +10,14 @@ Per micro-batch and pipeline stage, each layer costs:
 * tensor parallelism: with sequence parallelism two all-gathers and two reduce-scatters of the
   layer's ``b·t·h`` activations per pass, otherwise two all-reductions, over NVLink, a share
   ``tp_comm_overlap`` hidden;
-* context parallelism, not overlapping attention: with ``cp_comm_type=all_gather`` every rank
-  gathers the ``cp − 1`` other ranks' key/value blocks before its attention, and in the backward
-  gathers them again and reduce-scatters their gradients; with ``a2a`` (Ulysses) four all-to-alls
-  of the rank's ``b·t·h/tp`` elements each way (q, k, v in, the output back; their gradients);
+* context parallelism: with ``cp_comm_type=all_gather`` every rank gathers the ``cp − 1`` other
+  ranks' key/value blocks before its attention, and in the backward gathers them again and
+  reduce-scatters their gradients, none of it overlapped; with ``p2p`` the same blocks pass
+  around a ring, each step's transfer hidden behind the step's attention (exposed: what the
+  attention of the pass does not cover), and in the backward their float32 gradients travel with
+  them, one step more; with ``a2a`` (Ulysses) all-to-alls of the rank's ``b·t·h/tp`` elements,
+  four in the forward (q, k, v in, the output back) and eight in the backward (q, k, v, the
+  output and its gradient in, the three gradients back), not overlapped;
 * recomputation: a whole extra forward (full recomputation), the attention forward (selective),
   or for MEMO the token-wise layers' GEMMs (QKV, projection, FC1) on the ``1 − α`` dropped tokens;
 * swapping: a layer's copy to the host beyond the next layer's compute (zero when α solves the
@@ -116,7 +120,12 @@ def predict_time(
     if cp == 1:
         cp_fwd = cp_bwd = 0.0
     elif parallel.cp_comm_type == "a2a":
-        cp_fwd = cp_bwd = 4 * (cp - 1) / cp * kv / cp_link
+        cp_fwd = 4 * (cp - 1) / cp * kv / cp_link
+        cp_bwd = 2 * cp_fwd
+    elif parallel.cp_comm_type == "p2p":
+        cp_fwd = max(0.0, (cp - 1) * block / cp_link - attention)
+        gradients = cp * block * 4 / element_bytes  # float32
+        cp_bwd = max(0.0, ((cp - 1) * block + gradients) / cp_link - attention_bwd)
     else:
         cp_fwd = (cp - 1) * block / cp_link
         cp_bwd = 2 * cp_fwd

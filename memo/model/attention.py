@@ -23,7 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memo.config import ConfigError
-from memo.model.context_parallel import context_parallel_attention
+from memo.model.context_parallel import CP_COMM_TYPES, context_parallel_attention
 
 # Fastest first on Hopper: cuDNN's fused attention, then FlashAttention-2, then the rest.
 _CANDIDATES = {
@@ -43,16 +43,21 @@ def causal_attention(
     dropout_p: float = 0.0,
     grouped: bool = False,
     runtime=None,
+    cp_group=None,
+    cp_comm_type: str = "all_gather",
 ) -> torch.Tensor:
     """Causal attention with one SDPA kernel: ``[s, b, heads, dim]`` in, ``[s, b, heads·dim]`` out.
 
     ``runtime`` (a :class:`memo.execute.swap.SwapRuntime`) sees the kernel's inputs and may
-    replay its output instead of running it.
+    replay its output instead of running it. With ``cp_group`` the tokens are this rank's part of
+    a sequence split over that context-parallel group, exchanged by ``cp_comm_type``.
     """
     # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take strided batch and head dims.
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
 
     def kernel() -> torch.Tensor:
+        if cp_group is not None:
+            return context_parallel_attention(q, k, v, cp_group, backend, scale, cp_comm_type)
         with sdpa_kernel([_CANDIDATES[backend]]):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
@@ -118,9 +123,9 @@ class SdpaAttention(MegatronModule):
         self.cp_group = None  # the context-parallel group when the sequence is split over one
         self.cp_comm_type = cp_comm_type or "all_gather"
         if config.context_parallel_size > 1:
-            if self.cp_comm_type not in ("all_gather", "a2a") or self.dropout:
-                raise ValueError(f"SdpaAttention's context parallelism runs cp_comm_type=all_gather or a2a "
-                                 f"(not {cp_comm_type}) without dropout")
+            if self.cp_comm_type not in CP_COMM_TYPES or self.dropout:
+                raise ValueError(f"SdpaAttention's context parallelism runs cp_comm_type="
+                                 f"{', '.join(CP_COMM_TYPES)} (not {cp_comm_type}) without dropout")
             self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -142,9 +147,6 @@ class SdpaAttention(MegatronModule):
         the causal mask is implicit, so no s×s tensor is ever built."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("SdpaAttention supports neither attention bias nor packed sequences")
-        if self.cp_group is not None:
-            return context_parallel_attention(query, key, value, self.cp_group, _CANDIDATES[self.backend],
-                                              self.softmax_scale, self.grouped, self.cp_comm_type)
         return causal_attention(
             query,
             key,
@@ -154,4 +156,6 @@ class SdpaAttention(MegatronModule):
             dropout_p=self.dropout if self.training else 0.0,
             grouped=self.grouped,
             runtime=self.runtime,
+            cp_group=self.cp_group,
+            cp_comm_type=self.cp_comm_type,
         )

@@ -6,31 +6,34 @@ chunks ``r`` and ``2·cp − 1 − r``, one from each end, as Megatron-core's
 work. Each rank computes attention for its own queries over every earlier key of the whole
 sequence, exchanged as Megatron's ``cp_comm_type`` names it:
 
-* ``all_gather``: the keys and values of all ranks are gathered before the layer's attention, in
-  sequence order, and their gradients are summed back to the ranks that own them (a
-  reduce-scatter) in the backward pass;
+* ``all_gather``: the keys and values of all ranks are gathered before the layer's attention, and
+  their gradients summed back to the ranks that own them (a reduce-scatter) in the backward pass;
+* ``p2p``: a ring; each rank's keys and values pass from rank to rank in ``cp − 1`` point-to-point
+  steps, the next block's transfer overlapping the current block's attention, and in the backward
+  pass their gradients travel the ring with them back to their owner;
 * ``a2a`` (Ulysses): all-to-all exchanges give each rank every token of ``heads/cp`` of the heads
   for attention, and then its own tokens of every head back.
 
-A query chunk ``j`` attends to keys ``[0, (j + 1)·c)`` with the causal mask aligned at the lower
-right (its last query sees every one of those keys), which SDPA takes as
-:func:`torch.nn.attention.bias.causal_lower_right` without building a ``c × (j + 1)·c`` mask on
-kernels that support it.
+A query chunk attends to the blocks of keys before it in full and to its own chunk causally; the
+blocks' outputs are merged by their log-sum-exp (:mod:`memo.model.attention_blocks`).
 
-Memory: the gathered keys and values (``2·s·b·h/tp`` elements, all ``s`` tokens) live while one
-layer's attention runs, forward or backward, and are not kept in between: the backward pass is
-given the views it saved of them by gathering them again from this rank's own parts
-(saved-tensor hooks), one more all-gather per layer, as Transformer Engine's ``all_gather`` does.
+What one layer keeps from its forward pass to its backward pass is what attention without context
+parallelism keeps: this rank's query, key and value, its output and its log-sum-exp, all of its
+own ``2·c`` tokens (so MEMO swaps and recomputes them as it does without context parallelism,
+and never replays an exchange). The keys and values of other ranks (``all_gather``: all ``s``
+tokens, ``2·s·b·h_kv/tp`` elements; ``p2p``: one other rank's at a time, plus the one in flight;
+``a2a``: q, k, v and the output re-sharded by heads, as many elements as this rank's own) live
+only while one layer's attention runs, forward or backward, and are exchanged again in the
+backward pass, as Transformer Engine's context parallelism does.
 """
 
-import functools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.attention import sdpa_kernel
-from torch.nn.attention.bias import CausalBias, causal_lower_right
-from torch.utils._python_dispatch import _disable_current_modes
+
+from memo.config.validate import CP_COMM_TYPES
+from memo.model import attention_blocks as blocks
 
 
 def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -64,132 +67,37 @@ def _in_order(t: torch.Tensor, order: list[int]) -> torch.Tensor:
     return torch.cat([chunks[i] for i in order])
 
 
-def _gather_in_order(local: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's part (dim 0) gathered, in sequence order; not differentiable."""
+def _tokens_first(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim(2, 0)
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim(0, 2)
+
+
+def _gather_tokens(local: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``[b, n, 2·c, d]`` part gathered into ``[b, n, s, d]``, rank after rank (chunk
+    ``p`` of it is sequence chunk ``_rank_order(cp)[p]``)."""
     cp = dist.get_world_size(group)
-    gathered = local.new_empty((cp * local.shape[0], *local.shape[1:]))
-    dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
-    return _in_order(gathered, _sequence_order(cp))
+    part = _tokens_first(local).contiguous()
+    gathered = part.new_empty((cp * part.shape[0], *part.shape[1:]))
+    dist.all_gather_into_tensor(gathered, part, group=group)
+    return _heads_first(gathered)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All ranks' parts (dim 0) as the whole sequence in order; backward: each rank's part of the
-    summed gradient."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _gather_in_order(local, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cp = dist.get_world_size(ctx.group)
-        local = grad.new_empty((grad.shape[0] // cp, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(local, _in_order(grad, _rank_order(cp)), group=ctx.group)
-        return local, None
-
-
-def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
-    """The whole sequence (dim 0) from every context-parallel rank's part, differentiably."""
-    return _GatherSequence.apply(local, group)
-
-
-@functools.lru_cache(maxsize=None)
-def _lower_right(queries: int, keys: int) -> CausalBias:
-    """The causal mask aligned at the lower right. It holds no data, only the two lengths, but it is
-    a tensor subclass, which cannot be made while a dispatch mode (the CPU allocation recorder of
-    :mod:`memo.execute.plan_runtime`) wraps every new tensor: it is made outside any."""
-    with _disable_current_modes():
-        return causal_lower_right(queries, keys)
-
-
-class _GatheredSaved:
-    """Saved-tensor hooks for one attention call: views of the gathered keys and values are saved
-    as where they lie in them, and gathered again (once) when the backward pass asks for them."""
-
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, group):
-        # this rank's own parts, kept in place of the gathered ones, as much as attention keeps
-        # without context parallelism
-        self.local = (key.detach(), value.detach())
-        self.group = group
-        self.storages: dict[int, int] = {}  # data pointer of a gathered tensor's storage -> 0 (keys), 1
-        self.regathered: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-
-    def gather(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = gather_sequence(key, self.group), gather_sequence(value, self.group)
-        self.storages = {t.untyped_storage().data_ptr(): i for i, t in enumerate((keys, values))}
-        return keys, values
-
-    def pack(self, t: torch.Tensor):
-        which = self.storages.get(t.untyped_storage().data_ptr())
-        return t if which is None else (which, t.storage_offset(), t.shape, t.stride())
-
-    def unpack(self, saved):
-        if isinstance(saved, torch.Tensor):
-            return saved
-        which, offset, shape, stride = saved
-        if self.regathered is None:
-            self.regathered = tuple(_gather_in_order(t, self.group) for t in self.local)
-        return self.regathered[which].as_strided(shape, stride, offset)
-
-
-def context_parallel_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    group,
-    backend,
-    scale: float,
-    grouped: bool = False,
-    comm_type: str = "all_gather",
-) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole sequence's keys.
-
-    Args:
-        query, key, value: this rank's ``[2·c, b, heads, dim]`` (its two chunks, in its order).
-        group: the context-parallel process group.
-        backend: the SDPA kernel (a :class:`torch.nn.attention.SDPBackend`).
-        scale: the softmax scale.
-        comm_type: ``all_gather`` or ``a2a`` (Ulysses).
-
-    Returns:
-        ``[2·c, b, heads·dim]``, this rank's tokens in its order.
-    """
-    if comm_type == "a2a":
-        return _ulysses_attention(query, key, value, group, backend, scale, grouped)
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    saved = _GatheredSaved(key, value, group)
-    c = query.shape[0] // 2
-    masks = [_lower_right(c, (chunk + 1) * c) for chunk in rank_chunks(rank, cp)]
-    outs = []
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        keys, values = saved.gather(key, value)
-        for part, mask in zip(query.split(c), masks):
-            end = mask.seq_len_kv
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (part, keys[:end], values[:end]))
-            with sdpa_kernel([backend]):
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
-            b, n, _, d = out.shape
-            outs.append(out.permute(2, 0, 1, 3).reshape(c, b, n * d))
-    return torch.cat(outs)
-
-
-class _AllToAll(torch.autograd.Function):
-    """``x`` cut into cp parts along ``scatter``, part ``i`` sent to rank ``i``, and the parts
-    received joined along ``gather``; the backward pass sends the gradient back the same way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
-        ctx.group, ctx.scatter, ctx.gather = group, scatter, gather
-        return _all_to_all(x, group, scatter, gather)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
+def _reduce_scatter_tokens(whole: torch.Tensor, group) -> torch.Tensor:
+    """``[b, n, s, d]`` in the ranks' order summed over the ranks, each rank's ``[b, n, 2·c, d]``
+    part returned to it."""
+    cp = dist.get_world_size(group)
+    ordered = _tokens_first(whole).contiguous()
+    local = ordered.new_empty((ordered.shape[0] // cp, *ordered.shape[1:]))
+    dist.reduce_scatter_tensor(local, ordered, group=group)
+    return _heads_first(local)
 
 
 def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
+    """``x`` cut into cp parts along ``scatter``, part ``i`` sent to rank ``i``, the parts received
+    joined along ``gather``."""
     cp = dist.get_world_size(group)
     sent = [part.contiguous() for part in x.chunk(cp, dim=scatter)]
     received = [torch.empty_like(sent[0]) for _ in range(cp)]
@@ -197,21 +105,232 @@ def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tens
     return torch.cat(received, dim=gather)
 
 
-def _ulysses_attention(query, key, value, group, backend, scale: float, grouped: bool) -> torch.Tensor:
-    """Ulysses (``cp_comm_type=a2a``): an all-to-all gives each rank every token of ``heads/cp``
-    heads, attention runs over the whole sequence on them, and a second all-to-all gives each rank
-    its own tokens of every head back. Nothing is gathered beyond this rank's share: the
-    re-sharded q, k, v hold as many elements as its own."""
+def _to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """Ulysses: ``[b, n, 2·c, d]`` (this rank's tokens) -> ``[b, n/cp, s, d]`` (every token)."""
     cp = dist.get_world_size(group)
-    if query.shape[2] % cp or key.shape[2] % cp:
-        raise ValueError(f"Ulysses splits the heads over cp={cp} ranks: {query.shape[2]} query and "
-                         f"{key.shape[2]} key heads per rank do not divide")
-    # [2·c, b, n, d] by rank -> [s, b, n/cp, d] in sequence order
-    q, k, v = (_in_order(_AllToAll.apply(t, group, 2, 0), _sequence_order(cp)).permute(1, 2, 0, 3)
-               for t in (query, key, value))
-    with sdpa_kernel([backend]):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
-    out = _in_order(out.permute(2, 0, 1, 3), _rank_order(cp))  # [s, b, n/cp, d] by rank
-    out = _AllToAll.apply(out, group, 0, 2)  # [2·c, b, n, d]
-    return out.reshape(out.shape[0], out.shape[1], -1)
+    by_rank = _all_to_all(_tokens_first(x), group, scatter=2, gather=0)
+    return _heads_first(_in_order(by_rank, _sequence_order(cp)))
+
+
+def _to_tokens(y: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of :func:`_to_heads`; the result is token-major in memory."""
+    cp = dist.get_world_size(group)
+    by_rank = _in_order(_tokens_first(y), _rank_order(cp))
+    return _heads_first(_all_to_all(by_rank, group, scatter=0, gather=2))
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head repeated for the ``groups`` query heads of it."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def _fold(dkv: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`_expand`."""
+    return dkv if groups == 1 else dkv.unflatten(1, (-1, groups)).sum(2)
+
+
+def _token_major_like(q: torch.Tensor) -> torch.Tensor:
+    """An empty ``[b, n, s, d]`` tensor laid out ``[s, b, n, d]`` in memory, as Megatron's."""
+    return _heads_first(q.new_empty(_tokens_first(q).shape))
+
+
+class _Ring:
+    """Point-to-point exchanges around the context-parallel ranks: send to the next, receive from
+    the previous, asynchronously."""
+
+    def __init__(self, group):
+        self.group = group
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % cp)
+        self.previous = dist.get_global_rank(group, (rank - 1) % cp)
+
+    def start(self, tensor: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        """Send ``tensor`` on, receive its like from behind; wait on the returned works before
+        reading what was received or writing what was sent."""
+        received = torch.empty_like(tensor)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, received, self.previous, self.group, tag),
+        ])
+        return received, works
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class _Attention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, kernel: str, scale: float, comm_type: str):
+        ctx.group, ctx.kernel, ctx.scale, ctx.comm_type = group, kernel, scale, comm_type
+        ctx.groups = q.shape[1] // k.shape[1]
+        out, lse = _FORWARD[comm_type](ctx, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _BACKWARD[ctx.comm_type](ctx, dout.contiguous(), q, k, v, out, lse)
+        return dq, dk, dv, None, None, None, None
+
+
+def _chunk(t: torch.Tensor, half: int, c: int) -> torch.Tensor:
+    """Tokens ``[half·c, (half + 1)·c)`` of a ``[b, n, tokens, ...]`` tensor."""
+    return t.narrow(2, half * c, c)
+
+
+def _blocks(rank: int, owner: int, cp: int):
+    """``(query half, key half, causal)`` for every block of this rank's queries that sees keys of
+    ``owner``'s two chunks: a chunk sees the chunks before it whole and itself causally."""
+    for qh, a in enumerate(rank_chunks(rank, cp)):
+        for kh, b in enumerate(rank_chunks(owner, cp)):
+            if b <= a:
+                yield qh, kh, b == a
+
+
+def _ring_forward(ctx, q, k, v):
+    cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+    ring, c = _Ring(ctx.group), q.shape[2] // 2
+    held = torch.stack([_tokens_first(k), _tokens_first(v)])  # [2, 2·c, b, n_kv, d]
+    merged: list[Optional[tuple]] = [None, None]
+    for step in range(cp):
+        owner = (rank - step) % cp
+        if step < cp - 1:
+            incoming, works = ring.start(held, tag=1)
+        keys, values = (_expand(_heads_first(t), ctx.groups) for t in held)
+        for qh, kh, causal in _blocks(rank, owner, cp):
+            block = blocks.forward(ctx.kernel, _chunk(q, qh, c), _chunk(keys, kh, c), _chunk(values, kh, c),
+                                   causal, ctx.scale)
+            merged[qh] = block if merged[qh] is None else blocks.merge(*merged[qh], *block)
+        if step < cp - 1:
+            _wait(works)
+            held = incoming
+    return _joined(q, merged, c)
+
+
+def _ring_backward(ctx, dout, q, k, v, out, lse):
+    cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+    ring, c = _Ring(ctx.group), q.shape[2] // 2
+    held = torch.stack([_tokens_first(k), _tokens_first(v)])
+    dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
+    passing = None  # (received gradient, works) of the keys and values held next
+    for step in range(cp):
+        owner = (rank - step) % cp
+        if step < cp - 1:
+            incoming, works = ring.start(held, tag=1)
+        keys, values = (_expand(_heads_first(t), ctx.groups) for t in held)
+        # the gradient of the held keys and values
+        grads = torch.zeros(held.shape, dtype=blocks.wide(k.dtype), device=q.device)
+        for qh, kh, causal in _blocks(rank, owner, cp):
+            dqb, dkb, dvb = blocks.backward(
+                ctx.kernel, _chunk(dout, qh, c), _chunk(q, qh, c), _chunk(keys, kh, c),
+                _chunk(values, kh, c), _chunk(out, qh, c), lse.narrow(2, qh * c, c), causal, ctx.scale)
+            _chunk(dq, qh, c).add_(dqb)
+            for i, d in enumerate((dkb, dvb)):
+                _chunk(_heads_first(grads[i]), kh, c).add_(_fold(d, ctx.groups))
+        if passing is not None:  # what the ranks before added to these keys' and values' gradient
+            _wait(passing[1])
+            grads += passing[0]
+            passing = None
+        passing = ring.start(grads, tag=2)  # on to the next rank; after the last step, to the owner
+        if step < cp - 1:
+            _wait(works)
+            held = incoming
+    _wait(passing[1])
+    dkv = passing[0].to(k.dtype)
+    return dq.to(q.dtype), _heads_first(dkv[0]), _heads_first(dkv[1])
+
+
+def _gathered_blocks(rank: int, cp: int):
+    """``(query half, position of the key chunk in the gathered keys, causal)`` for every block of
+    this rank's queries: a chunk sees the chunks before it whole and itself causally."""
+    where = _sequence_order(cp)
+    for qh, a in enumerate(rank_chunks(rank, cp)):
+        for chunk in range(a + 1):
+            yield qh, where[chunk], chunk == a
+
+
+def _gather_forward(ctx, q, k, v):
+    cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+    c = q.shape[2] // 2
+    keys, values = (_expand(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
+    merged: list[Optional[tuple]] = [None, None]
+    for qh, p, causal in _gathered_blocks(rank, cp):
+        block = blocks.forward(ctx.kernel, _chunk(q, qh, c), _chunk(keys, p, c), _chunk(values, p, c), causal,
+                               ctx.scale)
+        merged[qh] = block if merged[qh] is None else blocks.merge(*merged[qh], *block)
+    return _joined(q, merged, c)
+
+
+def _joined(q, merged: list[tuple], c: int):
+    """This rank's output (token-major) and log-sum-exp from its two query chunks'."""
+    out = _token_major_like(q)
+    for qh, (o, _) in enumerate(merged):
+        _chunk(out, qh, c).copy_(o)
+    return out, torch.cat([lse for _, lse in merged], dim=2)
+
+
+def _gather_backward(ctx, dout, q, k, v, out, lse):
+    cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+    c = q.shape[2] // 2
+    keys, values = (_expand(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
+    dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
+    # in the keys' dtype: each key's gradient sums at most two blocks here, then cp ranks'
+    dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
+    for qh, p, causal in _gathered_blocks(rank, cp):
+        dqb, dkb, dvb = blocks.backward(
+            ctx.kernel, _chunk(dout, qh, c), _chunk(q, qh, c), _chunk(keys, p, c), _chunk(values, p, c),
+            _chunk(out, qh, c), lse.narrow(2, qh * c, c), causal, ctx.scale)
+        _chunk(dq, qh, c).add_(dqb)
+        _chunk(dkeys, p, c).add_(dkb)
+        _chunk(dvalues, p, c).add_(dvb)
+    del keys, values
+    dk, dv = (_reduce_scatter_tokens(_fold(d, ctx.groups), ctx.group) for d in (dkeys, dvalues))
+    return dq.to(q.dtype), dk, dv
+
+
+def _ulysses_forward(ctx, q, k, v):
+    cp = dist.get_world_size(ctx.group)
+    if q.shape[1] % cp or k.shape[1] % cp:
+        raise ValueError(f"Ulysses splits the heads over cp={cp} ranks: {q.shape[1]} query and "
+                         f"{k.shape[1]} key heads per rank do not divide")
+    qh, kh, vh = (_to_heads(t, ctx.group) for t in (q, k, v))
+    o, lse = blocks.forward(ctx.kernel, qh, _expand(kh, ctx.groups), _expand(vh, ctx.groups), True, ctx.scale)
+    return _to_tokens(o, ctx.group), _to_tokens(lse.unsqueeze(-1), ctx.group).squeeze(-1)
+
+
+def _ulysses_backward(ctx, dout, q, k, v, out, lse):
+    qh, kh, vh, oh, dh = (_to_heads(t, ctx.group) for t in (q, k, v, out, dout))
+    lh = _to_heads(lse.unsqueeze(-1), ctx.group).squeeze(-1)
+    dq, dk, dv = blocks.backward(ctx.kernel, dh, qh, _expand(kh, ctx.groups), _expand(vh, ctx.groups), oh, lh,
+                                 True, ctx.scale)
+    return (_to_tokens(d, ctx.group) for d in (dq, _fold(dk, ctx.groups), _fold(dv, ctx.groups)))
+
+
+_FORWARD = {"all_gather": _gather_forward, "p2p": _ring_forward, "a2a": _ulysses_forward}
+_BACKWARD = {"all_gather": _gather_backward, "p2p": _ring_backward, "a2a": _ulysses_backward}
+
+
+def context_parallel_attention(q, k, v, group, backend: str, scale: float,
+                               comm_type: str = "all_gather") -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence's keys.
+
+    Args:
+        q, k, v: this rank's ``[b, heads, 2·c, dim]`` (its two chunks, in its order); ``k`` and
+            ``v`` may have fewer heads than ``q`` (grouped-query attention).
+        group: the context-parallel process group.
+        backend: the attention kernel's name (:func:`memo.model.attention.select_backend`).
+        scale: the softmax scale.
+        comm_type: ``all_gather``, ``p2p`` or ``a2a`` (Ulysses).
+
+    Returns:
+        ``[b, heads, 2·c, dim]``, this rank's tokens in its order, laid out ``[2·c, b, heads, dim]``
+        in memory.
+    """
+    if comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type={comm_type} is not one of {', '.join(CP_COMM_TYPES)}")
+    return _Attention.apply(q, k, v, group, blocks.block_kernel(backend), scale, comm_type)

@@ -176,14 +176,6 @@ def unsupported_layout(parallel: ParallelConfig, method: MethodConfig) -> Option
     if parallel.pp > 1:
         return (f"parallel.pp={parallel.pp}: the training loop has no pipeline schedule yet; "
                 "use parallel.pp=1")
-    return _unsupported_context_parallel(parallel, method)
-
-
-def _unsupported_context_parallel(parallel: ParallelConfig, method: MethodConfig) -> Optional[str]:
-    if parallel.cp > 1 and method.layer_activations != "megatron":
-        return (f"method={method.name} keeps its activations in its own layers, which do not split "
-                f"the sequence over context-parallel ranks yet; use parallel.cp=1 (parallel.cp="
-                f"{parallel.cp} runs with Megatron's methods)")
     return None
 
 
@@ -197,16 +189,13 @@ def uses_transformer_engine(
 
     Raises:
         ConfigError: if the run needs Transformer Engine (``attention_backend=te``) and it cannot
-            be used here, or a method's layers cannot run the context-parallel layout.
+            be used here.
     """
     if method.layer_activations != "megatron" and attention_backend == "te":
         raise ConfigError(
             f"method={method.name} runs on Megatron's local layers, so train.attention_backend=te "
             "(Transformer Engine's attention) is not supported with it; use train.attention_backend=auto"
         )
-    reason = _unsupported_context_parallel(parallel, method)
-    if reason is not None:
-        raise ConfigError(reason)
     use_te = (
         device_type == "cuda" and HAVE_TE and attention_backend in ("auto", "te")
         and method.layer_activations == "megatron"

@@ -58,7 +58,9 @@ def _prepare_swap(run: Run, model, hw: hardware.Hardware):
         else torch.device("cpu")
     parallel = run.workload.parallel
     chunks = parallel.tp if parallel.sequence_parallel else 1
-    runtime = SwapRuntime(run.workload.model.num_layers, streams_for(device), device, chunks)
+    # the prefix of each of a context-parallel rank's two chunks where one input holds both
+    segments = 2 if parallel.cp > 1 and chunks == 1 else 1
+    runtime = SwapRuntime(run.workload.model.num_layers, streams_for(device), device, chunks, segments)
     budget = (hw.host_memory_bytes or hardware.host_memory_bytes()) / (hw.devices_per_node or 1)
     if device.type == "cuda":
         # Swapped activations live in page-locked memory: what can be pinned here now bounds
@@ -69,7 +71,8 @@ def _prepare_swap(run: Run, model, hw: hardware.Hardware):
             log.warning("ulimit -l is %.2f GiB, below the %.2f GiB of swapped activations this GPU may "
                         "pin; where the container enforces it, raise it (ulimit -l unlimited)",
                         memlock / 2**30, budget / 2**30)
-    report = prepare_swap(runtime, model, run.workload, run.alpha, budget)
+    group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
+    report = prepare_swap(runtime, model, run.workload, run.alpha, budget, group)
     return runtime, report
 
 

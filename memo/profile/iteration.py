@@ -117,8 +117,9 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         raise ConfigError(f"parallel.pp={parallel.pp}: traces cover one pipeline stage only; "
                           "use parallel.pp=1")
     if parallel.cp > 1:
-        raise ConfigError(f"parallel.cp={parallel.cp}: context parallelism needs Transformer Engine's "
-                          "attention, which a trace cannot run; use parallel.cp=1")
+        raise ConfigError(f"parallel.cp={parallel.cp}: a trace follows one process and context "
+                          "parallelism exchanges keys and values with the others; use parallel.cp=1 "
+                          "(mode=fit adds the exchange's buffers to one rank's tokens)")
     device = "cuda" if backend == "cuda" else "cpu"
     config = transformer_config(workload, device)
     attention = select_backend(device, dtype, config.kv_channels)  # a real probe, outside fake mode
