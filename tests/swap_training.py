@@ -17,9 +17,10 @@ from conftest import resolve_config
 
 
 def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256, streams=None,
-                    alpha=None):
+                    alpha=None, segments=None):
     """(losses, per-step gradients by parameter name, runtime) of ``steps`` steps of ``method``
-    (with the loss ``train.loss`` in ``overrides`` picks, else the method's).
+    (with the loss ``train.loss`` in ``overrides`` picks, else the method's). ``segments``: the
+    swap runtime's, else as training takes them (2 for a context-parallel input of both chunks).
 
     Megatron's parallel state must be initialized to match ``overrides``.
     """
@@ -32,7 +33,8 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
     parallel = workload.parallel
     if run.swaps:
         chunks = parallel.tp if parallel.sequence_parallel else 1
-        segments = 2 if parallel.cp > 1 and chunks == 1 else 1
+        if segments is None:
+            segments = 2 if parallel.cp > 1 and chunks == 1 else 1
         runtime = SwapRuntime(workload.model.num_layers, streams or InlineStreams(), torch.device("cpu"),
                               chunks, segments)
         group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None

@@ -70,6 +70,23 @@ def test_gradients_of_three_steps_equal_keeping_everything(references, method, a
         assert (recomputed == 0) == (runtime.keep_tokens == runtime.layout.tokens)
 
 
+def test_a_context_parallel_rank_keeps_the_first_alpha_of_each_of_its_two_chunks(reference):
+    """Two segments of S/2 tokens (a context-parallel rank's two chunks, here in one process):
+    k = α·S/2 tokens of each swapped, the tails of both recomputed, the gradients unchanged."""
+    losses, grads, runtime = train_gradients("memo", *SIX, alpha=0.25, segments=2)
+    _assert_same_gradients(grads, reference[1])
+    layout = runtime.layout
+    assert (layout.tokens, layout.segment_tokens, runtime.keep_tokens) == (256, 128, 32)
+    s_in, s_attn, s_other = (layout.bytes_of(kind) for kind in ("input", "attention", "tokens"))
+    assert layout.host_bytes(32) == s_in + s_attn + s_other // 4
+    rows = runtime.take_accounting()
+    assert sum(r["recomputed"] for r in rows) == 3 * 4 * (s_other - s_other // 4)  # 3 steps, 4 layers
+    slot = next(s for s in layout.slots if s.kind == "tokens" and s.chunks == 1)
+    kept, dropped = runtime._split(torch.arange(256).view(256, *[1] * (len(slot.shape) - 1)), slot)
+    assert kept.flatten().tolist() == [*range(0, 32), *range(128, 160)]
+    assert dropped.flatten().tolist() == [*range(32, 128), *range(160, 256)]
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
 def test_copies_done_as_late_as_the_events_allow_give_the_same_gradients(reference, alpha):
     streams = DeferredStreams()
