@@ -23,3 +23,14 @@ def c_compiler_missing() -> Optional[str]:
     if shutil.which(os.environ.get("CC", "cc")) is None:
         return "no C compiler (cc) to build the plan's allocator library: install gcc, or set CC"
     return None
+
+
+def deepspeed_missing() -> Optional[str]:
+    """Why the DeepSpeed-Ulysses baseline cannot train here (on the CPU), or None."""
+    try:
+        import deepspeed.sequence.layer  # noqa: F401
+    except ImportError:
+        return "DeepSpeed is not installed: pip install -e '.[dev]' (or '.[deepspeed]')"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++) for DeepSpeed's CPU collective: install g++, or set CXX"
+    return None

@@ -119,6 +119,12 @@ def test_seq_sweep_values_compose_as_strings():
         (["+fit.layout=all"], "fit.layout is not a key of this configuration; did you mean fit.layouts?"),
         (["+sequence=4k"], "sequence is not a key of this configuration"),
         (["parallel.cp_comm_type=ring"], "parallel.cp_comm_type=ring is not allowed"),
+        (["method=deepspeed_ulysses", "parallel.cp=2"],
+         "method=deepspeed_ulysses exchanges by DeepSpeed-Ulysses' all-to-all, not parallel.cp_comm_type="
+         "all_gather; set parallel.cp_comm_type=a2a"),
+        (["method=deepspeed_ulysses", "method.recompute_granularity=null", "method.layer_activations=swap"],
+         "method.cp_attention=deepspeed runs on Megatron's layers"),
+        (["method.cp_attention=ring"], "method.cp_attention=ring is not allowed"),
         (["parallel.cp=8", "parallel.cp_comm_type=a2a", "seq=16k"],
          "parallel.cp_comm_type=a2a splits the heads over tp·cp = 8 ranks and model.num_attention_heads=4"),
     ],

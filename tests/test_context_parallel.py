@@ -6,7 +6,15 @@ buffers as the fit counts them."""
 import pytest
 import torch
 
-from memo.model.context_parallel import _sequence_order, rank_chunks, split_for_rank
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+from memo.model.context_parallel import (
+    _sequence_order,
+    batch_for_rank,
+    part_for_rank,
+    rank_chunks,
+    split_for_rank,
+)
 
 from conftest import run_under_torchrun
 
@@ -17,6 +25,24 @@ def test_each_rank_holds_one_chunk_from_each_end_as_megatron_lays_it_out():
     assert [rank_chunks(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
     # gathered as [rank 0's two, rank 1's two, ...]: chunks 0, 7, 1, 6, 2, 5, 3, 4
     assert _sequence_order(4) == [0, 2, 4, 6, 7, 5, 3, 1]
+
+
+def test_a_rank_gets_its_tokens_of_a_batch_as_megatron_gives_them_or_one_contiguous_part(monkeypatch):
+    batch = {"tokens": torch.arange(16).view(2, 8), "labels": torch.arange(16).view(2, 8) + 1,
+             "position_ids": torch.arange(8).repeat(2, 1)}
+    for rank in range(2):
+        monkeypatch.setattr("megatron.core.parallel_state.get_context_parallel_world_size", lambda: 2)
+        monkeypatch.setattr("megatron.core.parallel_state.get_context_parallel_rank", lambda r=rank: r)
+        megatron = get_batch_on_this_cp_rank(dict(batch))
+        ours = batch_for_rank(batch, rank, 2)
+        assert ours.keys() == megatron.keys()
+        for key in ours:
+            assert torch.equal(ours[key], megatron[key]), key
+    # DeepSpeed-Ulysses: rank r holds tokens [r·s/cp, (r + 1)·s/cp)
+    halves = [batch_for_rank(batch, r, 2, "contiguous")["position_ids"][0].tolist() for r in range(2)]
+    assert halves == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="a sequence of 6 tokens cannot be cut into cp = 4 parts"):
+        part_for_rank(torch.arange(6), 0, 0, 4, "contiguous")
 
 
 def test_a_length_that_does_not_cut_into_two_chunks_a_rank_is_refused():

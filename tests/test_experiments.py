@@ -53,21 +53,24 @@ def test_end_to_end_sends_each_workload_as_one_array_sized_by_its_layout(tmp_pat
     by_nodes = {int(a["options"]["nodes"]): a for a in found}
     assert sorted(by_nodes) == [1, 2, 4, 8]
     big = by_nodes[8]
-    assert big["heading"].startswith("80 job(s): 8 node(s) x 8 task(s) = 64 process(es), 64 GPU(s)")
+    assert big["heading"].startswith("96 job(s): 8 node(s) x 8 task(s) = 64 process(es), 64 GPU(s)")
     assert big["options"]["ntasks-per-node"] == "8" and big["options"]["gpus-per-node"] == "8"
-    assert big["options"]["array"] == "0-79%64"  # at most 64 of its tasks at once
-    # memo with its own loss; each Megatron baseline with Megatron's loss and with memo's
+    assert big["options"]["array"] == "0-95%64"  # at most 64 of its tasks at once
+    # memo with its own loss; each Megatron baseline with Megatron's loss and with memo's;
+    # DeepSpeed-Ulysses with its all-to-all where the heads divide over tp·cp (7B and 65B)
     variants = set()
     for _, overrides, _ in big["jobs"]:
         loss = re.search(r"train.loss=(\w+)", overrides)
         variants.add((re.search(r"method=(\w+)", overrides).group(1), loss.group(1) if loss else "auto"))
     baselines = ("megatron_full_recompute", "megatron_selective")
-    assert variants == {("memo", "auto"), *((m, loss) for m in baselines for loss in ("megatron", "tiled"))}
+    assert variants == {("memo", "auto"), ("deepspeed_ulysses", "auto"),
+                        *((m, loss) for m in baselines for loss in ("megatron", "tiled"))}
+    assert all("parallel.cp_comm_type=a2a" in o for _, o, _ in big["jobs"] if "deepspeed" in o)
     assert all("+workload=65b_64gpus" in overrides for _, overrides, _ in big["jobs"])
     seqs = {re.search(r"seq=(\w+)", o).group(1) for _, o, _ in big["jobs"]}
     assert len(seqs) == 16 and {"4k", "1408k"} <= seqs
-    for array in found:
-        assert len(array["jobs"]) == 80
+    assert [len(by_nodes[n]["jobs"]) for n in (1, 2, 4, 8)] == [96, 80, 80, 96]
+    for array in found:  # MEMO's at every layout, context parallelism included
         assert all(problem is None for _, _, problem in array["jobs"]), "every job passes the checks"
 
 

@@ -16,8 +16,8 @@ def test_the_pack_runs_every_step_on_the_cpu_and_goes_on_where_it_stopped(tmp_pa
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     steps = pd.read_csv(tmp_path / "steps.csv").set_index("step")
-    assert list(steps.index) == ["smoke", "probe", "numerics", "overlap", "throughput", "longest",
-                                 "calibration"]
+    assert list(steps.index) == ["smoke", "probe", "cp_kernels", "numerics", "overlap", "throughput",
+                                 "longest", "calibration"]
     assert set(steps.loc[["overlap", "longest"], "status"]) == {"skipped"}
     assert all(steps.loc[["overlap", "longest"], "detail"].str.startswith("needs a GPU: "))
     assert set(steps.drop(["overlap", "longest"])["status"]) == {"ok"}
@@ -27,6 +27,8 @@ def test_the_pack_runs_every_step_on_the_cpu_and_goes_on_where_it_stopped(tmp_pa
     assert (numerics["grad_error"].dropna() <= numerics["tolerance"].dropna()).all()
     smoke = pd.read_csv(tmp_path / "smoke.csv")
     assert set(smoke["status"]) == {"ok", "skipped"} and len(smoke) == 8
+    cp_kernels = pd.read_csv(tmp_path / "cp_kernels.csv")
+    assert len(cp_kernels) == 8 and (cp_kernels["blocks_s"] > 0).all() and (cp_kernels["ratio"] > 0).all()
     throughput = pd.read_csv(tmp_path / "throughput.csv")
     assert list(throughput["job"]) == ["none-256", "memo-true-256"]
     assert (throughput["status"] == "ok").all() and (throughput["mfu"] > 0).all()

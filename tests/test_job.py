@@ -1,6 +1,7 @@
 """Every job leaves a row: out-of-memory and failures are results, and the next job still runs."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -69,6 +70,15 @@ def test_what_this_machine_cannot_run_is_refused_up_front(tmp_path, overrides, m
     row = run_in_process(tmp_path, *SHORT, *overrides)
     assert row["status"] == "error" and message in row["error"], row["error"]
     assert row["iter_time_s"] is None
+
+
+def test_the_deepspeed_baseline_without_deepspeed_is_refused_in_one_line(tmp_path, monkeypatch):
+    for module in ("deepspeed", "deepspeed.sequence", "deepspeed.sequence.layer"):
+        monkeypatch.setitem(sys.modules, module, None)  # an import of it raises ImportError
+    row = run_in_process(tmp_path, *SHORT, "method=deepspeed_ulysses")
+    assert row["status"] == "error" and "\n" not in row["error"]
+    assert row["error"].startswith("method=deepspeed_ulysses needs DeepSpeed, which is not installed: "
+                                   "pip install -e '.[deepspeed]'")
 
 
 def test_results_of_an_earlier_run_are_never_overwritten(tmp_path):

@@ -14,6 +14,7 @@ from memo.execute.data import SyntheticTokens, micro_batches
 from memo.model import build_gpt
 
 from conftest import PYTHON, REPO, free_port, resolve_config, run_in_process
+from requirements import deepspeed_missing, require
 
 METHODS = ["none", "megatron_full_recompute", "megatron_selective"]
 SHORT = ["seq=256", "train.warmup_steps=1"]
@@ -115,6 +116,19 @@ def test_context_parallel_two_processes_match_one_with_every_exchange(tmp_path, 
                         f"train.loss={loss}", "parallel.cp=2", f"parallel.cp_comm_type={comm}")
         assert len(cp2) == 3
         _assert_same_steps(cp2, one[loss])
+
+
+@pytest.mark.slow
+def test_deepspeed_ulysses_two_processes_match_one(tmp_path):
+    """DeepSpeed's DistributedAttention over two ranks, each one contiguous half of the sequence,
+    with full recomputation: the losses and gradient norms of keeping everything in one process."""
+    require(deepspeed_missing())
+    common = ["train.steps=3", *SHORT, "train.loss=megatron"]
+    ulysses = _torchrun(tmp_path, "ulysses", "method=deepspeed_ulysses", "parallel.cp=2",
+                        "parallel.cp_comm_type=a2a", *common)
+    one = _steps(tmp_path, "one", "method=none", *common)
+    assert len(ulysses) == 3
+    _assert_same_steps(ulysses, one)
 
 
 @pytest.mark.slow

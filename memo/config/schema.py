@@ -48,6 +48,10 @@ class MethodConfig:
     # The loss a run of this method uses unless train.loss says otherwise: "tiled" (memo's
     # sequence-tiled output layer and cross entropy) or "megatron" (Megatron-core's own).
     loss: str = "megatron"
+    # Whose attention splits the sequence over context-parallel ranks: "memo" (ours, Megatron's
+    # load-balanced layout, parallel.cp_comm_type) or "deepspeed" (DeepSpeed-Ulysses'
+    # DistributedAttention, each rank one contiguous part of the sequence; cp_comm_type=a2a).
+    cp_attention: str = "memo"
 
 
 @dataclass

@@ -23,6 +23,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 LOSSES = ("tiled", "megatron")
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")  # as Megatron-core names them
+CP_ATTENTIONS = ("memo", "deepspeed")
 
 
 class ConfigError(ValueError):
@@ -88,6 +89,7 @@ def validate(cfg) -> Optional[int]:
     _check_alpha(cfg)
     _check_hardware(cfg.hardware)
     _check_parallel(cfg.parallel, m, seq)
+    _check_cp_attention(cfg.method, cfg.parallel)
     _check_cluster(cfg)
     t = cfg.train
     if cfg.plan and cfg.mode == "train":
@@ -240,6 +242,19 @@ def _check_method(method) -> None:
                 f"method.recompute_num_layers={method.recompute_num_layers} must be at least 1 "
                 "with method.recompute_granularity=full"
             )
+
+
+def _check_cp_attention(method, p) -> None:
+    _choice("method.cp_attention", method.cp_attention, CP_ATTENTIONS)
+    if method.cp_attention != "deepspeed":
+        return
+    if method.layer_activations != "megatron":
+        raise ConfigError(f"method.cp_attention=deepspeed runs on Megatron's layers, not "
+                          f"method.layer_activations={method.layer_activations}; "
+                          "set method.layer_activations=megatron")
+    if p.cp > 1 and p.cp_comm_type != "a2a":
+        raise ConfigError(f"method={method.name} exchanges by DeepSpeed-Ulysses' all-to-all, not "
+                          f"parallel.cp_comm_type={p.cp_comm_type}; set parallel.cp_comm_type=a2a")
 
 
 def sequence_divisor(tp: int, cp: int, sequence_parallel: bool) -> int:

@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 
 from memo.config import TrainConfig
 from memo.execute.optimizer import StepOptimizer
+from memo.model.context_parallel import batch_for_rank
 from memo.profile.recorder import PhaseMarker
 
 
@@ -27,12 +28,11 @@ def learning_rate(train: TrainConfig, step: int) -> float:
     return train.lr
 
 
-def _slice_for_context_parallel(micro_batch: dict) -> dict:
-    if parallel_state.get_context_parallel_world_size() == 1:
+def _this_ranks_tokens(micro_batch: dict, layout: str) -> dict:
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
         return micro_batch
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    return get_batch_on_this_cp_rank(dict(micro_batch))
+    return batch_for_rank(micro_batch, parallel_state.get_context_parallel_rank(), cp, layout)
 
 
 def run_steps(
@@ -42,13 +42,16 @@ def run_steps(
     device_type: str,
     on_step: Callable[[dict], None],
     step_scope: Optional[Callable[[int], ContextManager[Optional[PhaseMarker]]]] = None,
+    sequence_layout: str = "load_balanced",
 ) -> None:
     """Train for ``train.steps`` steps, calling ``on_step`` with each step's record.
 
     A record holds ``step`` (1-based), ``loss``, ``lr``, ``grad_norm``, ``iter_time_s`` and
     ``timed`` (False for the first ``train.warmup_steps`` steps). Each step runs inside
     ``step_scope(step)`` (0-based), whose phase marker, if it yields one, is told when the
-    backward pass and the optimizer step begin; what it does on leaving is not timed.
+    backward pass and the optimizer step begin; what it does on leaving is not timed. Under
+    context parallelism each rank trains on its tokens of every micro-batch in
+    ``sequence_layout`` (:func:`memo.model.context_parallel.sequence_layout`).
     """
     model = optimizer.model
     model.train()
@@ -63,7 +66,7 @@ def run_steps(
             optimizer.zero_grad()
             loss_sum = torch.zeros((), device=device_type, dtype=torch.float32)
             for micro_batch in batch:
-                mb = _slice_for_context_parallel(micro_batch)
+                mb = _this_ranks_tokens(micro_batch, sequence_layout)
                 per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
                 loss = per_token.float().mean() / len(batch)
                 if marker is not None:

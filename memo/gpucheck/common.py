@@ -85,3 +85,18 @@ def row_figures(row: dict, keys: Optional[list[str]] = None) -> dict:
                     "iter_time_s", "peak_allocated_bytes", "peak_reserved_bytes", "alloc_retries",
                     "swap.alpha", "device_name", "result_path"]
     return {key: row.get(key) for key in keys}
+
+
+def mean_seconds(fn, device, repeat: int) -> float:
+    """Mean wall seconds of ``fn()`` over ``repeat`` runs after one warm-up, the device synchronized."""
+    import torch
+
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat

@@ -11,30 +11,16 @@
 """
 
 import sys
-import time
 
 import torch
 
-from memo.gpucheck.common import arguments, write_rows
+from memo.gpucheck.common import arguments, mean_seconds, write_rows
 from memo.model.attention import causal_attention, select_backend
-
-
-def _seconds(fn, device: torch.device, repeat: int) -> float:
-    """Mean wall seconds of ``fn()`` over ``repeat`` runs after one warm-up."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeat
 
 
 def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, repeat: int) -> float:
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    return 2 * n**3 / _seconds(lambda: a @ b, device, repeat)
+    return 2 * n**3 / mean_seconds(lambda: a @ b, device, repeat)
 
 
 def attention_flops(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int,
@@ -43,8 +29,8 @@ def attention_flops(device: torch.device, dtype: torch.dtype, seq: int, heads: i
     q, k, v = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
     forward_flops = 2 * seq * seq * heads * head_dim  # QKᵀ and PV, causal half of 2·2·s²·h
-    forward = _seconds(lambda: causal_attention(q, k, v, backend), device, repeat)
-    both = _seconds(lambda: causal_attention(q, k, v, backend).sum().backward(), device, repeat)
+    forward = mean_seconds(lambda: causal_attention(q, k, v, backend), device, repeat)
+    both = mean_seconds(lambda: causal_attention(q, k, v, backend).sum().backward(), device, repeat)
     return forward_flops / forward, 3.5 * forward_flops / both
 
 
@@ -56,8 +42,8 @@ def host_bandwidth(device: torch.device, nbytes: int, repeat: int) -> tuple[floa
         raise RuntimeError("cudaHostRegister failed")
     try:
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        h2d = nbytes / _seconds(lambda: dev.copy_(host, non_blocking=True), device, repeat)
-        d2h = nbytes / _seconds(lambda: host.copy_(dev, non_blocking=True), device, repeat)
+        h2d = nbytes / mean_seconds(lambda: dev.copy_(host, non_blocking=True), device, repeat)
+        d2h = nbytes / mean_seconds(lambda: host.copy_(dev, non_blocking=True), device, repeat)
     finally:
         torch.cuda.synchronize()
         cudart.cudaHostUnregister(host.data_ptr())

@@ -36,6 +36,32 @@ from memo.config.validate import CP_COMM_TYPES
 from memo.model import attention_blocks as blocks
 
 
+SEQUENCE_LAYOUTS = ("load_balanced", "contiguous")
+
+
+def sequence_layout(cp_attention: str) -> str:
+    """How a method's context-parallel attention lays the sequence out over the ranks:
+    ``load_balanced`` (ours, Megatron's) or ``contiguous`` (DeepSpeed-Ulysses')."""
+    return "contiguous" if cp_attention == "deepspeed" else "load_balanced"
+
+
+def part_for_rank(t: torch.Tensor, dim: int, rank: int, cp: int,
+                  layout: str = "load_balanced") -> torch.Tensor:
+    """This rank's part of ``t`` (a whole sequence along ``dim``) in ``layout``."""
+    if layout == "contiguous":
+        if t.shape[dim] % cp:
+            raise ValueError(f"a sequence of {t.shape[dim]} tokens cannot be cut into cp = {cp} parts")
+        return t.chunk(cp, dim=dim)[rank]
+    return split_for_rank(t, dim, rank, cp)
+
+
+def batch_for_rank(batch: dict, rank: int, cp: int, layout: str = "load_balanced") -> dict:
+    """This rank's tokens of a micro-batch (``[b, s]`` tensors, sequence on dim 1); in the
+    load-balanced layout exactly what Megatron-core's ``get_batch_on_this_cp_rank`` gives."""
+    return {key: part_for_rank(value, 1, rank, cp, layout) if isinstance(value, torch.Tensor) else value
+            for key, value in batch.items()}
+
+
 def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
     """The two chunks (of ``2·cp``) that context-parallel rank ``rank`` holds, in its order."""
     return rank, 2 * cp - 1 - rank

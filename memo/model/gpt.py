@@ -28,6 +28,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.config.validate import LOSSES
 from memo.model.attention import SdpaAttention, select_backend
+from memo.model.context_parallel import sequence_layout
+from memo.model.deepspeed_attention import DeepSpeedUlyssesAttention
 from memo.model.host import HostRotaryEmbedding, run_megatron_on_device, run_megatron_on_host
 from memo.model.layer import MemoTransformerLayer
 from memo.model.linear import TiledColumnParallelLinear, TiledRowParallelLinear
@@ -143,8 +145,9 @@ def transformer_config(workload: Workload, device_type: str) -> TransformerConfi
 
 
 def _local_block_spec(
-    config: TransformerConfig, attention_backend: str, layer_activations: str, rotary: RotaryTable
+    config: TransformerConfig, attention_backend: str, method: MethodConfig, rotary: RotaryTable
 ) -> ModuleSpec:
+    layer_activations = method.layer_activations
     layer = get_gpt_layer_local_spec()
     if layer_activations != "megatron":
         layer.module = MemoTransformerLayer
@@ -160,9 +163,9 @@ def _local_block_spec(
     attention = layer.submodules.self_attention
     attention.module = RotarySelfAttention
     attention.params = {**attention.params, "rotary_table": rotary}  # one for all layers
+    core = DeepSpeedUlyssesAttention if method.cp_attention == "deepspeed" else SdpaAttention
     layer.submodules.self_attention.submodules.core_attention = functools.partial(
-        SdpaAttention, backend=attention_backend
-    )
+        core, backend=attention_backend)
     layers = config.num_layers // config.pipeline_model_parallel_size
     return ModuleSpec(
         module=TransformerBlock,
@@ -191,14 +194,14 @@ def uses_transformer_engine(
         ConfigError: if the run needs Transformer Engine (``attention_backend=te``) and it cannot
             be used here.
     """
-    if method.layer_activations != "megatron" and attention_backend == "te":
+    local = method.layer_activations != "megatron" or method.cp_attention != "memo"
+    if local and attention_backend == "te":
         raise ConfigError(
             f"method={method.name} runs on Megatron's local layers, so train.attention_backend=te "
             "(Transformer Engine's attention) is not supported with it; use train.attention_backend=auto"
         )
     use_te = (
-        device_type == "cuda" and HAVE_TE and attention_backend in ("auto", "te")
-        and method.layer_activations == "megatron"
+        device_type == "cuda" and HAVE_TE and attention_backend in ("auto", "te") and not local
     )
     if attention_backend == "te" and not use_te:
         raise ConfigError(
@@ -248,7 +251,7 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
     else:
         backend = select_backend(device_type, dtype, config.kv_channels, attention_backend)
         rotary = RotaryTable()
-        spec = _local_block_spec(config, backend, method.layer_activations, rotary)
+        spec = _local_block_spec(config, backend, method, rotary)
 
     if loss not in LOSSES:
         raise ConfigError(f"train.loss={loss} is not a loss; choose one of: {', '.join(LOSSES)}")
@@ -263,15 +266,18 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
         rotary_base=model.rotary_base,
         **extra,
     )
-    if device_type == "cpu":
+    layout = sequence_layout(method.cp_attention)
+    if device_type == "cpu" or layout != "load_balanced":
+        # Megatron's own takes the positions of its load-balanced chunks and its table to the GPU
         gpt.rotary_pos_emb = HostRotaryEmbedding(
             kv_channels=config.kv_channels,
             rotary_percent=1.0,
             rotary_interleaved=config.rotary_interleaved,
             rotary_base=model.rotary_base,
-            use_cpu_initialization=True,
+            use_cpu_initialization=device_type == "cpu",
         )
-    else:
+        gpt.rotary_pos_emb.sequence_layout = layout
+    if device_type != "cpu":
         gpt.cuda(torch.cuda.current_device())
     if not use_te:
         # The table is made with the angles (the embedding's phase), before any layer uses it.

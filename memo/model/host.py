@@ -25,11 +25,15 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import random as megatron_random
 
-from memo.model.context_parallel import split_for_rank
+from memo.model.context_parallel import part_for_rank
 
 
 class HostRotaryEmbedding(RotaryEmbedding):
-    """Megatron's RoPE with the frequency table left on the device it was built on."""
+    """Megatron's RoPE with the frequency table left on the device it was built on, and each
+    context-parallel rank's positions taken in ``sequence_layout``
+    (:data:`memo.model.context_parallel.SEQUENCE_LAYOUTS`)."""
+
+    sequence_layout = "load_balanced"
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         """RoPE angles ``[seq, 1, 1, dim]`` for positions ``offset .. offset + max_seq_len``."""
@@ -43,11 +47,11 @@ class HostRotaryEmbedding(RotaryEmbedding):
     @functools.lru_cache(maxsize=32)  # one angle tensor per length, as Megatron's forward keeps
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group=None) -> torch.Tensor:
-        """RoPE angles of this context-parallel rank's positions (its two chunks of the sequence)."""
+        """RoPE angles of this context-parallel rank's positions."""
         emb = self.get_emb(max_seq_len, offset)
         group = cp_group if cp_group is not None else self.cp_group
         if group is not None and group.size() > 1 and not packed_seq:
-            emb = split_for_rank(emb, 0, group.rank(), group.size())
+            emb = part_for_rank(emb, 0, group.rank(), group.size(), self.sequence_layout)
         return emb
 
 

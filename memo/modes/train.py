@@ -30,6 +30,8 @@ from memo.execute.progress import format_seconds, step_progress
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import build_gpt, dtype_label, torch_dtype, unsupported_layout, uses_transformer_engine
+from memo.model.context_parallel import sequence_layout
+from memo.model.deepspeed_attention import require_deepspeed
 from memo.modes.frame import job_frame
 from memo.results import ResultWriter, finite
 
@@ -50,6 +52,8 @@ def _check_runtime_support(run: Run) -> None:
     if reason is not None:
         raise ConfigError(reason)
     uses_transformer_engine(w.parallel, run.device_type, run.train.attention_backend, w.method)
+    if w.method.cp_attention == "deepspeed":
+        require_deepspeed()
 
 
 def _prepare_swap(run: Run, model, hw: hardware.Hardware):
@@ -225,7 +229,8 @@ def _train(run: Run, info: distributed.ProcessInfo, row: dict, writer: ResultWri
         if arena is not None:
             arena.phase = runtime.phase
         with step_progress(train.steps, show_bar=info.rank == 0) as progress:
-            run_steps(optimizer, batches, train, device_type, on_step, runtime.step)
+            run_steps(optimizer, batches, train, device_type, on_step, runtime.step,
+                      sequence_layout(run.workload.method.cp_attention))
         row.update(runtime.finish())
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone
