@@ -28,7 +28,10 @@ def test_the_pack_runs_every_step_on_the_cpu_and_goes_on_where_it_stopped(tmp_pa
     smoke = pd.read_csv(tmp_path / "smoke.csv")
     assert set(smoke["status"]) == {"ok", "skipped"} and len(smoke) == 8
     cp_kernels = pd.read_csv(tmp_path / "cp_kernels.csv")
-    assert len(cp_kernels) == 8 and (cp_kernels["blocks_s"] > 0).all() and (cp_kernels["ratio"] > 0).all()
+    checks, timed = cp_kernels[cp_kernels["check"].notna()], cp_kernels[cp_kernels["check"].isna()]
+    assert list(checks["check"]) == ["output", "dq", "dk", "dv"]
+    assert (checks["max_error"] <= checks["tolerance"]).all()
+    assert len(timed) == 8 and (timed["blocks_s"] > 0).all() and (timed["ratio"] > 0).all()
     throughput = pd.read_csv(tmp_path / "throughput.csv")
     assert list(throughput["job"]) == ["none-256", "memo-true-256"]
     assert (throughput["status"] == "ok").all() and (throughput["mfu"] > 0).all()

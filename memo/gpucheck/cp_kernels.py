@@ -6,7 +6,9 @@ other rank, so the keys and values of the whole sequence are at hand: this step 
 that rank 0 and rank ``cp − 1`` of ``cp`` ranks run (``all_gather``'s, the same as ``p2p``'s
 without the transfers), forward and backward, against one causal SDPA call over the whole
 sequence, whose share per rank is a ``1/cp`` of its time. ``ratio`` is the blocks' time over that
-share: the price of cutting attention into blocks.
+share: the price of cutting attention into blocks. First, at a short length, the blocks of every
+rank together are checked against SDPA: output and gradients, as the largest difference
+(``max_error``, against ``tolerance``).
 
     python -m memo.gpucheck.cp_kernels --out DIR [--cpu]
 """
@@ -46,6 +48,44 @@ def rank_blocks(q, k, v, rank: int, cp: int, kernel: str, scale: float):
     return forward, backward
 
 
+def block_errors(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int,
+                 backend: str, chunks: int = 4) -> dict[str, float]:
+    """The largest difference between attention computed as blocks of ``chunks`` chunks (each
+    against the chunks before it whole and itself causally, merged by log-sum-exp; backward with
+    the merged output and log-sum-exp) and one SDPA call, for the output and dq, dk, dv."""
+    kernel, scale = blocks.block_kernel(backend), head_dim ** -0.5
+    generator = torch.Generator(device.type).manual_seed(0)
+    q, k, v, dout = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, generator=generator)
+                     for _ in range(4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = causal_attention(*whole, backend, scale=scale)
+    expected.backward(dout.reshape(expected.shape))
+    qh, kh, vh, dh = (t.permute(1, 2, 0, 3) for t in (q, k, v, dout))
+    c = seq // chunks
+    part = [t.split(c, dim=2) for t in (qh, kh, vh, dh)]
+    merged = []
+    for a in range(chunks):
+        found = None
+        for j in range(a + 1):
+            block = blocks.forward(kernel, part[0][a], part[1][j], part[2][j], j == a, scale)
+            found = block if found is None else blocks.merge(*found, *block)
+        merged.append(found)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) for t in (qh, kh, vh)]
+    for a in range(chunks):
+        out, lse = merged[a]
+        for j in range(a + 1):
+            dq, dk, dv = blocks.backward(kernel, part[3][a].contiguous(), part[0][a], part[1][j], part[2][j],
+                                         out, lse, j == a, scale)
+            grads[0].narrow(2, a * c, c).add_(dq)
+            grads[1].narrow(2, j * c, c).add_(dk)
+            grads[2].narrow(2, j * c, c).add_(dv)
+    out = torch.cat([o for o, _ in merged], dim=2).permute(2, 0, 1, 3).reshape(expected.shape)
+    errors = {"output": (out.float() - expected.float()).abs().max().item()}
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, whole):
+        errors[name] = (got - ref.grad.permute(1, 2, 0, 3).float()).abs().max().item()
+    return errors
+
+
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
@@ -54,7 +94,16 @@ def main(argv=None) -> int:
     lengths, repeat = ((1024,), 2) if args.cpu else ((64 * 1024, 128 * 1024), 3)
     backend = select_backend(device.type, dtype, head_dim)
     kernel, scale = blocks.block_kernel(backend), head_dim ** -0.5
+    tolerance = 1e-4 if args.cpu else 5e-2  # fp32 on the CPU; bf16, summed in other orders, on a GPU
     rows = []
+    errors = block_errors(device, dtype, 1024 if args.cpu else 4096, heads, head_dim, backend)
+    for what, error in errors.items():
+        rows.append({"check": what, "kernel": kernel, "max_error": error, "tolerance": tolerance})
+        print(f"cp_kernels: {rows[-1]}", flush=True)
+    if any(row["max_error"] > tolerance for row in rows):
+        write_rows(args.out, "cp_kernels", rows)
+        print("cp_kernels: the blocks differ from SDPA beyond the tolerance", flush=True)
+        return 1
     for seq in lengths:
         q, k, v = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
                    for _ in range(3))
