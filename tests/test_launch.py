@@ -102,13 +102,13 @@ def test_a_run_stopped_by_the_scheduler_keeps_its_steps_and_an_interrupted_row(t
     ``interrupted`` and the requeued attempt sets it aside and runs again."""
     real_run_steps = memo.modes.train.run_steps
 
-    def stopped_after_two_steps(optimizer, batches, train, device_type, on_step, step_scope=None):
+    def stopped_after_two_steps(optimizer, batches, train, device_type, on_step, *args, **kwargs):
         def record(step):
             on_step(step)
             if step["step"] == 2:
                 raise SystemExit(-1)
 
-        real_run_steps(optimizer, batches, train, device_type, record, step_scope)
+        real_run_steps(optimizer, batches, train, device_type, record, *args, **kwargs)
 
     monkeypatch.setattr(memo.modes.train, "run_steps", stopped_after_two_steps)
     with pytest.raises(SystemExit):

@@ -89,4 +89,4 @@ def test_context_parallel_gradients_match_keeping_everything(layout, processes, 
     full swapping and full recomputation: the gradients of keeping everything, with the sequence
     split over ranks by every exchange."""
     result = run_under_torchrun("swap_worker.py", processes, layout)
-    assert result.stdout.count(f"6 methods match over 3 steps with {loss} ({layout})") == processes
+    assert result.stdout.count(f"4 methods match over 3 steps with {loss} ({layout})") == processes
