@@ -27,16 +27,13 @@ only while one layer's attention runs, forward or backward, and are exchanged ag
 backward pass, as Transformer Engine's context parallelism does.
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from memo.config.validate import CP_COMM_TYPES
 from memo.model import attention_blocks as blocks
-
-
-SEQUENCE_LAYOUTS = ("load_balanced", "contiguous")
 
 
 def sequence_layout(cp_attention: str) -> str:
@@ -209,13 +206,14 @@ def _chunk(t: torch.Tensor, half: int, c: int) -> torch.Tensor:
     return t.narrow(2, half * c, c)
 
 
-def _blocks(rank: int, owner: int, cp: int):
-    """``(query half, key half, causal)`` for every block of this rank's queries that sees keys of
-    ``owner``'s two chunks: a chunk sees the chunks before it whole and itself causally."""
+def _blocks(rank: int, cp: int, held: Sequence[int]):
+    """``(query half, key position, causal)`` for every block of this rank's queries that sees
+    keys of the sequence chunks ``held`` (position ``p`` holds chunk ``held[p]``): a chunk sees the
+    chunks before it whole and itself causally."""
     for qh, a in enumerate(rank_chunks(rank, cp)):
-        for kh, b in enumerate(rank_chunks(owner, cp)):
+        for p, b in enumerate(held):
             if b <= a:
-                yield qh, kh, b == a
+                yield qh, p, b == a
 
 
 def _ring_forward(ctx, q, k, v):
@@ -228,7 +226,7 @@ def _ring_forward(ctx, q, k, v):
         if step < cp - 1:
             incoming, works = ring.start(held, tag=1)
         keys, values = (_expand(_heads_first(t), ctx.groups) for t in held)
-        for qh, kh, causal in _blocks(rank, owner, cp):
+        for qh, kh, causal in _blocks(rank, cp, rank_chunks(owner, cp)):
             block = blocks.forward(ctx.kernel, _chunk(q, qh, c), _chunk(keys, kh, c), _chunk(values, kh, c),
                                    causal, ctx.scale)
             merged[qh] = block if merged[qh] is None else blocks.merge(*merged[qh], *block)
@@ -251,7 +249,7 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
         keys, values = (_expand(_heads_first(t), ctx.groups) for t in held)
         # the gradient of the held keys and values
         grads = torch.zeros(held.shape, dtype=blocks.wide(k.dtype), device=q.device)
-        for qh, kh, causal in _blocks(rank, owner, cp):
+        for qh, kh, causal in _blocks(rank, cp, rank_chunks(owner, cp)):
             dqb, dkb, dvb = blocks.backward(
                 ctx.kernel, _chunk(dout, qh, c), _chunk(q, qh, c), _chunk(keys, kh, c),
                 _chunk(values, kh, c), _chunk(out, qh, c), lse.narrow(2, qh * c, c), causal, ctx.scale)
@@ -271,21 +269,12 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
     return dq.to(q.dtype), _heads_first(dkv[0]), _heads_first(dkv[1])
 
 
-def _gathered_blocks(rank: int, cp: int):
-    """``(query half, position of the key chunk in the gathered keys, causal)`` for every block of
-    this rank's queries: a chunk sees the chunks before it whole and itself causally."""
-    where = _sequence_order(cp)
-    for qh, a in enumerate(rank_chunks(rank, cp)):
-        for chunk in range(a + 1):
-            yield qh, where[chunk], chunk == a
-
-
 def _gather_forward(ctx, q, k, v):
     cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
     c = q.shape[2] // 2
     keys, values = (_expand(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
     merged: list[Optional[tuple]] = [None, None]
-    for qh, p, causal in _gathered_blocks(rank, cp):
+    for qh, p, causal in _blocks(rank, cp, _rank_order(cp)):
         block = blocks.forward(ctx.kernel, _chunk(q, qh, c), _chunk(keys, p, c), _chunk(values, p, c), causal,
                                ctx.scale)
         merged[qh] = block if merged[qh] is None else blocks.merge(*merged[qh], *block)
@@ -307,7 +296,7 @@ def _gather_backward(ctx, dout, q, k, v, out, lse):
     dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
     # in the keys' dtype: each key's gradient sums at most two blocks here, then cp ranks'
     dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
-    for qh, p, causal in _gathered_blocks(rank, cp):
+    for qh, p, causal in _blocks(rank, cp, _rank_order(cp)):
         dqb, dkb, dvb = blocks.backward(
             ctx.kernel, _chunk(dout, qh, c), _chunk(q, qh, c), _chunk(keys, p, c), _chunk(values, p, c),
             _chunk(out, qh, c), lse.narrow(2, qh * c, c), causal, ctx.scale)

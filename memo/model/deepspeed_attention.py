@@ -13,16 +13,11 @@ over the process group torch already has. On a CPU it builds its shared-memory c
 (a C++ compiler, cached under ``~/.cache/torch_extensions``).
 """
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 
 from memo.config import ConfigError
-from memo.model.attention import causal_attention
+from memo.model.attention import SdpaAttention, causal_attention
 
 MISSING = ("method=deepspeed_ulysses needs DeepSpeed, which is not installed: pip install -e '.[deepspeed]' "
            "(on a machine without CUDA it builds no ops; DS_BUILD_OPS=0 is its default on Linux)")
@@ -39,50 +34,33 @@ def require_deepspeed() -> None:
 class _LocalAttention(torch.nn.Module):
     """Causal attention over every token of some heads: ``[s, b, heads, dim]`` in and out."""
 
-    def __init__(self, backend: str, scale: float, grouped: bool):
+    def __init__(self, core: SdpaAttention):
         super().__init__()
-        self.backend, self.scale, self.grouped = backend, scale, grouped
+        self.backend, self.scale, self.grouped = core.backend, core.softmax_scale, core.grouped
 
     def forward(self, query, key, value):
         out = causal_attention(query, key, value, self.backend, scale=self.scale, grouped=self.grouped)
         return out.view(*query.shape)
 
 
-class DeepSpeedUlyssesAttention(MegatronModule):
-    """Core attention through DeepSpeed's ``DistributedAttention`` over the context-parallel
-    group (plain causal attention when there is none). Construction follows Megatron-core's
-    ``CoreAttentionBuilder`` protocol, with ``backend`` (an SDPA kernel name) bound by the spec."""
+class DeepSpeedUlyssesAttention(SdpaAttention):
+    """Our core attention with the sequence exchanged by DeepSpeed's ``DistributedAttention``
+    over the context-parallel group (plain causal attention when there is none); constructed as
+    :class:`SdpaAttention` is."""
 
-    def __init__(
-        self,
-        config,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str = "self",
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection=None,
-        backend: str = "math",
-    ):
-        super().__init__(config=config)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         require_deepspeed()
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
 
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"DeepSpeedUlyssesAttention supports causal masks only, not {attn_mask_type}")
-        scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
-        groups = config.num_query_groups
-        grouped = groups is not None and groups != config.num_attention_heads
-        self.local = _LocalAttention(backend, scale, grouped)
+        self.local = _LocalAttention(self)
         self.distributed = None
-        if config.context_parallel_size > 1:
+        if self.cp_group is not None:
             if not deepspeed.comm.is_initialized():
                 deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-            group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
             # [s/cp, b, heads, dim]: heads (2) scattered, tokens (0) gathered
-            self.distributed = DistributedAttention(self.local, group, scatter_idx=2, gather_idx=0)
+            self.distributed = DistributedAttention(self.local, self.cp_group, scatter_idx=2, gather_idx=0)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:
