@@ -77,7 +77,8 @@ def _peak(events) -> int:
 def check_memory(comm: str, dtype, group) -> str:
     """What differs (empty: nothing) between the bytes the backward pass of one attention call
     allocates at its peak and the fit's term for the exchange, plus what attention without context
-    parallelism allocates as well: dq, dk, dv and a contiguous copy of the incoming gradient."""
+    parallelism allocates as well: dq, dk, dv (the incoming gradient, token-major as the output,
+    is not copied)."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     b, heads, dim, chunk = 2, 4 * cp, 16, 32
     generator = torch.Generator().manual_seed(0)
@@ -87,11 +88,11 @@ def check_memory(comm: str, dtype, group) -> str:
     recorder = AllocationRecorder(lambda: "backward")
     with recorder:
         out.backward(torch.ones_like(out))
-    own = 4 * q.numel() * dtype.itemsize
+    own = 3 * q.numel() * dtype.itemsize
     expected = exchange_bytes(comm, cp, b, 2 * cp * chunk, heads * dim, dtype.itemsize) + own
     measured = _peak(recorder.events)
     # exact for all_gather and p2p; a bound for a2a, whose staging copies vary with cp and dtype
-    if not measured <= expected <= measured * (1.0 if comm != "a2a" else 1.15):
+    if not measured <= expected <= measured * (1.0 if comm != "a2a" else 1.2):
         return f"{comm} {dtype}: the backward pass peaked at {measured} bytes, the fit counts {expected}"
     return ""
 

@@ -179,10 +179,11 @@ def context_parallel_buffers(workload: Workload) -> int:
     * ``a2a``: q, k, v, the output and the incoming gradient re-sharded by heads, the gradients
       by heads and the all-to-alls' staging copies: at most ``7.5·b·t·h·e``.
 
-    These are the peaks :mod:`memo.model.context_parallel` reaches, beyond the dq, dk, dv and
-    contiguous incoming gradient that attention without context parallelism allocates too, as the
-    allocation recorder measures them in ``tests/context_parallel_worker.py`` (exactly for the
-    first two; the third is a bound within 15% at cp = 2 and 4).
+    These are the peaks :mod:`memo.model.context_parallel` reaches, beyond the dq, dk, dv that
+    attention without context parallelism allocates too (the incoming gradient arrives laid out
+    as the output and is not copied), as the allocation recorder measures them in
+    ``tests/context_parallel_worker.py`` (exactly for the first two; the third is a bound within
+    20% at cp = 2 and 4: gloo's all-to-all stages what it sends in copies of varying size).
     """
     parallel = workload.parallel
     return exchange_bytes(parallel.cp_comm_type, parallel.cp, workload.micro_batch_size, workload.seq,

@@ -9,66 +9,151 @@ since the kernels rebuild the softmax as ``exp(scores − lse)``: this is how Fl
 ring attention works, and why it needs the kernels' own entry points rather than
 ``scaled_dot_product_attention``, which neither returns the log-sum-exp nor takes one.
 
-Tensors are ``[b, heads, tokens, dim]``; the log-sum-exp is ``[b, heads, tokens]`` in float32.
-A causal block is square and aligned at the top left (a chunk against itself); a full block has
-no mask (a chunk against an earlier one).
+Tensors are ``[b, heads, tokens, dim]``; the log-sum-exp is ``[b, heads, tokens]`` in float32
+(float64 for float64 input on the CPU). A causal block is square and aligned at the top left (a
+chunk against itself); a full block has no mask (a chunk against an earlier one). The kernels
+disagree on the causal diagonal of a block that is not square (FlashAttention-2's is at the bottom
+right, cuDNN's and the memory-efficient kernel's at the top left), so such a block is refused.
 
-Kernels, by the name :func:`memo.model.attention.select_backend` chose:
+Kernels (:func:`choose`), and what their entry points need in PyTorch 2.11 (the schemas are
+``tests/data/torch-2.11-aten-schemas.txt``):
 
-* ``flash`` on the CPU: ATen's fused CPU kernel; on CUDA: FlashAttention-2 as PyTorch ships it;
-* ``efficient`` (CUDA): the memory-efficient kernel, whose log-sum-exp is padded to 32 tokens;
-* ``math``: the scores materialized in float32, for dtypes and devices no fused kernel takes.
+* ``cudnn`` (CUDA, sm80 and newer, fp16/bf16, head size a multiple of 8 up to 128): cuDNN's fused
+  attention, the fastest on Hopper. Its log-sum-exp is ``[b, heads, tokens, 1]``. Its backward
+  graphs are cached by the layouts of q, k and v only, so the output and its gradient are always
+  handed over token-major within the block (:func:`_token_major`) and the log-sum-exp packed;
+  undefined (``None``) sequence offsets select its dense path.
+* ``flash`` on the CPU: ATen's fused CPU kernel; on CUDA (sm80 and newer, fp16/bf16, head size a
+  multiple of 8 up to 256): FlashAttention-2 as PyTorch ships it. Its backward takes the dense
+  path only when the cumulative sequence lengths are undefined (``None``; a defined tensor, even
+  an empty one, selects the variable-length path), and reads the log-sum-exp through a bare
+  pointer, so it must be contiguous.
+* ``efficient`` (CUDA, sm50 and newer; fp32, fp16, bf16 on sm80): the memory-efficient kernel,
+  whose log-sum-exp is padded to 32 tokens. Its backward reads the output with the row stride of
+  a token-major block whatever the tensor's strides say, so the output is handed over token-major.
+* ``math``: the scores materialized in float32 (or wider), for dtypes and devices no fused kernel
+  takes.
 
-cuDNN's kernel is not offered here; a run that chose it uses ``flash`` for its blocks.
+Without dropout none of the backward kernels reads its random state: seeds and offsets are
+``None``.
 """
+
+from typing import Optional
 
 import torch
 
-BLOCK_KERNELS = ("flash", "efficient", "math")
+BLOCK_KERNELS = ("cudnn", "flash", "efficient", "math")
+_HALF = (torch.float16, torch.bfloat16)
+_aten = torch.ops.aten
 
 
-def block_kernel(backend: str) -> str:
-    """The block kernel for a run whose attention uses ``backend``."""
-    return backend if backend in BLOCK_KERNELS else "flash"
+def supports(kernel: str, device_type: str, capability: Optional[tuple[int, int]], dtype: torch.dtype,
+             head_dim: int) -> bool:
+    """Whether ``kernel`` runs blocks of ``head_dim``-wide heads in ``dtype`` on a device of
+    ``device_type`` (``capability``: CUDA's compute capability, ``None`` on the CPU), as PyTorch
+    2.11's checks and kernels allow (:mod:`torch.nn.attention`'s selection applies the same)."""
+    if kernel == "math":
+        return True
+    if device_type == "cpu":
+        return kernel == "flash" and dtype in (torch.float32, torch.float64, *_HALF)
+    if device_type != "cuda" or capability is None:
+        return False
+    aligned = head_dim % 8 == 0
+    if kernel == "cudnn":
+        return (8, 0) <= capability <= (12, 1) and dtype in _HALF and aligned and head_dim <= 128
+    if kernel == "flash":
+        return capability >= (8, 0) and dtype in _HALF and aligned and head_dim <= 256
+    if kernel == "efficient":
+        if dtype == torch.float32:
+            return capability >= (5, 0) and head_dim % 4 == 0
+        return dtype in _HALF and aligned and capability >= ((8, 0) if dtype == torch.bfloat16 else (5, 0))
+    raise ValueError(f"{kernel} is not a block kernel; choose one of {', '.join(BLOCK_KERNELS)}")
+
+
+def choose(whole: str, device_type: str, capability: Optional[tuple[int, int]], dtype: torch.dtype,
+           head_dim: int) -> str:
+    """The kernel for the blocks of a run whose whole-sequence attention runs ``whole`` (a name
+    :func:`memo.model.attention.select_backend` gave): that kernel where it runs blocks here,
+    else the first of cuDNN, flash, efficient that does, else ``math``."""
+    if whole == "math":
+        return "math"
+    for kernel in dict.fromkeys((whole, "cudnn", "flash", "efficient")):
+        if kernel in BLOCK_KERNELS and supports(kernel, device_type, capability, dtype, head_dim):
+            return kernel
+    return "math"
+
+
+def kernel_for(whole: str, q: torch.Tensor) -> str:
+    """:func:`choose` for blocks of ``q``'s device, dtype and head size."""
+    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    return choose(whole, q.device.type, capability, q.dtype, q.shape[-1])
+
+
+def _check_block(kernel: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"a causal block must be square, not {q.shape[2]} queries by {k.shape[2]} keys: "
+                         "the kernels align its diagonal differently")
+    if kernel not in BLOCK_KERNELS:
+        raise ValueError(f"{kernel} is not a block kernel; choose one of {', '.join(BLOCK_KERNELS)}")
+    if q.device.type == "cpu" and kernel not in ("flash", "math"):
+        raise ValueError(f"the {kernel} kernel does not run on the CPU")
+
+
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (``[b, heads, tokens, dim]``) with its tokens outermost but for the batch, as the
+    CUDA kernels write their outputs: itself if so already, else a copy."""
+    if t.transpose(1, 2).is_contiguous():
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def forward(kernel: str, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of one block: ``out`` in ``q``'s dtype, ``lse`` ``[b, heads, tokens]`` in
-    float32 (float64 for float64 inputs)."""
+    """``(out, lse)`` of one block: ``out`` in ``q``'s dtype, ``lse`` ``[b, heads, tokens]``."""
+    _check_block(kernel, q, k, causal)
     if kernel == "math":
         return _math_forward(q, k, v, causal, scale)
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p=0.0, is_causal=causal, scale=scale)
         return out, lse
+    if kernel == "cudnn":
+        out, lse, *_ = _aten._scaled_dot_product_cudnn_attention(
+            q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
+            return_debug_mask=False, scale=scale)
+        return out, lse.squeeze(-1)
     if kernel == "flash":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
+        out, lse, *_ = _aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale)
         return out, lse
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale)
+    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+        q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal, scale=scale)
     return out, lse[..., : q.shape[2]]
 
 
 def backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
     """``(dq, dk, dv)`` of one block, given ``out`` and ``lse`` of the attention it is part of."""
+    _check_block(kernel, q, k, causal)
     if kernel == "math":
         return _math_backward(dout, q, k, v, out, lse, causal, scale)
     if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    nothing = torch.empty(0, device=q.device)
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, dropout_p=0.0, is_causal=causal, scale=scale)
+    s_q, s_k = q.shape[2], k.shape[2]
+    if kernel == "cudnn":
+        return _aten._scaled_dot_product_cudnn_attention_backward(
+            _token_major(dout), q, k, v, _token_major(out), lse.float().contiguous().unsqueeze(-1),
+            philox_seed=None, philox_offset=None, attn_bias=None, cum_seq_q=None, cum_seq_k=None,
+            max_q=s_q, max_k=s_k, dropout_p=0.0, is_causal=causal, scale=scale)
     if kernel == "flash":
-        # without dropout the kernel reads no random state: the seed and offset are placeholders
-        seed = torch.zeros(2, dtype=torch.int64, device=q.device)
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), nothing, nothing, q.shape[2], k.shape[2], 0.0, causal,
-            seed, nothing, scale=scale)
-    padded = -(-q.shape[2] // 32) * 32
-    lse = torch.nn.functional.pad(lse, (0, padded - q.shape[2])).contiguous()
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+        return _aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.float().contiguous(), cum_seq_q=None, cum_seq_k=None,
+            max_q=s_q, max_k=s_k, dropout_p=0.0, is_causal=causal, philox_seed=None,
+            philox_offset=None, scale=scale)
+    padded = -(-s_q // 32) * 32
+    lse = torch.nn.functional.pad(lse.float(), (0, padded - s_q)).contiguous()
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, _token_major(out), lse, None, None, dropout_p=0.0,
+        grad_input_mask=[True, True, True, False], is_causal=causal, scale=scale)
     return dq, dk, dv
 
 
@@ -78,12 +163,13 @@ def wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
-    """Attention over the keys of two blocks from each one's ``(out, lse)``."""
+    """Attention over the keys of two blocks from each one's ``(out, lse)``; the output in
+    :func:`wide` precision, so that a chain of merges rounds once, when its caller casts it."""
     merged = torch.logaddexp(lse, block_lse)
     acc = wide(out.dtype)
     mixed = (out.to(acc) * torch.exp(lse - merged).unsqueeze(-1)
              + block_out.to(acc) * torch.exp(block_lse - merged).unsqueeze(-1))
-    return mixed.to(out.dtype), merged
+    return mixed, merged
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:

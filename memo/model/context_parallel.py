@@ -152,6 +152,13 @@ def _fold(dkv: torch.Tensor, groups: int) -> torch.Tensor:
     return dkv if groups == 1 else dkv.unflatten(1, (-1, groups)).sum(2)
 
 
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (``[b, n, s, d]``) laid out ``[s, b, n, d]`` in memory, as the output it is the
+    gradient of: itself if so already, else a copy. A chunk of its tokens is then laid out as the
+    kernels lay out their outputs (with one sequence a micro-batch), and NCCL gets contiguous parts."""
+    return t if _tokens_first(t).is_contiguous() else _heads_first(_tokens_first(t).contiguous())
+
+
 def _token_major_like(q: torch.Tensor) -> torch.Tensor:
     """An empty ``[b, n, s, d]`` tensor laid out ``[s, b, n, d]`` in memory, as Megatron's."""
     return _heads_first(q.new_empty(_tokens_first(q).shape))
@@ -197,7 +204,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _BACKWARD[ctx.comm_type](ctx, dout.contiguous(), q, k, v, out, lse)
+        dq, dk, dv = _BACKWARD[ctx.comm_type](ctx, _token_major(dout), q, k, v, out, lse)
         return dq, dk, dv, None, None, None, None
 
 
@@ -260,7 +267,8 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
             _wait(passing[1])
             grads += passing[0]
             passing = None
-        passing = ring.start(grads, tag=2)  # on to the next rank; after the last step, to the owner
+        # on to the next rank; after the last step, to the owner (here, when there is no other)
+        passing = ring.start(grads, tag=2) if cp > 1 else (grads, [])
         if step < cp - 1:
             _wait(works)
             held = incoming
@@ -282,7 +290,8 @@ def _gather_forward(ctx, q, k, v):
 
 
 def _joined(q, merged: list[tuple], c: int):
-    """This rank's output (token-major) and log-sum-exp from its two query chunks'."""
+    """This rank's output (token-major, in ``q``'s dtype: merged outputs are rounded here, once)
+    and log-sum-exp from its two query chunks'."""
     out = _token_major_like(q)
     for qh, (o, _) in enumerate(merged):
         _chunk(out, qh, c).copy_(o)
@@ -338,7 +347,8 @@ def context_parallel_attention(q, k, v, group, backend: str, scale: float,
         q, k, v: this rank's ``[b, heads, 2·c, dim]`` (its two chunks, in its order); ``k`` and
             ``v`` may have fewer heads than ``q`` (grouped-query attention).
         group: the context-parallel process group.
-        backend: the attention kernel's name (:func:`memo.model.attention.select_backend`).
+        backend: the run's attention kernel (:func:`memo.model.attention.select_backend`); the
+            blocks run :func:`memo.model.attention_blocks.kernel_for` it.
         scale: the softmax scale.
         comm_type: ``all_gather``, ``p2p`` or ``a2a`` (Ulysses).
 
@@ -348,4 +358,4 @@ def context_parallel_attention(q, k, v, group, backend: str, scale: float,
     """
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={comm_type} is not one of {', '.join(CP_COMM_TYPES)}")
-    return _Attention.apply(q, k, v, group, blocks.block_kernel(backend), scale, comm_type)
+    return _Attention.apply(q, k, v, group, blocks.kernel_for(backend, q), scale, comm_type)

@@ -1,0 +1,163 @@
+"""The block kernels of context-parallel attention: which one a run uses (the decision table), and
+every call of PyTorch's private attention entry points as PyTorch 2.11 (the GPU machine's build)
+takes it, checked on the meta device (the CUDA branch, run by the ops' meta kernels) against the
+2.11 schemas in ``tests/data/torch-2.11-aten-schemas.txt``."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memo.model import attention_blocks as blocks
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMAS = REPO / "tests" / "data" / "torch-2.11-aten-schemas.txt"
+BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+H100, A100, V100, BLACKWELL = (9, 0), (8, 0), (7, 0), (10, 0)
+
+
+def schemas_2_11() -> dict[str, torch._C.FunctionSchema]:
+    """Operator name (``name`` or ``name.overload``) -> its 2.11 schema."""
+    found = {}
+    for line in SCHEMAS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            schema = torch._C.parse_schema(f"aten::{line}")
+            overload = f".{schema.overload_name}" if schema.overload_name else ""
+            key = schema.name.removeprefix("aten::") + overload
+            found[key] = schema
+    return found
+
+
+@pytest.mark.parametrize("whole, device, capability, dtype, head_dim, expected", [
+    # Hopper in bf16 with Llama's and GPT's heads: cuDNN where the run's attention chose it
+    ("cudnn", "cuda", H100, BF16, 128, "cudnn"),
+    ("cudnn", "cuda", H100, FP16, 64, "cudnn"),
+    ("flash", "cuda", H100, BF16, 128, "flash"),  # a run that chose flash keeps it
+    ("efficient", "cuda", H100, BF16, 128, "efficient"),
+    ("cudnn", "cuda", BLACKWELL, BF16, 128, "cudnn"),
+    ("cudnn", "cuda", A100, BF16, 128, "cudnn"),
+    # heads cuDNN's blocks do not take: flash to 256, then the memory-efficient kernel
+    ("cudnn", "cuda", H100, BF16, 256, "flash"),
+    ("cudnn", "cuda", H100, BF16, 264, "efficient"),
+    ("cudnn", "cuda", H100, BF16, 12, "math"),  # no fused kernel takes heads not a multiple of 8
+    # fp32 on a GPU: only the memory-efficient kernel
+    ("efficient", "cuda", H100, FP32, 128, "efficient"),
+    ("cudnn", "cuda", H100, FP32, 128, "efficient"),
+    ("cudnn", "cuda", H100, FP64, 128, "math"),
+    # before Ampere: no cuDNN or flash blocks; bf16 needs sm80 for the memory-efficient kernel
+    ("efficient", "cuda", V100, FP16, 128, "efficient"),
+    ("efficient", "cuda", V100, BF16, 128, "math"),
+    # the CPU: ATen's fused CPU kernel, in any floating dtype
+    ("flash", "cpu", None, FP32, 64, "flash"),
+    ("flash", "cpu", None, FP64, 16, "flash"),
+    ("flash", "cpu", None, BF16, 128, "flash"),
+    ("math", "cpu", None, FP32, 64, "math"),
+    ("math", "cuda", H100, BF16, 128, "math"),  # a run that asked for math
+])
+def test_the_block_kernel_follows_the_runs_attention_where_it_takes_the_block(
+        whole, device, capability, dtype, head_dim, expected):
+    assert blocks.choose(whole, device, capability, dtype, head_dim) == expected
+
+
+@pytest.mark.parametrize("kernel", blocks.BLOCK_KERNELS)
+def test_a_causal_block_that_is_not_square_is_refused_and_a_full_one_is_not(kernel):
+    q = torch.empty(1, 2, 8, 64, device="meta", dtype=BF16 if kernel != "math" else FP32)
+    k = torch.empty(1, 2, 16, 64, device="meta", dtype=q.dtype)
+    with pytest.raises(ValueError, match="a causal block must be square, not 8 queries by 16 keys"):
+        blocks.forward(kernel, q, k, k, True, 0.125)
+    out, lse = blocks.forward(kernel, q, k, k, False, 0.125)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+
+
+class _Calls(TorchDispatchMode):
+    """Every ATen call, with its arguments as the dispatcher bound them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _bound(func, args, kwargs) -> dict:
+    """Every argument of a recorded call by name, defaults included (the dispatcher leaves out
+    trailing arguments equal to their defaults)."""
+    schema = func._schema.arguments
+    given = dict(zip((a.name for a in schema), args)) | kwargs
+    return {a.name: given[a.name] if a.name in given else a.default_value for a in schema}
+
+
+def _token_major_block(b, heads, tokens, dim, dtype):
+    """``[b, heads, tokens, dim]`` cut from Megatron's ``[s, b, heads, dim]``, as attention gets it."""
+    whole = torch.empty(2 * tokens, b, heads, dim, device="meta", dtype=dtype)
+    return whole.permute(1, 2, 0, 3)[:, :, :tokens]
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_blocks_call_the_entry_points_as_torch_2_11_declares_them(kernel, causal):
+    """On the meta device the blocks take their CUDA branch; each call binds to the 2.11 schema
+    and hands over what the CUDA kernels read (undefined sequence offsets and random state, the
+    log-sum-exp's shape and layout, a token-major output) with results of the right shapes."""
+    dtype = FP32 if kernel == "efficient" else BF16
+    b, heads, tokens, dim = 2, 4, 100, 64  # 100 tokens: the efficient kernel pads to 128
+    q, k, v = (_token_major_block(b, heads, tokens, dim, dtype) for _ in range(3))
+    with _Calls() as recorded:
+        out, lse = blocks.forward(kernel, q, k, v, causal, 0.125)
+        # a merged output, not token-major: the backward must hand the kernels their layout
+        merged = out.contiguous()
+        dq, dk, dv = blocks.backward(kernel, merged, q, k, v, merged, lse.contiguous(), causal, 0.125)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (b, heads, tokens) and lse.dtype == FP32
+    assert [t.shape for t in (dq, dk, dv)] == [q.shape] * 3
+
+    reference = schemas_2_11()
+    private = [(f, a, kw) for f, a, kw in recorded.calls if f._schema.name.startswith("aten::_scaled_dot")]
+    assert [f.__name__ for f, _, _ in private] == [
+        f"_scaled_dot_product_{kernel}_attention.default",
+        f"_scaled_dot_product_{kernel}_attention_backward.default"]
+    for func, args, kwargs in private:
+        name = func._schema.name.removeprefix("aten::")
+        assert str(func._schema) == str(reference[name]), f"{name} differs from its 2.11 schema"
+    (_, forward_args, forward_kwargs), (_, args, kwargs) = private
+    called = _bound(private[1][0], args, kwargs)
+    assert _bound(private[0][0], forward_args, forward_kwargs)["dropout_p"] == 0.0
+    assert called["dropout_p"] == 0.0 and called["is_causal"] is causal and called["scale"] == 0.125
+    if kernel in ("cudnn", "flash"):
+        # a defined tensor (even an empty one) selects the variable-length (nested) path
+        assert called["cum_seq_q"] is None and called["cum_seq_k"] is None
+        assert (called["max_q"], called["max_k"]) == (tokens, tokens)
+    # not read without dropout; cuDNN's backward checks the device of any defined one
+    assert called["philox_seed"] is None and called["philox_offset"] is None
+    lse_in = called["logsumexp"]
+    assert lse_in.dtype == FP32 and lse_in.is_contiguous()
+    assert lse_in.shape == {"cudnn": (b, heads, tokens, 1), "flash": (b, heads, tokens),
+                            "efficient": (b, heads, 128)}[kernel]
+    if kernel in ("cudnn", "efficient"):
+        # the efficient kernel reads the output with a token-major row stride whatever its
+        # strides; cuDNN caches its backward graph by q, k and v's layouts only
+        assert called["out"].transpose(1, 2).is_contiguous()
+    if kernel == "cudnn":
+        assert called["grad_out"].transpose(1, 2).is_contiguous()
+        assert called["attn_bias"] is None
+
+
+def test_every_aten_operator_the_project_calls_has_its_2_11_schema_in_the_fixture():
+    """A new call of an ATen operator needs its 2.11 schema here, so it is checked against the
+    lent GPU machine's build before it reaches one."""
+    pattern = re.compile(r"(?:torch\.ops\.aten|_aten)\.(\w+)(?:\.(out|default|\w+)\b)?\(")
+    called = set()
+    for path in (REPO / "memo").rglob("*.py"):
+        for name, overload in pattern.findall(path.read_text()):
+            called.add(name if overload in ("", "default") else f"{name}.{overload}")
+    reference = schemas_2_11()
+    assert called and called <= set(reference), f"no 2.11 schema for {sorted(called - set(reference))}"
+    for key, schema in reference.items():
+        name, _, overload = key.partition(".")
+        ours = getattr(torch.ops.aten, name)
+        ours = getattr(ours, overload or "default")._schema
+        assert str(ours) == str(schema), f"this PyTorch's {key} differs from 2.11's: check the calls"
