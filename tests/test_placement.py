@@ -77,3 +77,30 @@ def test_rotary_writes_q_into_the_memory_it_is_given_with_megatrons_arithmetic()
     assert out.data_ptr() == arena.given[0]
     assert torch.equal(out, ref)
     torch.testing.assert_close(grad, ref_grad)  # the backward rotates by the table, not autograd's graph
+
+
+class _TypedArena:
+    """A stand-in runtime that hands out new memory of the dtype asked for, and notes it."""
+
+    def __init__(self):
+        self.dtypes = []
+
+    def output(self, shape, dtype, device):
+        self.dtypes.append(dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("device, statistics", [("cpu", torch.bfloat16), ("meta", torch.float32)])
+def test_layer_norm_keeps_its_statistics_in_the_dtype_its_kernels_backward_reads(device, statistics):
+    """In bf16 the CPU kernel keeps the mean and reciprocal deviation in bf16 and CUDA's in float32,
+    which CUDA's backward reads as float32; the meta device follows CUDA's rule."""
+    arena = _TypedArena()
+    x, w, b = (torch.randn(*s, dtype=torch.bfloat16, device=device, requires_grad=True)
+               for s in ((512, 2, 16), (16,), (16,)))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer_norm(x, w, b, 1e-5, arena)
+    _, mean, rstd = torch.native_layer_norm(x.detach(), (16,), w.detach(), b.detach(), 1e-5)
+    assert (mean.dtype, rstd.dtype) == (statistics, statistics)
+    assert arena.dtypes == [torch.bfloat16, statistics, statistics]  # output, mean, rstd
+    assert [(t.dtype, tuple(t.shape)) for t in saved[3:]] == [(statistics, (512, 2, 1))] * 2

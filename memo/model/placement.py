@@ -85,13 +85,17 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, runtime):
         shape = x.shape[-1:]
-        stats = (*x.shape[:-1], 1)
-        out = new_output(runtime, x.shape, x.dtype, x.device)
-        mean = new_output(runtime, stats, x.dtype, x.device)
-        rstd = new_output(runtime, stats, x.dtype, x.device)
         # PyTorch's layer-norm kernel makes its own output (its out= variant copies from it), so
         # it runs on a tile of tokens at a time: only one tile's output exists twice
-        for start, end in spans(x.shape[0], eighth_tile_tokens(x.shape[0])):
+        tiles = spans(x.shape[0], eighth_tile_tokens(x.shape[0]))
+        start, end = next(tiles)
+        first = torch.native_layer_norm(x[start:end], shape, weight, bias, eps)
+        # the statistics in the dtype the kernel keeps them in, which its backward reads: the
+        # input's on the CPU, float32 for 16-bit input on CUDA
+        out, mean, rstd = (new_output(runtime, (x.shape[0], *t.shape[1:]), t.dtype, x.device) for t in first)
+        for target, value in zip((out, mean, rstd), first, strict=True):
+            target[start:end].copy_(value)
+        for start, end in tiles:
             tile = torch.native_layer_norm(x[start:end], shape, weight, bias, eps)
             for target, value in zip((out, mean, rstd), tile, strict=True):
                 target[start:end].copy_(value)
