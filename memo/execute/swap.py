@@ -392,7 +392,8 @@ class SwapRuntime:
             for role, x in (("q", q), ("k", k), ("v", v)):
                 if t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.stride() == x.stride():
                     return Slot(TOKENS, tuple(_canonical(t, 2).shape), t.dtype, 2, chunks, role)
-            if t.dim() >= 3 and t.shape[2] == S * chunks:
+            # the memory-efficient kernel pads its log-sum-exp to a multiple of 32 tokens
+            if t.dim() >= 3 and t.shape[2] in (S * chunks, -(-S * chunks // 32) * 32):
                 return Slot(ATTENTION, tuple(_canonical(t, 2).shape), t.dtype, 2, chunks, "product")
             if t.numel() <= _SMALL:
                 return None
@@ -500,7 +501,7 @@ class SwapRuntime:
         # the copy, so the kernel's output is freed here rather than when the layer ends.
         slot_tensor = self._slot_tensor(capture.state.index % 2, j)
         kept = slot_tensor.movedim(0, self.layout.slots[j].token_dim)  # as the kernel saved it
-        if kept.stride() != out.stride():
+        if not _same_layout(kept, out.stride()):  # a dimension of one element has any stride
             return out
         del capture.products[j]
         capture.sources[j] = slot_tensor
