@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.config.validate import LOSSES
+from memo.model import attention_blocks
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.context_parallel import sequence_layout
 from memo.model.deepspeed_attention import DeepSpeedUlyssesAttention
@@ -53,7 +54,10 @@ class BuiltModel:
 
     module: GPTModel
     layer_spec: str  # "te" or "local"
-    attention_backend: str  # "te" or an SDPA kernel name
+    attention_backend: str  # "te" or an SDPA kernel name: attention over a whole sequence
+    # the kernel of context-parallel attention's blocks (memo.model.attention_blocks), "none"
+    # where no blocks run (one rank's sequence, Transformer Engine, DeepSpeed's exchange)
+    attention_block_kernel: str
     params: int  # of the whole model, all shards
 
 
@@ -242,6 +246,7 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
     dtype = torch_dtype(workload)
     config = transformer_config(workload, device_type)
     use_te = uses_transformer_engine(parallel, device_type, attention_backend, method)
+    block_kernel = "none"
     if use_te:
         spec = ModuleSpec(
             module=TransformerBlock,
@@ -252,6 +257,10 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
         backend = select_backend(device_type, dtype, config.kv_channels, attention_backend)
         rotary = RotaryTable()
         spec = _local_block_spec(config, backend, method, rotary)
+        if parallel.cp > 1 and method.cp_attention == "memo":
+            capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
+            block_kernel = attention_blocks.choose(backend, device_type, capability, dtype,
+                                                   config.kv_channels)
 
     if loss not in LOSSES:
         raise ConfigError(f"train.loss={loss} is not a loss; choose one of: {', '.join(LOSSES)}")
@@ -286,5 +295,6 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
         module=gpt,
         layer_spec="te" if use_te else "local",
         attention_backend=backend,
+        attention_block_kernel=block_kernel,
         params=count_parameters(gpt),
     )

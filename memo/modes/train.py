@@ -198,12 +198,13 @@ def _train(run: Run, info: distributed.ProcessInfo, row: dict, writer: ResultWri
             flops_per_iter=flops_per_iter,
             layer_spec=built.layer_spec,
             attention_backend=built.attention_backend,
+            attention_block_kernel=built.attention_block_kernel,
             optimizer=optimizer.name,
         )
         log.info(
-            "%s: %s params, seq %d, %s on %s (%s, %s attention), %d process(es)",
+            "%s: %s params, seq %d, %s on %s (%s, %s attention, %s blocks), %d process(es)",
             model.name, f"{built.params:,}", seq, workload.method.name, hw.name,
-            row["dtype"], built.attention_backend, info.world_size,
+            row["dtype"], built.attention_backend, built.attention_block_kernel, info.world_size,
         )
 
         records = []
