@@ -1,53 +1,124 @@
-"""The GPU validation pack's orchestration, rows and summary, run on the CPU (``--cpu``)."""
+"""The GPU validation pack: which steps a command runs and in what time, results kept per code,
+and every step's rows, rehearsed on the CPU (``--cpu``)."""
 
+import json
 import subprocess
 import sys
 
 import pandas as pd
 import pytest
 
-from memo.gpucheck.__main__ import Step, run_step
-from memo.gpucheck.common import REPO
+import memo.gpucheck.__main__ as pack
+from memo.gpucheck.__main__ import FIRST_BUDGET_S, STEPS, Step, run_step
+from memo.gpucheck.common import REPO, source_digest
 
 
-@pytest.mark.slow
-def test_the_pack_runs_every_step_on_the_cpu_and_goes_on_where_it_stopped(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "memo.gpucheck", "--cpu", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    steps = pd.read_csv(tmp_path / "steps.csv").set_index("step")
-    assert list(steps.index) == ["smoke", "probe", "cp_kernels", "numerics", "overlap", "throughput",
-                                 "longest", "calibration"]
-    assert set(steps.loc[["overlap", "longest"], "status"]) == {"skipped"}
-    assert all(steps.loc[["overlap", "longest"], "detail"].str.startswith("needs a GPU: "))
-    assert set(steps.drop(["overlap", "longest"])["status"]) == {"ok"}
-    numerics = pd.read_csv(tmp_path / "numerics.csv")
-    assert set(numerics["method"]) >= {"memo", "full_swap", "full_recompute", "megatron_full_recompute"}
-    assert (numerics["status"] == "ok").all()
-    assert (numerics["grad_error"].dropna() <= numerics["tolerance"].dropna()).all()
-    smoke = pd.read_csv(tmp_path / "smoke.csv")
-    assert set(smoke["status"]) == {"ok", "skipped"} and len(smoke) == 8
-    cp_kernels = pd.read_csv(tmp_path / "cp_kernels.csv")
-    checks, timed = cp_kernels[cp_kernels["check"].notna()], cp_kernels[cp_kernels["check"].isna()]
-    assert list(checks["check"]) == ["output", "dq", "dk", "dv"]
-    assert (checks["max_error"] <= checks["tolerance"]).all()
-    assert len(timed) == 8 and (timed["blocks_s"] > 0).all() and (timed["ratio"] > 0).all()
-    throughput = pd.read_csv(tmp_path / "throughput.csv")
-    assert list(throughput["job"]) == ["none-256", "memo-true-256"]
-    assert (throughput["status"] == "ok").all() and (throughput["mfu"] > 0).all()
-    summary = (tmp_path / "summary.md").read_text()
-    assert "# GPU validation pack: cpu" in summary and "## numerics" in summary and "megatron-core" in summary
+def test_the_first_steps_come_first_and_fit_one_command_of_eight_minutes():
+    first = [step.name for step in STEPS if step.first]
+    assert first == ["smoke", "cp_kernels", "numerics", "probe"]
+    assert [step.first for step in STEPS] == sorted((step.first for step in STEPS), reverse=True)
+    assert FIRST_BUDGET_S <= 7.5 * 60  # with the pack's own start and the wheels' install
 
-    again = subprocess.run([sys.executable, "-m", "memo.gpucheck", "--cpu", "--out", str(tmp_path),
-                            "--only", "probe", "numerics"], cwd=REPO, capture_output=True, text=True,
-                           timeout=300)
-    assert again.returncode == 0
-    assert list(pd.read_csv(tmp_path / "steps.csv")["status"]) == ["done before", "done before"]
+
+def test_the_source_digest_names_the_code_and_only_the_code(tmp_path):
+    for name, text in [("run.py", "print()\n"), ("memo/a.py", "x = 1\n"), ("conf/config.yaml", "a: 1\n")]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    before = source_digest(tmp_path)
+    (tmp_path / "results.csv").write_text("not code\n")
+    (tmp_path / "memo" / "notes.txt").write_text("not code\n")
+    assert source_digest(tmp_path) == before
+    (tmp_path / "memo" / "a.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != before and len(before) == 12
+
+
+class _FakeSteps:
+    """Stands for the steps' processes: each run writes ``<step>.csv`` with its count."""
+
+    def __init__(self):
+        self.ran = []
+
+    def __call__(self, step, out, cpu):
+        self.ran.append(step.name)
+        (out / f"{step.name}.csv").write_text(f"run\n{len(self.ran)}\n")
+        (out / f"{step.name}.log").write_text("log\n")
+        return {"step": step.name, "status": "ok", "seconds": 0.0, "detail": "", "command": "fake"}
+
+
+def test_a_step_of_this_code_is_kept_and_one_of_other_code_is_set_aside_then_run_again(tmp_path, monkeypatch):
+    fake = _FakeSteps()
+    monkeypatch.setattr(pack, "run_step", fake)
+    monkeypatch.setattr(pack, "source_digest", lambda: "aaaaaaaaaaaa")
+    assert pack.main(["--cpu", "--out", str(tmp_path)]) == 0
+    assert fake.ran == ["smoke", "cp_kernels", "numerics", "probe"]  # the first steps only
+    assert json.loads((tmp_path / "probe.json").read_text())["source_digest"] == "aaaaaaaaaaaa"
+
+    assert pack.main(["--cpu", "--out", str(tmp_path), "--only", "probe", "calibration"]) == 0
+    assert fake.ran[4:] == ["calibration"]  # probe's result is this code's
+    assert list(pd.read_csv(tmp_path / "steps.csv")["status"]) == ["done before", "ok"]
+
+    monkeypatch.setattr(pack, "source_digest", lambda: "bbbbbbbbbbbb")  # the code changed
+    assert pack.main(["--cpu", "--out", str(tmp_path), "--only", "probe"]) == 0
+    assert fake.ran[5:] == ["probe"]
+    earlier = tmp_path / "earlier" / "aaaaaaaaaaaa"
+    assert sorted(p.name for p in earlier.iterdir()) == ["probe.csv", "probe.json", "probe.log"]
+    assert (earlier / "probe.csv").read_text() == "run\n4\n"
+    assert (tmp_path / "probe.csv").read_text() == "run\n6\n"
+
+    assert pack.main(["--cpu", "--out", str(tmp_path), "--only", "probe", "--redo"]) == 0
+    assert fake.ran[6:] == ["probe"]  # asked for again: the one of this code is set aside too
+    assert (tmp_path / "earlier" / "bbbbbbbbbbbb" / "probe.csv").read_text() == "run\n6\n"
+    assert pack.main(["--cpu", "--out", str(tmp_path), "--all"]) == 0
+    # every step but probe, whose result is this code's
+    assert fake.ran[7:] == ["smoke", "cp_kernels", "numerics", "throughput", "overlap", "longest",
+                            "calibration"]
 
 
 def test_a_failing_step_records_why(tmp_path):
     record = run_step(Step("broken", ("memo.gpucheck.no_such_step",), 60), tmp_path, cpu=True)
     assert record["status"] == "failed" and "No module named memo.gpucheck.no_such_step" in record["detail"]
+
+
+@pytest.mark.slow
+def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
+    def pack_run(*args):
+        done = subprocess.run([sys.executable, "-m", "memo.gpucheck", "--cpu", "--out", str(tmp_path), *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return pd.read_csv(tmp_path / "steps.csv").set_index("step")
+
+    steps = pack_run()
+    assert list(steps.index) == ["smoke", "cp_kernels", "numerics", "probe"]
+    assert set(steps["status"]) == {"ok"} and set(steps["source_digest"]) == {source_digest()}
+    smoke = pd.read_csv(tmp_path / "smoke.csv").set_index("check")
+    assert smoke.loc["collectives over one rank", "status"] == "ok"
+    assert "blocks flash" in smoke.loc["attention kernels against float64", "detail"]
+    assert set(smoke["status"]) == {"ok", "skipped"} and (smoke["status"] == "ok").sum() == 7
+    kernels = pd.read_csv(tmp_path / "cp_kernels.csv")
+    checked = kernels[kernels["status"].notna()]
+    assert set(zip(checked["attention"], checked["kernel"])) == {
+        ("whole", "flash"), ("whole", "math"), ("blocks", "flash"), ("blocks", "math")}
+    errors = checked.filter(like="error_")
+    assert (errors.max(axis=1) <= checked["tolerance"]).all() and (errors.min(axis=1) > 0).all()
+    timed = kernels[kernels["status"].isna()]
+    assert len(timed[timed["attention"] == "blocks"]) == 8 and (timed["seconds"] > 0).all()
+    numerics = pd.read_csv(tmp_path / "numerics.csv")
+    assert set(numerics["method"]) == {"memo", "megatron_full_recompute", "memo plan=true vs plan=false"}
+    assert (numerics["status"] == "ok").all()
+    assert (numerics["grad_error"].dropna() <= numerics["tolerance"].dropna()).all()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "# GPU validation pack: cpu" in summary and "## numerics" in summary and "megatron-core" in summary
+
+    # the later steps, each alone; the GPU-only ones say why they did not run
+    steps = pack_run("--only", "throughput", "calibration", "overlap", "longest", "probe")
+    assert steps.loc["probe", "status"] == "done before"
+    assert set(steps.loc[["throughput", "calibration"], "status"]) == {"ok"}
+    assert set(steps.loc[["overlap", "longest"], "status"]) == {"skipped"}
+    assert all(steps.loc[["overlap", "longest"], "detail"].str.startswith("needs a GPU: "))
+    throughput = pd.read_csv(tmp_path / "throughput.csv")
+    assert list(throughput["job"]) == ["none-256", "memo-true-256"]
+    assert (throughput["status"] == "ok").all() and (throughput["mfu"] > 0).all()
+    assert len(pd.read_csv(tmp_path / "calibration.csv")) == 2
 
 
 def test_overlap_counts_copy_time_under_compute_and_compute_idle_during_copies():

@@ -1,14 +1,24 @@
-"""Run the GPU validation pack: every step in order, each in a process of its own.
+"""Run the GPU validation pack: its steps in order, each in a process of its own.
 
-    python -m memo.gpucheck [--out DIR] [--cpu] [--redo] [--only STEP ...]
+    python -m memo.gpucheck [--out DIR] [--cpu] [--redo] [--all | --only STEP ...]
 
-A step whose result (``<step>.csv``) is in ``DIR`` is skipped unless ``--redo``; a step that fails
-or runs past its budget is recorded with why, and the pack goes on. ``summary.md`` names the
-device, driver, versions, date and commands, and gathers every step's table.
+Without ``--all`` or ``--only`` the pack runs its first steps, the most informative ones, whose
+budgets together keep it inside one command of eight minutes: ``smoke`` (every place the GPU path
+can break, quickly), ``cp_kernels`` (each block kernel against a float64 reference, then timed),
+``numerics`` (every method's gradients against keeping everything) and ``probe`` (the physical
+bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``) run with
+``--all`` or by name with ``--only``, when device time is left.
+
+A step whose result (``<step>.csv``) in ``DIR`` was made by the code checked out now
+(:func:`memo.gpucheck.common.source_digest`) is skipped unless ``--redo``; a result of other code
+is moved to ``DIR/earlier/<its digest>/`` before the step runs again, so nothing is lost. A step
+that fails or runs past its budget is recorded with why, and the pack goes on. ``summary.md``
+names the device, driver, versions, date and commands, and gathers every step's table.
 """
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import re
@@ -22,27 +32,29 @@ from pathlib import Path
 
 import pandas as pd
 
-from memo.gpucheck.common import REPO
-from memo.results import create_file_atomic
+from memo.gpucheck.common import REPO, source_digest
+from memo.results import create_file_atomic, git_revision
 
 
 @dataclass(frozen=True)
 class Step:
     name: str
     module: tuple[str, ...]  # python -m ... arguments before --out
-    budget_s: int  # together 24.5 minutes, to keep the pack under 26 on one H100 (not yet timed there)
+    budget_s: int  # wall seconds, the step's process start included
+    first: bool = False  # in the pack a plain run makes: the first steps, within one 8-minute command
 
 
 STEPS = [
-    Step("smoke", ("memo.gpucheck.smoke",), 180),
-    Step("probe", ("memo.gpucheck.probe",), 90),
-    Step("cp_kernels", ("memo.gpucheck.cp_kernels",), 90),
-    Step("numerics", ("memo.gpucheck.numerics",), 180),
-    Step("overlap", ("memo.gpucheck.overlap",), 150),
+    Step("smoke", ("memo.gpucheck.smoke",), 150, first=True),
+    Step("cp_kernels", ("memo.gpucheck.cp_kernels",), 90, first=True),
+    Step("numerics", ("memo.gpucheck.numerics",), 135, first=True),
+    Step("probe", ("memo.gpucheck.probe",), 60, first=True),
     Step("throughput", ("memo.gpucheck.jobs", "throughput"), 360),
+    Step("overlap", ("memo.gpucheck.overlap",), 150),
     Step("longest", ("memo.gpucheck.jobs", "longest"), 360),
     Step("calibration", ("memo.gpucheck.calibration",), 60),
 ]
+FIRST_BUDGET_S = sum(step.budget_s for step in STEPS if step.first)
 
 
 def device_name(cpu: bool) -> str:
@@ -91,6 +103,36 @@ def run_step(step: Step, out: Path, cpu: bool) -> dict:
             "command": " ".join(["python", "-m", *arguments])}
 
 
+def _step_files(out: Path, step: str) -> list[Path]:
+    """The files a step left in the pack's directory: ``<step>.*`` and ``<step>_*``."""
+    return sorted(p for p in out.iterdir() if p.is_file() and re.match(rf"{re.escape(step)}[._]", p.name))
+
+
+def _record(out: Path, step: str) -> dict:
+    path = out / f"{step}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def done_before(out: Path, step: str, digest: str) -> bool:
+    """Whether ``out`` holds ``step``'s result made by the code whose digest is ``digest``."""
+    return (out / f"{step}.csv").exists() and _record(out, step).get("source_digest") == digest
+
+
+def set_aside(out: Path, step: str) -> list[Path]:
+    """Move an earlier result of ``step`` to ``out/earlier/<its digest>/`` (a numbered folder
+    beside it if that one holds the step already); the paths it moved to."""
+    files = _step_files(out, step)
+    if not files:
+        return []
+    digest = _record(out, step).get("source_digest") or "unknown"
+    target, n = out / "earlier" / digest, 1
+    while target.exists() and any(target.glob(f"{step}.*")):
+        n += 1
+        target = out / "earlier" / f"{digest}-{n}"
+    target.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.move(str(p), str(target / p.name))) for p in files]
+
+
 def summary(out: Path, steps: pd.DataFrame, cpu: bool, argv: list[str]) -> str:
     import megatron.core
     import torch
@@ -98,8 +140,10 @@ def summary(out: Path, steps: pd.DataFrame, cpu: bool, argv: list[str]) -> str:
     lines = [f"# GPU validation pack: {device_name(cpu)}", "",
              f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
              f"- device: {device_name(cpu)}; driver: {_driver()}",
-             f"- torch {torch.__version__} (CUDA {torch.version.cuda}), megatron-core "
-             f"{megatron.core.__version__}, Python {platform.python_version()}",
+             f"- torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN "
+             f"{torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else 'none'}), "
+             f"megatron-core {megatron.core.__version__}, Python {platform.python_version()}",
+             f"- code: source digest {source_digest()}, commit {git_revision(REPO)[0] or 'unknown'}",
              f"- command: `python -m memo.gpucheck {' '.join(argv)}`", "", "## Steps", "",
              steps.to_markdown(index=False), ""]
     for path in sorted(out.glob("*.csv")):
@@ -115,24 +159,33 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="default: results/gpu/<date>-<device>")
     parser.add_argument("--cpu", action="store_true", help="every step with the tiny model on the CPU")
-    parser.add_argument("--redo", action="store_true", help="run steps that have a result again")
-    parser.add_argument("--only", nargs="+", choices=[s.name for s in STEPS], help="these steps only")
+    parser.add_argument("--redo", action="store_true", help="run steps that have a result of this code again")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--all", action="store_true", help="every step, not only the first ones")
+    which.add_argument("--only", nargs="+", choices=[s.name for s in STEPS], help="these steps only")
     args = parser.parse_args(argv)
     slug = re.sub(r"[^a-z0-9]+", "-", device_name(args.cpu).lower()).strip("-")
     out = args.out or REPO / "results" / "gpu" / f"{datetime.date.today().isoformat()}-{slug}"
     out.mkdir(parents=True, exist_ok=True)
+    digest = source_digest()
+    chosen = [s for s in STEPS if (s.name in args.only if args.only else args.all or s.first)]
+    print(f"gpucheck: {', '.join(s.name for s in chosen)} (budgets {sum(s.budget_s for s in chosen)} s) "
+          f"of code {digest} into {out}", flush=True)
     records = []
-    for step in STEPS:
-        if args.only and step.name not in args.only:
-            continue
-        if (out / f"{step.name}.csv").exists() and not args.redo:
-            records.append({"step": step.name, "status": "done before", "seconds": 0.0,
-                            "detail": f"{step.name}.csv kept (--redo runs it again)", "command": ""})
+    for step in chosen:
+        if done_before(out, step.name, digest) and not args.redo:
+            kept = f"{step.name}.csv of this code kept (--redo runs it again)"
+            record = _record(out, step.name) | {"status": "done before", "detail": kept}
         else:
-            if args.redo:
-                (out / f"{step.name}.csv").unlink(missing_ok=True)
+            moved = set_aside(out, step.name)
+            if moved:
+                print(f"gpucheck: {step.name}: the earlier result moved to {moved[0].parent}", flush=True)
             print(f"gpucheck: {step.name} (budget {step.budget_s} s) ...", flush=True)
-            records.append(run_step(step, out, args.cpu))
+            record = run_step(step, out, args.cpu) | {"source_digest": digest}
+            (out / f"{step.name}.json").unlink(missing_ok=True)
+            create_file_atomic(out / f"{step.name}.json", json.dumps(record, indent=1) + "\n")
+        records.append({key: record.get(key) for key in ("step", "status", "seconds", "detail", "command",
+                                                          "source_digest")})
         print(f"gpucheck: {step.name}: {records[-1]['status']} {records[-1]['detail']}", flush=True)
     steps = pd.DataFrame(records)
     index = {"steps.csv": steps.to_csv(index=False), "summary.md": summary(out, steps, args.cpu, argv)}

@@ -8,7 +8,7 @@ their mean and largest magnitude (``calibration_summary.csv``).
 
 import sys
 
-from memo.gpucheck.common import arguments, skip, write_rows
+from memo.gpucheck.common import arguments, runs_dir, skip, write_rows
 
 
 def main(argv=None) -> int:
@@ -16,10 +16,11 @@ def main(argv=None) -> int:
     from analysis.rows import load_results
     from analysis.calibration import compare
 
-    runs = args.out / "runs"
+    runs = runs_dir(args.out)
     dirs = sorted(runs.glob("throughput-*")) + sorted(runs.glob("longest-*"))
     if not dirs:
-        return skip(args.out, "calibration", "no rows of the throughput or longest steps yet")
+        return skip(args.out, "calibration", "no rows of the throughput or longest steps of this code yet: "
+                    "python -m memo.gpucheck --only throughput calibration")
     table = compare(load_results(*dirs))
     summary = []
     for what in ("time_error", "memory_error") if len(table) else ():

@@ -2,6 +2,7 @@
 a step that cannot run here."""
 
 import argparse
+import hashlib
 import json
 import re
 import subprocess
@@ -15,6 +16,24 @@ import pandas as pd
 from memo.results import create_file_atomic
 
 REPO = Path(__file__).resolve().parents[2]
+# what decides a result: the package, the configuration and the entry point
+_SOURCES = ("memo/**/*.py", "memo/**/*.c", "conf/**/*.yaml", "run.py", "pyproject.toml")
+
+
+def source_digest(root: Path = REPO) -> str:
+    """Twelve hex digits naming the code a result was made by: a hash of the package's sources,
+    the configuration and the entry point, the same on every machine that has the same files (a
+    lent GPU machine gets the working tree without its git history)."""
+    digest = hashlib.sha256()
+    for path in sorted({p for pattern in _SOURCES for p in root.glob(pattern) if p.is_file()}):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def runs_dir(out: Path) -> Path:
+    """Where a step's training jobs write, under the pack's directory: one folder per code
+    (:func:`source_digest`), so a job of other code is never taken for this code's."""
+    return out / "runs" / source_digest()
 
 
 def arguments(description: str, argv=None) -> argparse.Namespace:

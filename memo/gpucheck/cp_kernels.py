@@ -1,18 +1,22 @@
-"""Pack step ``cp_kernels``: the local part of context-parallel attention against one SDPA call.
+"""Pack step ``cp_kernels``: every attention kernel that runs here, whole and in blocks, against a
+float64 reference, then timed.
 
-A context-parallel rank computes its queries' attention as blocks on the fused kernels' entry
-points, merged by their log-sum-exp (:mod:`memo.model.attention_blocks`). On one GPU there is no
-other rank, so the keys and values of the whole sequence are at hand: this step times the blocks
-that rank 0 and rank ``cp − 1`` of ``cp`` ranks run (``all_gather``'s, the same as ``p2p``'s
-without the transfers), forward and backward, against one causal SDPA call over the whole
-sequence, whose share per rank is a ``1/cp`` of its time. ``ratio`` is the blocks' time over that
-share: the price of cutting attention into blocks. First, at a short length, the blocks of every
-rank together are checked against SDPA: output and gradients, as the largest difference
-(``max_error``, against ``tolerance``).
+Whole-sequence attention (one ``scaled_dot_product_attention`` call with each SDPA backend) and
+context-parallel attention cut into blocks (:mod:`memo.model.attention_blocks`: each query chunk
+against every earlier key chunk whole and its own causally, merged by log-sum-exp, the backward
+given the merged output and log-sum-exp) are first compared with textbook attention in float64:
+the output and dq, dk, dv as normwise relative errors (``error``, against ``tolerance``). A
+kernel that fails the check is not timed.
+
+Then each kernel that passed is timed. The blocks one context-parallel rank of ``cp`` runs (the
+same for ``all_gather`` and ``p2p`` without the transfers; on one GPU there is no other rank)
+are set against a ``1/cp`` share of the fastest whole-sequence kernel's time: ``ratio`` is the
+price of cutting attention into blocks. The first GPU run thus says which block kernel to use.
 
     python -m memo.gpucheck.cp_kernels --out DIR [--cpu]
 """
 
+import math
 import sys
 
 import torch
@@ -21,6 +25,8 @@ from memo.gpucheck.common import arguments, mean_seconds, write_rows
 from memo.model import attention_blocks as blocks
 from memo.model.attention import causal_attention, select_backend
 from memo.model.context_parallel import rank_chunks
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # normwise, as the numerics step's
 
 
 def rank_blocks(q, k, v, rank: int, cp: int, kernel: str, scale: float):
@@ -35,7 +41,7 @@ def rank_blocks(q, k, v, rank: int, cp: int, kernel: str, scale: float):
         for a, j in work:
             block = blocks.forward(kernel, chunk[0][a], chunk[1][j], chunk[2][j], j == a, scale)
             merged[a] = block if a not in merged else blocks.merge(*merged[a], *block)
-        return merged
+        return {a: (out.to(q.dtype), lse) for a, (out, lse) in merged.items()}
 
     saved = forward()
     dout = torch.randn_like(chunk[0][0])
@@ -48,42 +54,112 @@ def rank_blocks(q, k, v, rank: int, cp: int, kernel: str, scale: float):
     return forward, backward
 
 
-def block_errors(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int,
-                 backend: str, chunks: int = 4) -> dict[str, float]:
-    """The largest difference between attention computed as blocks of ``chunks`` chunks (each
-    against the chunks before it whole and itself causally, merged by log-sum-exp; backward with
-    the merged output and log-sum-exp) and one SDPA call, for the output and dq, dk, dv."""
-    kernel, scale = blocks.block_kernel(backend), head_dim ** -0.5
-    generator = torch.Generator(device.type).manual_seed(0)
-    q, k, v, dout = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, generator=generator)
-                     for _ in range(4))
-    whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = causal_attention(*whole, backend, scale=scale)
-    expected.backward(dout.reshape(expected.shape))
-    qh, kh, vh, dh = (t.permute(1, 2, 0, 3) for t in (q, k, v, dout))
-    c = seq // chunks
-    part = [t.split(c, dim=2) for t in (qh, kh, vh, dh)]
+def _textbook(q, k, v, dout, scale: float):
+    """Output and (dq, dk, dv) of causal attention in float64, ``[b, n, s, d]``."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)) * scale
+    s = q.shape[2]
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    out = scores.softmax(-1) @ v
+    out.backward(dout.double())
+    return out.detach(), (q.grad, k.grad, v.grad)
+
+
+def _error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected).norm() / expected.norm()).item()
+
+
+def _in_blocks(kernel: str, q, k, v, dout, scale: float, chunks: int):
+    """Output and (dq, dk, dv) of causal attention as ``chunks`` query chunks' blocks."""
+    c = q.shape[2] // chunks
+    part = [t.split(c, dim=2) for t in (q, k, v, dout)]
     merged = []
     for a in range(chunks):
         found = None
         for j in range(a + 1):
             block = blocks.forward(kernel, part[0][a], part[1][j], part[2][j], j == a, scale)
             found = block if found is None else blocks.merge(*found, *block)
-        merged.append(found)
-    grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) for t in (qh, kh, vh)]
+        merged.append((found[0].to(q.dtype), found[1]))
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
     for a in range(chunks):
         out, lse = merged[a]
         for j in range(a + 1):
-            dq, dk, dv = blocks.backward(kernel, part[3][a].contiguous(), part[0][a], part[1][j], part[2][j],
-                                         out, lse, j == a, scale)
-            grads[0].narrow(2, a * c, c).add_(dq)
-            grads[1].narrow(2, j * c, c).add_(dk)
-            grads[2].narrow(2, j * c, c).add_(dv)
-    out = torch.cat([o for o, _ in merged], dim=2).permute(2, 0, 1, 3).reshape(expected.shape)
-    errors = {"output": (out.float() - expected.float()).abs().max().item()}
-    for name, got, ref in zip(("dq", "dk", "dv"), grads, whole):
-        errors[name] = (got - ref.grad.permute(1, 2, 0, 3).float()).abs().max().item()
-    return errors
+            for grad, d in zip(grads, blocks.backward(kernel, part[3][a], part[0][a], part[1][j], part[2][j],
+                                                      out, lse, j == a, scale), strict=True):
+                grad.narrow(2, (a if grad is grads[0] else j) * c, c).add_(d)
+    return torch.cat([o for o, _ in merged], dim=2), grads
+
+
+def kernel_errors(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int,
+                  chunks: int = 4) -> list[dict]:
+    """A row per kernel (whole: each SDPA backend that runs here; blocks: each block kernel that
+    runs here) with the normwise relative errors of its output and gradients against float64."""
+    scale = head_dim ** -0.5
+    generator = torch.Generator(device.type).manual_seed(0)
+    # Megatron's [s, b, n, d], seen as the kernels take it
+    q, k, v, dout = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, generator=generator)
+                     .permute(1, 2, 0, 3) for _ in range(4))
+    expected, expected_grads = _textbook(q, k, v, dout, scale)
+    rows = []
+    for name in ("cudnn", "flash", "efficient", "math"):
+        try:
+            select_backend(device.type, dtype, head_dim, name)
+        except Exception:  # noqa: BLE001 - a kernel that cannot run here has no row
+            continue
+        whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = causal_attention(*(t.permute(2, 0, 1, 3) for t in whole), name, scale=scale)
+        out.backward(dout.permute(2, 0, 1, 3).reshape(out.shape))
+        rows.append(_row("whole", name, out.view(seq, 1, heads, head_dim).permute(1, 2, 0, 3),
+                         [t.grad for t in whole], expected, expected_grads, dtype))
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    for kernel in blocks.BLOCK_KERNELS:
+        if blocks.supports(kernel, device.type, capability, dtype, head_dim):
+            out, grads = _in_blocks(kernel, q, k, v, dout, scale, chunks)
+            rows.append(_row("blocks", kernel, out, grads, expected, expected_grads, dtype))
+    return rows
+
+
+def _row(attention: str, kernel: str, out, grads, expected, expected_grads, dtype) -> dict:
+    errors = {"output": _error(out, expected)}
+    errors |= {f"d{n}": _error(g, e) for n, g, e in zip("qkv", grads, expected_grads, strict=True)}
+    worst = max(errors.values())
+    return {"attention": attention, "kernel": kernel, **{f"error_{k}": v for k, v in errors.items()},
+            "tolerance": TOLERANCE[dtype], "status": "ok" if worst <= TOLERANCE[dtype] else "failed"}
+
+
+def timings(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int,
+            checked: list[dict], repeat: int) -> list[dict]:
+    """Forward and backward seconds of each checked kernel: whole attention over ``seq`` tokens,
+    and rank 0's blocks at cp = 2 and 4 against a ``1/cp`` share of the fastest whole kernel.
+    ``math`` is timed on the CPU only: on a GPU its scores would not fit at these lengths."""
+    scale = head_dim ** -0.5
+    checked = [r for r in checked if r["status"] == "ok" and (r["kernel"] != "math" or device.type == "cpu")]
+    q, k, v = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    rows, whole = [], {}
+    for row in (r for r in checked if r["attention"] == "whole"):
+        name = row["kernel"]
+        forward = mean_seconds(lambda: causal_attention(q, k, v, name, scale=scale), device, repeat)
+        both = mean_seconds(lambda: causal_attention(q, k, v, name, scale=scale).sum().backward(), device,
+                            repeat)
+        whole[name] = {"forward": forward, "backward": both - forward}
+        rows += [{"seq": seq, "attention": "whole", "kernel": name, "phase": phase, "seconds": seconds}
+                 for phase, seconds in whole[name].items()]
+    fastest = min(whole.values(), key=lambda t: t["forward"] + t["backward"]) if whole else None
+    qh, kh, vh = (t.detach().permute(1, 2, 0, 3) for t in (q, k, v))
+    for row in (r for r in checked if r["attention"] == "blocks"):
+        for cp in (2, 4):
+            run_forward, run_backward = rank_blocks(qh, kh, vh, 0, cp, row["kernel"], scale)
+            measured = {"forward": mean_seconds(run_forward, device, repeat),
+                        "backward": mean_seconds(run_backward, device, repeat)}
+            for phase, seconds in measured.items():
+                share = fastest[phase] / cp if fastest else None
+                rows.append({"seq": seq, "attention": "blocks", "kernel": row["kernel"], "cp": cp, "rank": 0,
+                             "phase": phase, "seconds": seconds, "sdpa_share_s": share,
+                             "ratio": seconds / share if share else None})
+        for r in rows[-4:]:
+            print(f"cp_kernels: {r}", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -91,39 +167,17 @@ def main(argv=None) -> int:
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     dtype = torch.float32 if args.cpu else torch.bfloat16
     heads, head_dim = (2, 64) if args.cpu else (32, 128)
-    lengths, repeat = ((1024,), 2) if args.cpu else ((64 * 1024, 128 * 1024), 3)
-    backend = select_backend(device.type, dtype, head_dim)
-    kernel, scale = blocks.block_kernel(backend), head_dim ** -0.5
-    tolerance = 1e-4 if args.cpu else 5e-2  # fp32 on the CPU; bf16, summed in other orders, on a GPU
-    rows = []
-    errors = block_errors(device, dtype, 1024 if args.cpu else 4096, heads, head_dim, backend)
-    for what, error in errors.items():
-        rows.append({"check": what, "kernel": kernel, "max_error": error, "tolerance": tolerance})
-        print(f"cp_kernels: {rows[-1]}", flush=True)
-    if any(row["max_error"] > tolerance for row in rows):
-        write_rows(args.out, "cp_kernels", rows)
-        print("cp_kernels: the blocks differ from SDPA beyond the tolerance", flush=True)
-        return 1
+    # the CPU rehearses the step's code: its figures say nothing
+    lengths, repeat = ((256,), 1) if args.cpu else ((64 * 1024, 128 * 1024), 3)
+    # the float64 reference holds [heads, s, s] scores: a short sequence and few heads
+    checked = kernel_errors(device, dtype, 256 if args.cpu else 2048, 2 if args.cpu else 8, head_dim)
+    for row in checked:
+        print(f"cp_kernels: {row}", flush=True)
+    rows = list(checked)
     for seq in lengths:
-        q, k, v = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
-                   for _ in range(3))
-        forward = mean_seconds(lambda: causal_attention(q, k, v, backend, scale=scale), device, repeat)
-        both = mean_seconds(lambda: causal_attention(q, k, v, backend, scale=scale).sum().backward(),
-                        device, repeat)
-        plain = {"forward": forward, "backward": both - forward}
-        qh, kh, vh = (t.detach().permute(1, 2, 0, 3) for t in (q, k, v))
-        for cp in (2, 4):
-            for rank in (0, cp - 1):
-                run_forward, run_backward = rank_blocks(qh, kh, vh, rank, cp, kernel, scale)
-                measured = {"forward": mean_seconds(run_forward, device, repeat),
-                            "backward": mean_seconds(run_backward, device, repeat)}
-                for phase, seconds in measured.items():
-                    share = plain[phase] / cp
-                    rows.append({"seq": seq, "cp": cp, "rank": rank, "phase": phase, "kernel": kernel,
-                                 "blocks_s": seconds, "sdpa_share_s": share, "ratio": seconds / share})
-                    print(f"cp_kernels: {rows[-1]}", flush=True)
+        rows += timings(device, dtype, seq, heads, head_dim, checked, repeat)
     write_rows(args.out, "cp_kernels", rows)
-    return 0
+    return 0 if all(r["status"] == "ok" for r in checked) else 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@
 
 import sys
 
-from memo.gpucheck.common import arguments, row_figures, run_job, skip, write_rows
+from memo.gpucheck.common import arguments, row_figures, run_job, runs_dir, skip, write_rows
 
 METHODS = [["method=none"], ["method=megatron_selective"], ["method=megatron_full_recompute"],
            ["method=full_recompute"], ["method=memo"], ["method=memo", "plan=true"]]
@@ -30,7 +30,7 @@ def throughput(out, cpu: bool) -> list[dict]:
     for seq in lengths:
         for method in methods:
             name = "-".join(m.split("=")[1] for m in method) + f"-{seq}"
-            row = run_job(out / "runs" / f"throughput-{name}", *common, f"seq={seq}", *method)[0]
+            row = run_job(runs_dir(out) / f"throughput-{name}", *common, f"seq={seq}", *method)[0]
             rows.append(row_figures(row) | {"job": name})
             print(f"throughput: {name}: {row.get('status')} MFU {row.get('mfu')}", flush=True)
     return rows
@@ -45,7 +45,7 @@ def longest(out, layers: int = 8, step_tokens: int = 32 * 1024, top: int = 1024 
             mid = (low + high) // 2
             seq = mid * step_tokens
             name = "-".join(m.split("=")[1] for m in method) + f"-{seq // 1024}k"
-            row = run_job(out / "runs" / f"longest-{name}", "model=7b", f"model.num_layers={layers}",
+            row = run_job(runs_dir(out) / f"longest-{name}", "model=7b", f"model.num_layers={layers}",
                           f"seq={seq}", "train.steps=2", "train.warmup_steps=1", *method)[0]
             rows.append(row_figures(row) | {"job": name})
             low, high = (mid, high) if row.get("status") == "ok" else (low, mid)

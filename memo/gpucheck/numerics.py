@@ -22,7 +22,7 @@ from memo.execute.distributed import ProcessInfo
 from memo.execute.streams import streams_for
 from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import prepare_swap
-from memo.gpucheck.common import arguments, compose, run_job, write_rows
+from memo.gpucheck.common import arguments, compose, run_job, runs_dir, write_rows
 from memo.model import build_gpt, dtype_label, dtype_setting
 from memo.model.attention import select_backend
 
@@ -111,12 +111,14 @@ def main(argv=None) -> int:
     seq = 256 if args.cpu else 8192
     if not args.cpu:
         torch.cuda.set_device(0)
-    rows = compare_methods(overrides, seq, device, dtype)
+    # the CPU rehearses the step with one method of each kind: the suite checks them all there
+    rows = compare_methods(overrides, seq, device, dtype,
+                           methods=[METHODS[1], METHODS[-1]] if args.cpu else METHODS)
     common = ["model=tiny", "seq=256", "train.steps=3", "train.warmup_steps=1", "method=memo", "alpha=0.5"]
     if not args.cpu:
         common = ["model=125m", "seq=8k", "train.steps=4", "train.warmup_steps=1", "method=memo",
                   "alpha=0.5"]
-    planned, unplanned = (run_job(args.out / "runs" / f"numerics-plan-{plan}", *common,
+    planned, unplanned = (run_job(runs_dir(args.out) / f"numerics-plan-{plan}", *common,
                                   f"plan={plan}")[0] for plan in ("true", "false"))
     ran = planned.get("status") == unplanned.get("status") == "ok"
     # the plan places tensors, it changes no arithmetic: equal losses, to rounding of the report

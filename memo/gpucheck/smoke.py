@@ -1,11 +1,16 @@
-"""Pack step ``smoke``: one short pass over every place the GPU path has broken before, so that a
-single command tells what is still broken.
+"""Pack step ``smoke``: one short pass over every place the GPU path can break, so that a single
+command tells what is broken.
 
-The environment and what can be page-locked; the SDPA kernel for head sizes 64 and 128; ``none``
-for three steps; ``memo``'s gradients against ``none`` with each SDPA kernel that runs here; a
-``-m`` sweep of two ``memo`` jobs in one process (the second registers its slab where the first
-one's was); ``plan=true`` with ``memo``, ``full_recompute`` and ``none`` (``--cpu``: ``memo``, as
-the rehearsal of the path the others take); ``profile.backend=cuda``.
+The environment and what can be page-locked; the SDPA kernel for head sizes 64 and 128; every
+attention kernel that runs here, whole and in context-parallel blocks (PyTorch's private entry
+points), against float64; context-parallel attention with each exchange and the tiled column- and
+row-parallel products over a process group of one rank (NCCL's collectives and point-to-point
+calls, :mod:`memo.gpucheck.one_rank`); ``none`` for three steps; ``memo``'s bf16 gradients against
+``none`` with each SDPA kernel that runs here (the swapped layers' norms, rotary, GeLU and linear
+layers writing into the rounding buffers, the tiled loss and embedding); a ``-m`` sweep of two
+``memo`` jobs in one process (the second registers its slab where the first one's was);
+``plan=true`` with ``memo``, ``full_recompute`` and ``none`` (``--cpu``: ``memo``, as the rehearsal
+of the path the others take); ``profile.backend=cuda``.
 
     python -m memo.gpucheck.smoke --out DIR [--cpu]
 """
@@ -16,7 +21,9 @@ import traceback
 import torch
 
 from memo import hardware
-from memo.gpucheck.common import arguments, run_job, write_rows
+from memo.gpucheck import one_rank
+from memo.gpucheck.common import arguments, run_job, runs_dir, write_rows
+from memo.gpucheck.cp_kernels import kernel_errors
 from memo.gpucheck.numerics import compare_methods, kernels
 from memo.model.attention import select_backend
 
@@ -34,7 +41,7 @@ def _check(rows: list, name: str, fn) -> None:
 
 def _jobs(rows: list, out, name: str, *overrides: str, multirun: bool = False) -> None:
     def run():
-        results = run_job(out / "runs" / f"smoke-{name}", *overrides, multirun=multirun)
+        results = run_job(runs_dir(out) / f"smoke-{name}", *overrides, multirun=multirun)
         bad = [r for r in results if r.get("status") != "ok"]
         detail = "; ".join(f"{r.get('status')}: {r.get('error')}" for r in bad) or f"{len(results)} ok"
         return ("failed" if bad else "ok"), detail
@@ -59,6 +66,24 @@ def main(argv=None) -> int:
     for head_dim in (64, 128):
         _check(rows, f"sdpa kernel, head size {head_dim}",
                lambda h=head_dim: ("ok", select_backend(device.type, dtype, h)))
+
+    def attention_kernels():
+        rows = kernel_errors(device, dtype, 256, 2, 64)
+        bad = [f"{r['attention']} {r['kernel']}" for r in rows if r["status"] != "ok"]
+        ran = ", ".join(f"{r['attention']} {r['kernel']}" for r in rows)
+        return ("failed" if bad else "ok"), (f"beyond tolerance: {', '.join(bad)}" if bad else ran)
+
+    _check(rows, "attention kernels against float64", attention_kernels)
+
+    def collectives():
+        with one_rank.one_rank_group(device) as group:
+            found = one_rank.context_parallel(device, dtype, select_backend(device.type, dtype, 64), group)
+            found |= {f"tiled {name}": e for name, e in one_rank.tiled_linear(device, dtype, group).items()}
+        bad = [name for name, error in found.items() if error > one_rank.TOLERANCE[dtype]]
+        detail = "; ".join(f"{name} {error:.1e}" for name, error in found.items())
+        return ("failed" if bad else "ok"), detail
+
+    _check(rows, "collectives over one rank", collectives)
     small = ["model=tiny", "seq=256", "train.steps=3", "train.warmup_steps=1"]
     _jobs(rows, args.out, "none three steps", *small)
 
@@ -69,15 +94,20 @@ def main(argv=None) -> int:
         bad = [f"{r['kernel']}: {r['grad_error']:.1e}" for r in found if r["status"] != "ok"]
         return ("failed" if bad else "ok"), ("; ".join(bad) or f"kernels {', '.join(names)} within tolerance")
 
-    _check(rows, "memo gradients against none, each kernel", gradients)
     _jobs(rows, args.out, "two memo jobs in one process", *small, "method=memo", "train.seed=1,2",
           multirun=True)
-    for method in ("memo",) if args.cpu else ("memo", "full_recompute", "none"):
-        _jobs(rows, args.out, f"plan=true {method}", *small, f"method={method}", "plan=true")
     if args.cpu:
-        rows.append({"check": "profile.backend=cuda", "status": "skipped",
-                     "detail": "needs a GPU: the CUDA caching allocator's trace"})
+        # the rehearsal runs the step's own machinery once; the CPU paths of these are the suite's
+        for name, why in [("memo gradients against none, each kernel",
+                           "one kernel on the CPU: the numerics step compares every method with it"),
+                          ("plan=true", "the suite trains with the plan on the CPU "
+                                        "(tests/test_plan_runtime.py)"),
+                          ("profile.backend=cuda", "needs a GPU: the CUDA caching allocator's trace")]:
+            rows.append({"check": name, "status": "skipped", "detail": why})
     else:
+        _check(rows, "memo gradients against none, each kernel", gradients)
+        for method in ("memo", "full_recompute", "none"):
+            _jobs(rows, args.out, f"plan=true {method}", *small, f"method={method}", "plan=true")
         _jobs(rows, args.out, "profile.backend=cuda", "model=tiny", "seq=1k", "mode=profile",
               "profile.backend=cuda")
     write_rows(args.out, "smoke", rows)

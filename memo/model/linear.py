@@ -129,6 +129,19 @@ class _PlacedLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None
 
 
+def column_parallel_tiled(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+                          tile: int, runtime=None) -> torch.Tensor:
+    """``x`` (``[S, b, h]``, this rank's tokens) gathered over ``group`` and multiplied by
+    ``weightᵀ`` (plus ``bias``), ``tile`` tokens of each rank at a time: ``[tp·S, b, o/tp]``."""
+    return _SequenceTiledLinear.apply(x, weight, bias, group, tile, runtime)
+
+
+def row_parallel_tiled(x: torch.Tensor, weight: torch.Tensor, group, tile: int) -> torch.Tensor:
+    """``x @ weightᵀ`` (``x``: ``[tp·S, b, k/tp]``, every token) reduce-scattered over ``group``,
+    ``tile`` output tokens at a time: ``[S, b, h]``, this rank's tokens."""
+    return _SequenceTiledRowLinear.apply(x, weight, group, tile)
+
+
 def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
     """``out = x @ weightᵀ (+ bias)``, written into ``out`` (contiguous rows). The bias is added
     after the product, rounded as Megatron's ``output + bias`` is, not inside the GEMM."""
@@ -166,7 +179,7 @@ class TiledColumnParallelLinear(ColumnParallelLinear):
         bias, group = kwargs.get("bias"), kwargs.get("tp_group")
         if ours and kwargs.get("sequence_parallel"):
             tile = self.tile_tokens or eighth_tile_tokens(input.shape[0])
-            return _SequenceTiledLinear.apply(input, weight, bias, group, tile, self.runtime)
+            return column_parallel_tiled(input, weight, bias, group, tile, self.runtime)
         if ours and self.runtime is not None:
             return _PlacedLinear.apply(input, weight, bias, group, bool(kwargs.get("allreduce_dgrad")),
                                        self.runtime)
@@ -199,7 +212,7 @@ class TiledRowParallelLinear(RowParallelLinear):
             return super().forward(input_)
         size = dist.get_world_size(self.tp_group)
         tile = self.tile_tokens or eighth_tile_tokens(input_.shape[0] // size)
-        output = _SequenceTiledRowLinear.apply(input_, self.weight, self.tp_group, tile)
+        output = row_parallel_tiled(input_, self.weight, self.tp_group, tile)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None
