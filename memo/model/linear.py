@@ -34,8 +34,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from memo.model.placement import new_output
-from memo.model.tiles import (
-    accumulate_product, eighth_tile_tokens, gather, read_tile, spans, tile_rows, write_tile)
+from memo.model.tiles import accumulate_product, eighth_tile_tokens, gather, spans, tile_rows, write_tile
 
 
 class _SequenceTiledLinear(torch.autograd.Function):
@@ -83,8 +82,10 @@ class _SequenceTiledRowLinear(torch.autograd.Function):
         tokens = x.shape[0] // size
         out = x.new_empty((tokens, *x.shape[1:-1], weight.shape[0]))
         for start, end in spans(tokens, tile):
-            partial = torch.matmul(read_tile(x, start, end, size), weight.t())
-            dist.reduce_scatter_tensor(out[start:end], partial, group=group)
+            # every rank's rows of the tile as one strided batch: no gathered copy of the input
+            rows = tile_rows(x, start, end, size).flatten(1, -2)  # [tp, T·b, k/tp], a view
+            partial = torch.bmm(rows, weight.t().expand(size, -1, -1))
+            dist.reduce_scatter_tensor(out[start:end], partial.view(-1, *out.shape[1:]), group=group)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.tile = group, tile
         return out
@@ -99,8 +100,9 @@ class _SequenceTiledRowLinear(torch.autograd.Function):
         for start, end in spans(tokens, ctx.tile):
             g = gather(grad_out[start:end].contiguous(), group, size)  # [tp·T, b, h]
             write_tile(grad_x, start, end, size, torch.matmul(g, weight))
-            tile_input = read_tile(x, start, end, size).flatten(0, -2)
-            accumulate_product(grad_weight, g.flatten(0, -2).t(), tile_input)
+            rows = tile_rows(x, start, end, size)
+            for rank, g_rank in enumerate(g.unflatten(0, (size, -1))):
+                accumulate_product(grad_weight, g_rank.flatten(0, -2).t(), rows[rank].flatten(0, -2))
         return grad_x, grad_weight.to(weight.dtype), None, None
 
 
