@@ -27,7 +27,6 @@ class ProcessInfo:
     local_rank: int
     master_addr: Optional[str] = None  # None for a single process
     master_port: Optional[int] = None
-    local_world_size: Optional[int] = None  # processes on this node, where the launcher says (torchrun)
 
 
 def process_info(env: Mapping[str, str] = os.environ) -> ProcessInfo:
@@ -39,7 +38,6 @@ def process_info(env: Mapping[str, str] = os.environ) -> ProcessInfo:
             local_rank=int(env.get("LOCAL_RANK", 0)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
-            local_world_size=int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None,
         )
     world = int(env.get("SLURM_STEP_NUM_TASKS", 1))
     if "SLURM_PROCID" in env and world > 1:
@@ -77,18 +75,8 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
 def device_index(info: ProcessInfo) -> int:
     """The GPU this process uses, among those it sees: its local rank, or (where the scheduler
     binds each task to its own GPUs, so every task sees fewer than the node has) the local rank
-    modulo the visible count. Reads the count without initialising CUDA.
-
-    Raises:
-        ConfigError: if the launcher started more processes on this node than it sees GPUs: NCCL
-            refuses two ranks on one device, at their first collective.
-    """
-    visible = torch.cuda.device_count()
-    if info.local_world_size is not None and info.local_world_size > visible:
-        raise ConfigError(
-            f"{info.local_world_size} processes were started on this node but {visible} GPU(s) are visible, "
-            f"and NCCL cannot give two ranks one GPU; start at most {visible} (torchrun --nproc-per-node)")
-    return info.local_rank % max(visible, 1)
+    modulo the visible count. Reads the count without initialising CUDA."""
+    return info.local_rank % max(torch.cuda.device_count(), 1)
 
 
 def initialize(parallel: ParallelConfig, device_type: str, info: ProcessInfo) -> None:
