@@ -108,9 +108,11 @@ def test_cuda_blocks_call_the_entry_points_as_torch_2_11_declares_them(kernel, c
     q, k, v = (_token_major_block(b, heads, tokens, dim, dtype) for _ in range(3))
     with _Calls() as recorded:
         out, lse = blocks.forward(kernel, q, k, v, causal, 0.125)
-        # a merged output, not token-major: the backward must hand the kernels their layout
+        # a merged output, not token-major, and the log-sum-exp of one query chunk of two, as
+        # context parallelism hands them over: the backward must give the kernels their layouts
         merged = out.contiguous()
-        dq, dk, dv = blocks.backward(kernel, merged, q, k, v, merged, lse.contiguous(), causal, 0.125)
+        chunk_lse = torch.cat([lse, lse], dim=2).narrow(2, tokens, tokens)
+        dq, dk, dv = blocks.backward(kernel, merged, q, k, v, merged, chunk_lse, causal, 0.125)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (b, heads, tokens) and lse.dtype == FP32
     assert [t.shape for t in (dq, dk, dv)] == [q.shape] * 3
@@ -170,3 +172,14 @@ def test_a_row_names_the_kernel_of_whole_attention_and_of_its_blocks(tmp_path):
     assert row["status"] == "ok", row["error"]
     # one rank holds the whole sequence: no blocks run (tests/test_training.py: with cp = 2)
     assert (row["attention_backend"], row["attention_block_kernel"]) == ("flash", "none")
+
+
+def test_cudnn_hands_a_block_of_one_key_to_flash():
+    q = torch.empty(1, 2, 4, 64, device="meta", dtype=BF16)
+    k = torch.empty(1, 2, 1, 64, device="meta", dtype=BF16)
+    with _Calls() as recorded:
+        out, lse = blocks.forward("cudnn", q, k, k, False, 0.125)
+        blocks.backward("cudnn", out, q, k, k, out, lse, False, 0.125)
+    private = [f.__name__ for f, _, _ in recorded.calls if f.__name__.startswith("_scaled_dot")]
+    assert private == ["_scaled_dot_product_flash_attention.default",
+                       "_scaled_dot_product_flash_attention_backward.default"]

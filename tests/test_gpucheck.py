@@ -68,9 +68,15 @@ def test_a_step_of_this_code_is_kept_and_one_of_other_code_is_set_aside_then_run
     assert pack.main(["--cpu", "--out", str(tmp_path), "--only", "probe", "--redo"]) == 0
     assert fake.ran[6:] == ["probe"]  # asked for again: the one of this code is set aside too
     assert (tmp_path / "earlier" / "bbbbbbbbbbbb" / "probe.csv").read_text() == "run\n6\n"
+    failing = _FakeSteps()
+    monkeypatch.setattr(pack, "run_step", lambda *a: failing(*a) | {"status": "failed"})
+    assert pack.main(["--cpu", "--out", str(tmp_path), "--only", "probe", "--redo"]) == 1
+    monkeypatch.setattr(pack, "run_step", fake)
+    assert pack.main(["--cpu", "--out", str(tmp_path), "--only", "probe"]) == 0
+    assert fake.ran[7:] == ["probe"]  # its result of this code failed: run again, not kept
     assert pack.main(["--cpu", "--out", str(tmp_path), "--all"]) == 0
     # every step but probe, whose result is this code's
-    assert fake.ran[7:] == ["smoke", "cp_kernels", "numerics", "throughput", "overlap", "longest",
+    assert fake.ran[8:] == ["smoke", "cp_kernels", "numerics", "throughput", "overlap", "longest",
                             "calibration"]
 
 

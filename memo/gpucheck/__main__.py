@@ -9,8 +9,9 @@ can break, quickly), ``cp_kernels`` (each block kernel against a float64 referen
 bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``) run with
 ``--all`` or by name with ``--only``, when device time is left.
 
-A step whose result (``<step>.csv``) in ``DIR`` was made by the code checked out now
-(:func:`memo.gpucheck.common.source_digest`) is skipped unless ``--redo``; a result of other code
+A step whose finished result (``<step>.csv``) in ``DIR`` was made by the code checked out now
+(:func:`memo.gpucheck.common.source_digest`) is skipped unless ``--redo`` (one that failed or ran
+past its budget runs again); a result of other code
 is moved to ``DIR/earlier/<its digest>/`` before the step runs again, so nothing is lost. A step
 that fails or runs past its budget is recorded with why, and the pack goes on. ``summary.md``
 names the device, driver, versions, date and commands, and gathers every step's table.
@@ -114,8 +115,11 @@ def _record(out: Path, step: str) -> dict:
 
 
 def done_before(out: Path, step: str, digest: str) -> bool:
-    """Whether ``out`` holds ``step``'s result made by the code whose digest is ``digest``."""
-    return (out / f"{step}.csv").exists() and _record(out, step).get("source_digest") == digest
+    """Whether ``out`` holds ``step``'s finished result (``ok`` or ``skipped``; one that failed or
+    ran past its budget is run again) made by the code whose digest is ``digest``."""
+    record = _record(out, step)
+    return ((out / f"{step}.csv").exists() and record.get("source_digest") == digest
+            and record.get("status") in ("ok", "skipped"))
 
 
 def set_aside(out: Path, step: str) -> list[Path]:

@@ -8,10 +8,13 @@ given the merged output and log-sum-exp) are first compared with textbook attent
 the output and dq, dk, dv as normwise relative errors (``error``, against ``tolerance``). A
 kernel that fails the check is not timed.
 
-Then each kernel that passed is timed. The blocks one context-parallel rank of ``cp`` runs (the
-same for ``all_gather`` and ``p2p`` without the transfers; on one GPU there is no other rank)
-are set against a ``1/cp`` share of the fastest whole-sequence kernel's time: ``ratio`` is the
-price of cutting attention into blocks. The first GPU run thus says which block kernel to use.
+Then each kernel that passed is timed at 64k tokens, and the two a run here would use (its
+whole-sequence kernel and the block kernel that follows it) at 128k. The blocks one
+context-parallel rank of ``cp`` runs (the same for ``all_gather`` and ``p2p`` without the
+transfers; on one GPU there is no other rank) are set against a ``1/cp`` share of the fastest
+whole-sequence kernel's time: ``ratio`` is the price of cutting attention into blocks. The first
+GPU run thus says which block kernel to use. The rows are written after each stage, so a step cut
+short by its budget keeps what it found.
 
     python -m memo.gpucheck.cp_kernels --out DIR [--cpu]
 """
@@ -91,13 +94,15 @@ def _in_blocks(kernel: str, q, k, v, dout, scale: float, chunks: int):
 
 
 def kernel_errors(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int,
-                  chunks: int = 4) -> list[dict]:
+                  chunks: int = 4, batch: int = 2) -> list[dict]:
     """A row per kernel (whole: each SDPA backend that runs here; blocks: each block kernel that
-    runs here) with the normwise relative errors of its output and gradients against float64."""
+    runs here) with the normwise relative errors of its output and gradients against float64.
+    Two sequences a micro-batch and chunks of ``seq / chunks`` tokens: with a chunk not a multiple
+    of 32 tokens, the layouts and paddings that one sequence of round lengths would not show."""
     scale = head_dim ** -0.5
     generator = torch.Generator(device.type).manual_seed(0)
     # Megatron's [s, b, n, d], seen as the kernels take it
-    q, k, v, dout = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, generator=generator)
+    q, k, v, dout = (torch.randn(seq, batch, heads, head_dim, device=device, dtype=dtype, generator=generator)
                      .permute(1, 2, 0, 3) for _ in range(4))
     expected, expected_grads = _textbook(q, k, v, dout, scale)
     rows = []
@@ -109,7 +114,7 @@ def kernel_errors(device: torch.device, dtype: torch.dtype, seq: int, heads: int
         whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = causal_attention(*(t.permute(2, 0, 1, 3) for t in whole), name, scale=scale)
         out.backward(dout.permute(2, 0, 1, 3).reshape(out.shape))
-        rows.append(_row("whole", name, out.view(seq, 1, heads, head_dim).permute(1, 2, 0, 3),
+        rows.append(_row("whole", name, out.view(seq, batch, heads, head_dim).permute(1, 2, 0, 3),
                          [t.grad for t in whole], expected, expected_grads, dtype))
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     for kernel in blocks.BLOCK_KERNELS:
@@ -168,14 +173,21 @@ def main(argv=None) -> int:
     dtype = torch.float32 if args.cpu else torch.bfloat16
     heads, head_dim = (2, 64) if args.cpu else (32, 128)
     # the CPU rehearses the step's code: its figures say nothing
-    lengths, repeat = ((256,), 1) if args.cpu else ((64 * 1024, 128 * 1024), 3)
-    # the float64 reference holds [heads, s, s] scores: a short sequence and few heads
-    checked = kernel_errors(device, dtype, 256 if args.cpu else 2048, 2 if args.cpu else 8, head_dim)
+    short, long, repeat = (256, 512, 1) if args.cpu else (64 * 1024, 128 * 1024, 3)
+    # the float64 reference holds [b, heads, s, s] scores: a short sequence and few heads
+    checked = kernel_errors(device, dtype, 200 if args.cpu else 2000, 2 if args.cpu else 8, head_dim)
     for row in checked:
         print(f"cp_kernels: {row}", flush=True)
     rows = list(checked)
-    for seq in lengths:
-        rows += timings(device, dtype, seq, heads, head_dim, checked, repeat)
+    write_rows(args.out, "cp_kernels", rows)  # kept if the timings run past the step's budget
+    rows += timings(device, dtype, short, heads, head_dim, checked, repeat)
+    write_rows(args.out, "cp_kernels", rows)
+    # the longer length for the kernels a run here would use only
+    whole = select_backend(device.type, dtype, head_dim)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    used = {("whole", whole), ("blocks", blocks.choose(whole, device.type, capability, dtype, head_dim))}
+    rows += timings(device, dtype, long, heads, head_dim,
+                    [r for r in checked if (r["attention"], r["kernel"]) in used], repeat)
     write_rows(args.out, "cp_kernels", rows)
     return 0 if all(r["status"] == "ok" for r in checked) else 1
 

@@ -1,9 +1,10 @@
 """The collectives' code paths in one process: context-parallel attention and the tiled linear
 layers over a process group of one rank (NCCL on a GPU, gloo on the CPU), against the same
 computation without the group. A lent machine has one GPU, and NCCL refuses two ranks on one
-device, so this is as far as the GPU path's collectives can be run there: every all-gather,
-reduce-scatter, all-to-all and point-to-point call of those layers, on the device's streams and
-with its dtypes, with one participant.
+device, so this is as far as the GPU path's collectives can be run there: the calls a group of
+one still makes (``all_gather``'s gather and reduce-scatter, Ulysses' all-to-alls, the tiled
+layers' reduce-scatters), on the device's streams and with its dtypes. With one rank the ring of
+``p2p`` and the tiled layers' gathers make no call; two GPUs are needed for those.
 """
 
 import contextlib

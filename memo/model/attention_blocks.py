@@ -19,7 +19,8 @@ Kernels (:func:`choose`), and what their entry points need in PyTorch 2.11 (the 
 ``tests/data/torch-2.11-aten-schemas.txt``):
 
 * ``cudnn`` (CUDA, sm80 and newer, fp16/bf16, head size a multiple of 8 up to 128): cuDNN's fused
-  attention, the fastest on Hopper. Its log-sum-exp is ``[b, heads, tokens, 1]``. Its backward
+  attention, the fastest on Hopper (a block of one key, which it does not take, runs ``flash``).
+  Its log-sum-exp is ``[b, heads, tokens, 1]``. Its backward
   graphs are cached by the layouts of q, k and v only, so the output and its gradient are always
   handed over token-major within the block (:func:`_token_major`) and the log-sum-exp packed;
   undefined (``None``) sequence offsets select its dense path.
@@ -116,12 +117,12 @@ def forward(kernel: str, q, k, v, causal: bool, scale: float) -> tuple[torch.Ten
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p=0.0, is_causal=causal, scale=scale)
         return out, lse
-    if kernel == "cudnn":
+    if kernel == "cudnn" and k.shape[2] > 1:  # cuDNN takes no block of one key: flash does
         out, lse, *_ = _aten._scaled_dot_product_cudnn_attention(
             q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
             return_debug_mask=False, scale=scale)
         return out, lse.squeeze(-1)
-    if kernel == "flash":
+    if kernel in ("cudnn", "flash"):
         out, lse, *_ = _aten._scaled_dot_product_flash_attention(
             q, k, v, dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale)
         return out, lse
@@ -139,12 +140,12 @@ def backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, dropout_p=0.0, is_causal=causal, scale=scale)
     s_q, s_k = q.shape[2], k.shape[2]
-    if kernel == "cudnn":
+    if kernel == "cudnn" and s_k > 1:
         return _aten._scaled_dot_product_cudnn_attention_backward(
             _token_major(dout), q, k, v, _token_major(out), lse.float().contiguous().unsqueeze(-1),
             philox_seed=None, philox_offset=None, attn_bias=None, cum_seq_q=None, cum_seq_k=None,
             max_q=s_q, max_k=s_k, dropout_p=0.0, is_causal=causal, scale=scale)
-    if kernel == "flash":
+    if kernel in ("cudnn", "flash"):
         return _aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.float().contiguous(), cum_seq_q=None, cum_seq_k=None,
             max_q=s_q, max_k=s_k, dropout_p=0.0, is_causal=causal, philox_seed=None,
