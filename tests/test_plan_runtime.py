@@ -3,6 +3,7 @@ host memory."""
 
 import ctypes
 import functools
+import subprocess
 
 import pytest
 from conftest import compose_config, run_in_process
@@ -142,6 +143,51 @@ def test_the_native_allocator_places_planned_requests_in_the_arena_and_the_rest_
     events = allocator.take_events()
     assert [(e.op, e.size, e.phase) for e in events] == [("malloc", 1000, "optimizer"),
                                                          ("free", 1000, "optimizer")]
+
+
+_RAISE_THEN_FREE = """
+#include <stddef.h>
+typedef void (*set_string_fn)(void *type, const char *message);
+typedef void (*free_fn)(void *ptr, size_t size, int device, void *stream);
+/* As PyTorch's C++ code frees a tensor while an exception it raised propagates. */
+void raise_then_free(set_string_fn set_string, void *type, free_fn memo_free, void *ptr, size_t size) {
+    set_string(type, "stop the recomputation");
+    memo_free(ptr, size, 0, NULL);
+}
+"""
+
+
+def test_a_free_while_an_exception_propagates_keeps_the_exception(library, tmp_path):
+    # torch.utils.checkpoint ends a recomputation by raising from a saved-tensor hook inside a
+    # Function's apply; the tensors dropped on the way out reach the plan server's Python callback
+    # with the exception pending. Run as is, that callback cleared it: full_recompute with
+    # plan=true stopped on an H200 with "apply ... returned NULL without setting an exception".
+    source = tmp_path / "raise_then_free.c"
+    source.write_text(_RAISE_THEN_FREE)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "helper.so"), str(source)], check=True)
+    helper = ctypes.PyDLL(str(tmp_path / "helper.so")).raise_then_free  # PyDLL raises what is pending
+    helper.argtypes = [ctypes.c_void_p, ctypes.py_object, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+    class OneBlock:  # the plan server's part: every request at offset 0
+        freed = []
+
+        def malloc(self, size):
+            return 0
+
+        def free(self, offset):
+            self.freed.append(offset)
+
+    allocator = ArenaAllocator(library, lambda: "layer.0.bwd")
+    arena = ctypes.create_string_buffer(4096)
+    allocator.set_arena(ctypes.addressof(arena), 4096)
+    allocator.server = OneBlock()
+    allocator.set_modes(serve=True, record=False)
+    pointer = allocator.lib.memo_alloc(1024, 0, None)
+    assert pointer == ctypes.addressof(arena)
+    with pytest.raises(ValueError, match="stop the recomputation"):
+        helper(ctypes.cast(ctypes.pythonapi.PyErr_SetString, ctypes.c_void_p), ValueError,
+               ctypes.cast(allocator.lib.memo_free, ctypes.c_void_p), pointer, 1024)
+    assert OneBlock.freed == [0] and allocator.errors == []  # the callback ran, and ran cleanly
 
 
 def test_without_a_c_compiler_plan_true_says_what_to_install(tmp_path, monkeypatch):

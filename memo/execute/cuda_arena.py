@@ -78,7 +78,7 @@ class ArenaAllocator:
                  fallback: Optional[tuple[Callable, Callable]] = None):
         self.lib = ctypes.CDLL(str(library))
         self.lib.memo_configure.argtypes = [_SERVE, _RELEASE, _RECORD_ALLOC, _RECORD_FREE, _FALLBACK_ALLOC,
-                                            _FALLBACK_FREE]
+                                            _FALLBACK_FREE] + [ctypes.c_void_p] * 4
         self.lib.memo_set_arena.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         self.lib.memo_set_serve_stream.argtypes = [ctypes.c_void_p]
         self.lib.memo_use_cuda_fallback.argtypes = [ctypes.c_void_p] * 6
@@ -99,7 +99,10 @@ class ArenaAllocator:
                            _RECORD_FREE(self._record_free)]
         host = fallback or (lambda size, stream: None, lambda ptr, stream: None)
         self._fallback = [_FALLBACK_ALLOC(host[0]), _FALLBACK_FREE(host[1])]
-        self.lib.memo_configure(*self._callbacks, *self._fallback)
+        # what the native side needs to keep an exception pending across a callback
+        python = [ctypes.cast(getattr(ctypes.pythonapi, name), ctypes.c_void_p) for name in
+                  ("PyGILState_Ensure", "PyGILState_Release", "PyErr_Fetch", "PyErr_Restore")]
+        self.lib.memo_configure(*self._callbacks, *self._fallback, *python)
 
     def set_arena(self, arena_address: int, arena_bytes: int) -> None:
         """Point the native side at the arena (``arena_bytes`` bytes at ``arena_address``); the

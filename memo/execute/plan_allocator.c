@@ -8,8 +8,9 @@
  * fallback functions and the arena are given by the caller: cudaMallocAsync / cudaFreeAsync and one
  * cudaMalloc'd arena on a GPU, the C library's malloc / free and a host buffer in the tests.
  *
- * No CUDA header is needed: streams are opaque pointers. Calls come from any thread (the autograd
- * engine's included); the counters are atomic, and the Python callbacks take the GIL themselves.
+ * No CUDA or Python header is needed: streams are opaque pointers, and the four Python API
+ * functions used come as pointers. Calls come from any thread (the autograd engine's included); the
+ * counters are atomic, and the Python callbacks take the GIL themselves.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -31,6 +32,38 @@ static record_free_fn record_free;
 static fallback_alloc_fn fallback_alloc;
 static fallback_free_fn fallback_free;
 static int serving, recording;
+
+/* The callbacks run inside PyTorch's C++ code, sometimes while a Python exception propagates
+ * through it: torch.utils.checkpoint ends a recomputation by raising from a saved-tensor hook, and
+ * the tensors dropped on the way out are freed here. Python code run with an exception pending
+ * turns it into a SystemError that ctypes reports as unraisable and clears, so the exception is
+ * lost and the caller fails with "returned NULL without setting an exception". The pending
+ * exception is set aside around every callback and put back after it. */
+typedef int (*gil_ensure_fn)(void);
+typedef void (*gil_release_fn)(int);
+typedef void (*err_fetch_fn)(void **type, void **value, void **traceback);
+typedef void (*err_restore_fn)(void *type, void *value, void *traceback);
+static gil_ensure_fn gil_ensure;
+static gil_release_fn gil_release;
+static err_fetch_fn err_fetch;
+static err_restore_fn err_restore;
+
+typedef struct {
+    int gil;
+    void *type, *value, *traceback;
+} pending_error;
+
+static pending_error set_aside(void) {
+    pending_error p;
+    p.gil = gil_ensure();
+    err_fetch(&p.type, &p.value, &p.traceback);
+    return p;
+}
+
+static void put_back(pending_error p) {
+    err_restore(p.type, p.value, p.traceback);
+    gil_release(p.gil);
+}
 /* Only requests on this stream are planned: the arena knows nothing of streams, so a block freed
  * by a side stream's (or NCCL's) tensor could be handed out while that stream still uses it. */
 static void *serve_stream;
@@ -40,10 +73,16 @@ static void *serve_stream;
  * the size of the last one refused. */
 static int64_t counters[7];
 
-/* The callbacks and the fallback, once; the arena comes later (memo_set_arena), so that a fallback
+/* The callbacks, the fallback and the Python API functions (PyGILState_Ensure, PyGILState_Release,
+ * PyErr_Fetch, PyErr_Restore), once; the arena comes later (memo_set_arena), so that a fallback
  * set in between (memo_use_cuda_fallback) stays. */
 void memo_configure(serve_fn s, release_fn r, record_alloc_fn ra, record_free_fn rf, fallback_alloc_fn fa,
-                    fallback_free_fn ff) {
+                    fallback_free_fn ff, gil_ensure_fn ge, gil_release_fn gr, err_fetch_fn ef,
+                    err_restore_fn er) {
+    gil_ensure = ge;
+    gil_release = gr;
+    err_fetch = ef;
+    err_restore = er;
     serve = s;
     release = r;
     record_alloc = ra;
@@ -129,7 +168,9 @@ void *memo_alloc(ssize_t size, int device, void *stream) {
     (void)device;
     if (size <= 0) return NULL;
     if (__atomic_load_n(&serving, __ATOMIC_SEQ_CST) && stream == serve_stream) {
+        pending_error pending = set_aside();
         int64_t offset = serve((size_t)size);
+        put_back(pending);
         if (offset >= 0 && (size_t)offset + (size_t)size <= arena_bytes) {
             __atomic_add_fetch(&counters[0], 1, __ATOMIC_SEQ_CST);
             add_allocated(size);
@@ -140,8 +181,11 @@ void *memo_alloc(ssize_t size, int device, void *stream) {
     if (ptr == NULL) return NULL;
     __atomic_add_fetch(&counters[1], 1, __ATOMIC_SEQ_CST);
     add_allocated(size);
-    if (__atomic_load_n(&recording, __ATOMIC_SEQ_CST) && stream == serve_stream)
+    if (__atomic_load_n(&recording, __ATOMIC_SEQ_CST) && stream == serve_stream) {
+        pending_error pending = set_aside();
         record_alloc(ptr, (size_t)size);
+        put_back(pending);
+    }
     return ptr;
 }
 
@@ -151,10 +195,16 @@ void memo_free(void *ptr, size_t size, int device, void *stream) {
     add_allocated(-(int64_t)size);
     char *p = ptr;
     if (arena != NULL && p >= arena && p < arena + arena_bytes) {
+        pending_error pending = set_aside();
         release(p - arena);
+        put_back(pending);
         return;
     }
-    if (__atomic_load_n(&recording, __ATOMIC_SEQ_CST)) record_free(ptr);
+    if (__atomic_load_n(&recording, __ATOMIC_SEQ_CST)) {
+        pending_error pending = set_aside();
+        record_free(ptr);
+        put_back(pending);
+    }
     __atomic_add_fetch(&counters[2], 1, __ATOMIC_SEQ_CST);
     fallback_free(ptr, stream);
 }

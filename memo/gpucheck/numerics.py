@@ -6,12 +6,13 @@ tokens as ``method=none``; per method the largest normwise relative error over t
 the CPU 1e-5 (the test suite asserts equality there); bf16 on a GPU 2e-2, since recomputing the
 dropped ``S − k`` rows runs cuBLAS kernels chosen for another shape, so the GPU's gradients are not
 bit-exact, only as close as bf16 rounding of the same sums in another order allows. ``plan=true``
-against ``plan=false`` over several steps is a pair of training jobs (equal losses).
+against ``plan=false`` over several steps is a pair of training jobs (:func:`plan_row`).
 
     python -m memo.gpucheck.numerics --out DIR [--cpu]
 """
 
 import sys
+from typing import Optional
 
 import torch
 
@@ -55,6 +56,34 @@ def gradients(method: str, alpha, model_overrides: list[str], seq: int, device: 
         runtime.release()
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.item(), grads
+
+
+# plan=true against plan=false, the last step's loss: equal on the CPU; on a GPU the backward's
+# atomic accumulations (the attention kernels' dq, among others) make two runs of the same code
+# part after the first update, by about 1e-5 relatively after four steps (a third job, plan=false
+# again, measures it), while a misplaced tensor corrupts the loss outright
+PLAN_TOLERANCE = {True: 1e-6, False: 1e-3}  # by "on the CPU"
+
+
+def plan_row(planned: dict, unplanned: dict, again: Optional[dict], tolerance: float) -> dict:
+    """The row comparing a ``plan=true`` job with a ``plan=false`` one (and that one's repeat):
+    the first step's losses must be equal (the plan places tensors, it changes no arithmetic),
+    the last step's within ``tolerance`` relatively."""
+    jobs = [planned, unplanned] + ([again] if again is not None else [])
+    ran = all(job.get("status") == "ok" for job in jobs)
+
+    def error(a: dict, b: dict, key: str) -> Optional[float]:
+        return abs(a[key] / b[key] - 1) if ran else None
+
+    first, last = error(planned, unplanned, "loss_first"), error(planned, unplanned, "loss_last")
+    repeat = error(again, unplanned, "loss_last") if again is not None else None
+    ok = ran and first <= 1e-6 and last <= tolerance
+    detail = ", ".join(str(job.get("status")) for job in jobs)
+    return {"kernel": "auto", "method": "memo plan=true vs plan=false", "alpha": 0.5,
+            "loss_error": last, "first_loss_error": first, "repeat_loss_error": repeat,
+            "tolerance": tolerance, "status": "ok" if ok else "failed",
+            "worst_parameter": f"last losses {planned.get('loss_last')} and {unplanned.get('loss_last')} "
+                               f"(plan=false again: {again.get('loss_last') if again else 'not run'}; {detail})"}
 
 
 def relative_errors(loss: float, grads: dict, reference: tuple[float, dict]) -> dict:
@@ -121,15 +150,10 @@ def main(argv=None) -> int:
     write_rows(args.out, "numerics", rows)  # kept if the training jobs run past the step's budget
     # the plan's solve bounded: its placement, not its optimality, is compared here
     common += ["planner.time_limit_s=10", "planner.mip=none"]
-    planned, unplanned = (run_job(runs_dir(args.out) / f"numerics-plan-{plan}", *common,
-                                  f"plan={plan}")[0] for plan in ("true", "false"))
-    ran = planned.get("status") == unplanned.get("status") == "ok"
-    # the plan places tensors, it changes no arithmetic: equal losses, to rounding of the report
-    error = abs(planned["loss_last"] / unplanned["loss_last"] - 1) if ran else None
-    rows.append({"kernel": "auto", "method": "memo plan=true vs plan=false", "alpha": 0.5,
-                 "loss_error": error, "status": "ok" if ran and error <= 1e-6 else "failed",
-                 "worst_parameter": f"last losses {planned.get('loss_last')} and "
-                 f"{unplanned.get('loss_last')} ({planned.get('status')}, {unplanned.get('status')})"})
+    names = ("true", "false") if args.cpu else ("true", "false", "false-again")
+    planned, unplanned, *again = (run_job(runs_dir(args.out) / f"numerics-plan-{name}", *common,
+                                          f"plan={name.split('-')[0]}")[0] for name in names)
+    rows.append(plan_row(planned, unplanned, again[0] if again else None, PLAN_TOLERANCE[args.cpu]))
     write_rows(args.out, "numerics", rows)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

@@ -239,7 +239,8 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
     seeded here with it).
 
     Raises:
-        ConfigError: if the attention backend asked for is not available here.
+        ConfigError: if the attention backend asked for is not available here, or is SDPA's math
+            kernel under a swapping method.
     """
     _prepare_megatron(device_type)
     model, method, parallel, loss = workload.model, workload.method, workload.parallel, workload.method.loss
@@ -261,6 +262,17 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
             capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
             block_kernel = attention_blocks.choose(backend, device_type, capability, dtype,
                                                    config.kv_channels)
+        if method.layer_activations == "swap" and backend == "math" and block_kernel == "none":
+            # SDPA's math kernel saves the s×s probabilities for its backward, which no token-wise
+            # slot can hold (context-parallel blocks save only O(s) tensors, whatever the kernel)
+            raise ConfigError(
+                f"method={method.name} needs a fused attention kernel, and {device_type} in {dtype} with "
+                f"head size {config.kv_channels} has only the math kernel (its backward keeps the s×s "
+                "probabilities); use bf16 or fp16 on a GPU, or a method that does not swap"
+                if attention_backend == "auto" else
+                f"method={method.name} swaps attention's saved tensors token by token, and the math "
+                "kernel's backward keeps the s×s probabilities; use train.attention_backend=auto"
+            )
 
     if loss not in LOSSES:
         raise ConfigError(f"train.loss={loss} is not a loss; choose one of: {', '.join(LOSSES)}")
