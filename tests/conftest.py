@@ -1,14 +1,24 @@
 """Shared fixtures: composing configs as ``run.py`` does, and a one-process parallel state."""
 
 import hashlib
+import os
+import re
+import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist's workers share the machine's cores (pyproject's addopts): PyTorch takes one
+    # thread in each worker and in every process a test starts (run.py, torchrun, notebooks'
+    # kernels), as torchrun's workers and SLURM's CPU tasks do, instead of each taking them all.
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 from memo.config import Run, register_configs, resolve  # noqa: E402
 from memo.execute import distributed  # noqa: E402
@@ -22,6 +32,24 @@ register_configs()
 
 # The session's local SLURM cluster (fixture ``slurm_cluster``), started only by tests that ask.
 pytest_plugins = ("slurm_cluster",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (pyproject's addopts), the tests that share a
+    session's expensive resource run in one worker: every test of the local SLURM cluster (one
+    cluster a session: ``slurm_cluster``), and the tests of each shared torchrun launch
+    (``@pytest.mark.torchrun``, one group per process count); every other test with the tests of
+    its module, whose module-scoped fixtures are then made once."""
+    for item in items:
+        mark = item.get_closest_marker("torchrun")
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            group = "slurm"
+        elif mark is not None:
+            group = f"torchrun{mark.args[0]}"
+        else:
+            group = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def compose_config(*overrides: str):
@@ -52,10 +80,16 @@ def single_process():
 
 
 def run_in_process(output_dir: Path, *overrides: str) -> dict:
-    """Run one job in this process, as ``python run.py OVERRIDES`` would, and return its row."""
-    from memo.modes.train import run_job
-
-    return run_job(compose_config(*overrides), output_dir, overrides)
+    """Run one job in this process, as ``python run.py OVERRIDES`` would (the mode's job
+    function, as run.py picks it), and return its row."""
+    cfg = compose_config(*overrides)
+    if cfg.mode == "train":
+        from memo.modes.train import run_job as job
+    elif cfg.mode == "fit":
+        from memo.modes.fit import fit_job as job
+    else:
+        from memo.modes.profile import profile_and_plan as job
+    return job(cfg, output_dir, overrides)
 
 
 def free_port() -> int:
@@ -67,17 +101,83 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_under_torchrun(worker: str, processes: int = 2, *args: str):
-    """Run ``tests/<worker>`` (with ``args``) in ``processes`` gloo processes; fails the test unless
-    all exit 0."""
-    import os
-    import subprocess
-
+def _torchrun(worker: str, processes: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    result = subprocess.run(
+    return subprocess.run(
         [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
          str(free_port()), str(REPO / "tests" / worker), *args],
-        cwd=REPO, env=env, timeout=600, capture_output=True, text=True,
+        cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+
+
+# ---------------------------------------------------------------- checks sharing one torchrun launch
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check of a shared torchrun launch (``tests/checks_worker.py``)."""
+
+    spec: str
+    processes: int
+    messages: tuple[str, ...]  # the message of each rank that passed the check
+    out_dir: Path  # what the check wrote (rank 0)
+    output: str  # the end of the launch's output, to show when the check failed
+
+    def passed(self) -> tuple[str, ...]:
+        """Every rank's message; fails the test unless every rank passed the check."""
+        assert len(self.messages) == self.processes, (
+            f"{self.spec!r} did not pass on all {self.processes} processes (an earlier check's "
+            f"failure ends the launch):\n{self.output}")
+        return self.messages
+
+
+class TorchrunChecks:
+    """Every check that the session's selected tests name (``@pytest.mark.torchrun(processes,
+    "module.function ARG...", ..., last=False)``), run in one torchrun launch per process count,
+    started when the first test that needs it runs. Checks marked ``last`` run after the others
+    (DeepSpeed's communication layer, once set up, stays with the process)."""
+
+    def __init__(self, session: pytest.Session, root: Path):
+        self.session, self.root = session, root
+        self.launches: dict[int, tuple[list[str], Path, str]] = {}
+
+    def specs(self, processes: int) -> list[str]:
+        first, last = [], []
+        for item in self.session.items:
+            for mark in item.iter_markers("torchrun"):
+                if mark.args[0] == processes:
+                    for spec in mark.args[1:]:
+                        group = last if mark.kwargs.get("last") else first
+                        if spec not in first + last:
+                            group.append(spec)
+        return first + last
+
+    def result(self, processes: int, spec: str) -> CheckResult:
+        if processes not in self.launches:
+            specs = self.specs(processes)
+            out = self.root / f"torchrun{processes}"
+            try:
+                done = _torchrun("checks_worker.py", processes, str(out), *specs)
+                output = done.stdout + done.stderr
+            except subprocess.TimeoutExpired as error:
+                output = f"timed out after {error.timeout} s\n{error.stdout or ''}{error.stderr or ''}"
+            (self.root / f"torchrun{processes}.log").write_text(output)  # each check's seconds
+            self.launches[processes] = (specs, out, output)
+        specs, out, output = self.launches[processes]
+        index = specs.index(spec)
+        messages = tuple(re.findall(rf"^rank \d+: ok #{index} [^\n]*?: (.*)$", output, re.M))
+        tail = output if len(output) < 6000 else output[:1500] + "\n...\n" + output[-4500:]
+        return CheckResult(spec, processes, messages, out / str(index), tail)
+
+
+@pytest.fixture(scope="session")
+def torchrun_checks(request, tmp_path_factory) -> TorchrunChecks:
+    return TorchrunChecks(request.session, tmp_path_factory.mktemp("checks"))
+
+
+@pytest.fixture
+def torchrun_results(request, torchrun_checks) -> list[CheckResult]:
+    """The results of this test's ``@pytest.mark.torchrun`` checks, in the order it names them."""
+    mark = request.node.get_closest_marker("torchrun")
+    assert mark is not None, "torchrun_results needs @pytest.mark.torchrun(processes, spec, ...)"
+    return [torchrun_checks.result(mark.args[0], spec) for spec in mark.args[1:]]

@@ -1,14 +1,14 @@
-"""Under torchrun: context-parallel attention against textbook causal attention over the whole
-sequence, forward and backward, for every exchange; nothing of other ranks' tokens kept from
-the forward pass to the backward; the backward pass's buffers as the fit counts them. Exits
-non-zero (with the first difference) if any case differs."""
+"""Under torchrun (a check of ``tests/checks_worker.py``): context-parallel attention against
+textbook causal attention over the whole sequence, forward and backward, for every exchange; nothing of other ranks' tokens kept from
+the forward pass to the backward; the backward pass's buffers as the fit counts them. Raises
+(with the first difference) if any case differs."""
 
 import math
-import sys
 
 import torch
 import torch.distributed as dist
 
+from memo.execute.distributed import ProcessInfo
 from memo.model.attention import causal_attention
 from memo.fit.memory import exchange_bytes
 from memo.model.context_parallel import CP_COMM_TYPES, split_for_rank
@@ -30,7 +30,7 @@ def textbook(q, k, v, scale):
     return out.reshape(s, q.shape[1], -1)
 
 
-def check(comm: str, tokens: int, heads: int, kv_heads: int, dim: int, kernel: str, dtype, tolerance: float,
+def check_case(comm: str, tokens: int, heads: int, kv_heads: int, dim: int, kernel: str, dtype, tolerance: float,
           group) -> str:
     """What differs from textbook attention (empty: nothing) for one case on this rank."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
@@ -97,33 +97,32 @@ def check_memory(comm: str, dtype, group) -> str:
     return ""
 
 
-def main() -> int:
-    dist.init_process_group("gloo")
+def check(info: ProcessInfo, out=None) -> str:
+    """Every case, in a gloo group of the launch's processes; raises at the first difference.
+    A check of ``tests/checks_worker.py``."""
+    dist.init_process_group("gloo", init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                            rank=info.rank, world_size=info.world_size)
+    try:
+        return _check_all(dist.new_group(list(range(info.world_size))))
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_all(group) -> str:
     rank, cp = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(cp)))
     checked = 0
     for comm in CP_COMM_TYPES:
         for chunk, heads, kv_heads, dim in CASES:
             if comm == "a2a":  # Ulysses splits the heads over the ranks
                 heads, kv_heads = heads * cp, kv_heads * cp
             for kernel, dtype, tolerance in KERNELS:
-                failure = check(comm, 2 * cp * chunk, heads, kv_heads, dim, kernel, dtype, tolerance, group)
-                if failure:
-                    print(f"rank {rank} of {cp}: {comm}, {2 * cp * chunk} tokens, {heads}/{kv_heads} heads, "
-                          f"{kernel}: {failure}")
-                    return 1
+                failure = check_case(comm, 2 * cp * chunk, heads, kv_heads, dim, kernel, dtype, tolerance,
+                                     group)
+                assert not failure, (f"rank {rank} of {cp}: {comm}, {2 * cp * chunk} tokens, "
+                                     f"{heads}/{kv_heads} heads, {kernel}: {failure}")
                 checked += 1
     for comm in CP_COMM_TYPES:
         for dtype in (torch.float32, torch.bfloat16):
             failure = check_memory(comm, dtype, group)
-            if failure:
-                print(f"rank {rank} of {cp}: {failure}")
-                return 1
-    print(f"rank {rank} of {cp}: {checked} cases match textbook attention; the exchange buffers are "
-          "the fit's", flush=True)
-    dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            assert not failure, f"rank {rank} of {cp}: {failure}"
+    return f"{checked} cases match textbook attention; the exchange buffers are the fit's"

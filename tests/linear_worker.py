@@ -1,5 +1,7 @@
 """Under torchrun (2 processes): the sequence-tiled column- and row-parallel linear layers against
-Megatron's, under sequence parallelism, in fp32. Exits non-zero at the first difference."""
+Megatron's, under sequence parallelism, in fp32. :func:`check` is a check of
+``tests/checks_worker.py``; ``python -m torch.distributed.run ... tests/linear_worker.py`` runs it
+alone. Either raises at the first difference."""
 
 import itertools
 import sys
@@ -33,10 +35,19 @@ def run(cls, config, bias: bool, x: torch.Tensor, grad: torch.Tensor, **extra):
     return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
 
-def main() -> int:
-    info = distributed.process_info()
+def check(info: distributed.ProcessInfo, out=None) -> str:
+    """Each tiled layer's output and gradients equal Megatron's; raises at the first difference.
+    A check of ``tests/checks_worker.py``."""
     workload = resolve_config("parallel.tp=2", "parallel.sequence_parallel=true").workload
     distributed.initialize(workload.parallel, "cpu", info)
+    try:
+        _compare(workload, info)
+    finally:
+        distributed.shutdown()
+    return f"{2 * len(CASES)} tiled linear layers match Megatron's"
+
+
+def _compare(workload, info: distributed.ProcessInfo) -> None:
     run_megatron_on_host()
     config = transformer_config(workload, "cpu")
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -55,13 +66,14 @@ def main() -> int:
             # the weight gradient sums 600 products of N(0, 1) values per entry, over tiles in
             # another order than one GEMM: fp32 rounding of about 1e-5 of the sum
             loose = {"rtol": 1e-4, "atol": 1e-4} if what == "weight grad" else {}
-            try:
-                torch.testing.assert_close(a, b, **loose)
-            except AssertionError as error:
-                print(f"rank {info.rank}: {tiled.__name__} tile={tile} bias={bias} {what}: {error}")
-                return 1
-    distributed.shutdown()
-    print(f"rank {info.rank}: {2 * len(CASES)} tiled linear layers match Megatron's")
+            torch.testing.assert_close(
+                a, b, **loose, msg=lambda m, w=what: f"rank {info.rank}: {tiled.__name__} tile={tile} bias={bias} "
+                                                     f"{w}: {m}")
+
+
+def main() -> int:
+    info = distributed.process_info()
+    print(f"rank {info.rank}: {check(info)}")
     return 0
 
 

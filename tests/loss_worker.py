@@ -1,5 +1,7 @@
 """Under torchrun (2 processes): the tiled loss against Megatron's, on the whole GPT, with tensor
-parallelism with and without sequence parallelism. Exits non-zero at the first difference."""
+parallelism with and without sequence parallelism. :func:`check` is a check of
+``tests/checks_worker.py``; ``python -m torch.distributed.run ... tests/loss_worker.py [VOCAB]``
+runs it alone. Either raises at the first difference."""
 
 import sys
 
@@ -28,25 +30,32 @@ def gradients(overrides: list[str], loss: str, tile, seq: int = 256) -> tuple[to
     return per_token.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def main() -> int:
-    info = distributed.process_info()
+def check(info: distributed.ProcessInfo, out=None, vocab: str = "50257") -> str:
+    """Every tile's losses and gradients equal Megatron's, with a vocabulary of ``vocab`` tokens
+    (padded as Megatron pads it); raises at the first difference. A check of
+    ``tests/checks_worker.py``."""
     checked = 0
     # one set of process groups: sequence parallelism changes the model, not the groups
     distributed.initialize(compose_config(*LAYOUTS[0]).parallel, "cpu", info)
-    for overrides in LAYOUTS:
-        expected_loss, expected = gradients(overrides, "megatron", None)
-        for tile in TILES:
-            loss, got = gradients(overrides, "tiled", tile)
-            try:
-                torch.testing.assert_close(loss, expected_loss)
+    try:
+        for overrides in LAYOUTS:
+            overrides = [*overrides, f"model.vocab_size={vocab}"]
+            expected_loss, expected = gradients(overrides, "megatron", None)
+            for tile in TILES:
+                loss, got = gradients(overrides, "tiled", tile)
+                where = f"rank {info.rank}: {' '.join(overrides)} tile={tile}"
+                torch.testing.assert_close(loss, expected_loss, msg=lambda m: f"{where}: loss: {m}")
                 for name in expected:
-                    torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
-            except AssertionError as error:
-                print(f"rank {info.rank}: {' '.join(overrides)} tile={tile}: {error}")
-                return 1
-            checked += 1
-    distributed.shutdown()
-    print(f"rank {info.rank}: {checked} tiled losses match Megatron's")
+                    torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{where}: {n}: {m}")
+                checked += 1
+    finally:
+        distributed.shutdown()
+    return f"{checked} tiled losses match Megatron's"
+
+
+def main() -> int:
+    info = distributed.process_info()
+    print(f"rank {info.rank}: {check(info, None, *sys.argv[1:])}")
     return 0
 
 

@@ -1,6 +1,8 @@
 """Train a few steps with one method and keep every step's gradients: the reference for
 checking MEMO's swapping and recomputation (used in-process and under torchrun)."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -16,6 +18,13 @@ from memo.model import build_gpt
 from conftest import resolve_config
 
 
+@functools.lru_cache(maxsize=None)
+def _resolved(overrides: tuple[str, ...]):
+    """``resolve_config(*overrides)``, composed once per process: the checks train the same
+    configuration with many methods and α, and Hydra takes a third of a second to compose one."""
+    return resolve_config(*overrides)
+
+
 def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256, streams=None,
                     alpha=None, segments=None):
     """(losses, per-step gradients by parameter name, runtime) of ``steps`` steps of ``method``
@@ -25,7 +34,7 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
     Megatron's parallel state must be initialized to match ``overrides``.
     """
     given = [] if alpha is None else [f"alpha={alpha}"]
-    run = resolve_config(f"method={method}", *given, *overrides, f"seq={seq}")
+    run = _resolved((f"method={method}", *given, *overrides, f"seq={seq}"))
     workload = run.workload
     torch.manual_seed(run.train.seed)
     model = build_gpt(workload, "cpu").module

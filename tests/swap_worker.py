@@ -1,7 +1,14 @@
 """Under torchrun: gradients of MEMO's methods against keeping everything, with tensor and
-sequence parallelism or context parallelism (the layout is the argument: ``tp2-sp``, ``cp2``,
-``cp2-p2p``, ``cp2-a2a`` or ``tp2-sp-cp2``). Exits non-zero (with the first difference) if any
-step differs."""
+sequence parallelism or context parallelism (the layout: ``tp2-sp``, ``cp2``, ``cp2-p2p``,
+``cp2-a2a`` or ``tp2-sp-cp2``). :func:`check_layout` is a check of ``tests/checks_worker.py``
+(several layouts share one launch); ``python -m torch.distributed.run ... tests/swap_worker.py
+LAYOUT`` checks one layout alone. Either raises (with the first difference) if any step differs.
+
+The model is the tiny GPT at six layers (four swapped, the last two kept) with a vocabulary of
+1000 tokens (padded to 1024, as Megatron pads GPT-2's 50257 to 50304): the swapped and recomputed
+tensors are the layers', whose sizes do not depend on the vocabulary, while the output layer of
+50304 tokens took most of each step's time.
+"""
 
 import sys
 
@@ -24,30 +31,35 @@ VARIANTS = [("memo", 0.0), ("memo", 0.125), ("memo", 0.5), ("memo", 1.0), ("full
             ("full_recompute", None)]
 # under context parallelism: nothing swapped or recomputed, both, and the two whole methods
 CP_VARIANTS = [("memo", 0.0), ("memo", 0.5), ("full_swap", None), ("full_recompute", None)]
+MODEL = ["model.num_layers=6", "model.vocab_size=1000"]
+
+
+def check_layout(info: distributed.ProcessInfo, out, layout: str) -> str:
+    """Every variant's gradients, step by step, equal keeping everything's; raises at the first
+    difference."""
+    overrides, losses = LAYOUTS[layout]
+    variants = CP_VARIANTS if "cp" in layout else VARIANTS
+    parallel = [*overrides, *MODEL]
+    distributed.initialize(compose_config(*parallel).parallel, "cpu", info)
+    try:
+        for loss in (f"train.loss={name}" for name in losses):
+            _, reference, _ = train_gradients("none", *parallel, loss)
+            for method, alpha in variants:
+                _, grads, _ = train_gradients(method, *parallel, loss, alpha=alpha)
+                for step, (got, expected) in enumerate(zip(grads, reference, strict=True)):
+                    for name in expected:
+                        torch.testing.assert_close(
+                            got[name], expected[name],
+                            msg=lambda m, n=name, s=step: f"rank {info.rank}: {method} alpha={alpha} {loss} "
+                                                          f"step {s + 1} {n}: {m}")
+    finally:
+        distributed.shutdown()
+    return f"{len(variants)} methods match over 3 steps with {' and '.join(losses)} ({layout})"
 
 
 def main() -> int:
-    layout = sys.argv[1]
-    overrides, losses = LAYOUTS[layout]
-    variants = CP_VARIANTS if "cp" in layout else VARIANTS
-    parallel = [*overrides, "model.num_layers=6"]
     info = distributed.process_info()
-    distributed.initialize(compose_config(*parallel).parallel, "cpu", info)
-    for loss in (f"train.loss={name}" for name in losses):
-        _, reference, _ = train_gradients("none", *parallel, loss)
-        for method, alpha in variants:
-            _, grads, _ = train_gradients(method, *parallel, loss, alpha=alpha)
-            for step, (got, expected) in enumerate(zip(grads, reference, strict=True)):
-                for name in expected:
-                    try:
-                        torch.testing.assert_close(got[name], expected[name])
-                    except AssertionError as error:
-                        print(f"rank {info.rank}: {method} alpha={alpha} {loss} step {step + 1} {name}: "
-                              f"{error}")
-                        return 1
-    print(f"rank {info.rank}: {len(variants)} methods match over 3 steps with {' and '.join(losses)} "
-          f"({layout})")
-    distributed.shutdown()
+    print(f"rank {info.rank}: {check_layout(info, None, sys.argv[1])}")
     return 0
 
 

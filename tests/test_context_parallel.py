@@ -16,8 +16,6 @@ from memo.model.context_parallel import (
     split_for_rank,
 )
 
-from conftest import run_under_torchrun
-
 
 def test_each_rank_holds_one_chunk_from_each_end_as_megatron_lays_it_out():
     tokens = torch.arange(8)
@@ -50,8 +48,9 @@ def test_a_length_that_does_not_cut_into_two_chunks_a_rank_is_refused():
         split_for_rank(torch.arange(6), 0, 0, 2)
 
 
-@pytest.mark.parametrize("processes", [2, 4])
-def test_attention_over_context_parallel_ranks_equals_textbook_attention(processes):
-    result = run_under_torchrun("context_parallel_worker.py", processes)
+@pytest.mark.parametrize("processes", [pytest.param(n, marks=pytest.mark.torchrun(n, "context_parallel_worker.check"))
+                                       for n in (2, 4)])
+def test_attention_over_context_parallel_ranks_equals_textbook_attention(processes, torchrun_results):
+    (result,) = torchrun_results  # in the session's launch of that many processes
     expected = "24 cases match textbook attention; the exchange buffers are the fit's"
-    assert result.stdout.count(expected) == processes
+    assert result.passed() == (expected,) * processes

@@ -115,7 +115,9 @@ def test_a_dry_run_needs_no_slurm_command(tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     env = {**os.environ, "PATH": str(bare)}
-    without = dry_run(tmp_path, "+experiment=scalability", env=env)
-    usual = dry_run(tmp_path, "+experiment=scalability")  # a dry run leaves nothing behind
+    # one length: a job per workload, each its own array (the experiment's every length is
+    # composed by test_cpu_smoke_experiments_are_valid_cpu_jobs and the end_to_end test)
+    without = dry_run(tmp_path, "+experiment=scalability", "seq=512k", env=env)
+    usual = dry_run(tmp_path, "+experiment=scalability", "seq=512k")  # a dry run leaves nothing behind
     assert arrays(without) == arrays(usual) and len(arrays(without)) > 1
     assert all("time" in a["options"] and "nodes" in a["options"] for a in arrays(without))

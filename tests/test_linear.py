@@ -2,16 +2,16 @@
 
 import pytest
 
-from conftest import run_under_torchrun
 from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.model.tiles import eighth_tile_tokens
 from memo.profile.iteration import trace_iteration
 
 
 @pytest.mark.slow
-def test_tiled_linear_layers_match_megatron_under_sequence_parallelism():
-    result = run_under_torchrun("linear_worker.py")
-    assert result.stdout.count("8 tiled linear layers match Megatron's") == 2
+@pytest.mark.torchrun(2, "linear_worker.check")  # in the session's two-process launch
+def test_tiled_linear_layers_match_megatron_under_sequence_parallelism(torchrun_results):
+    (result,) = torchrun_results
+    assert result.passed() == ("8 tiled linear layers match Megatron's",) * 2
 
 
 def test_the_default_tile_is_an_eighth_of_the_tokens_and_at_least_64():

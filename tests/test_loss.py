@@ -8,7 +8,7 @@ from memo.model.loss import tiled_cross_entropy
 from memo.model.tiles import auto_tile_tokens
 from memo.profile.iteration import trace_iteration
 
-from conftest import compose_config, resolve_config, run_in_process, run_under_torchrun
+from conftest import compose_config, resolve_config, run_in_process
 from loss_worker import gradients
 
 
@@ -48,8 +48,9 @@ def test_the_default_tile_holds_at_most_one_fc1_output_and_256_mib_of_fp32_logit
 
 @pytest.mark.parametrize("tile", [None, 1000, 48, 256])
 def test_the_gpt_with_tiled_loss_has_megatrons_losses_and_gradients(single_process, tile):
-    expected_loss, expected = gradients([], "megatron", None)
-    loss, got = gradients([], "tiled", tile)
+    vocab = ["model.vocab_size=1000"]  # padded to 1024: the tiles are of tokens, not of the vocabulary
+    expected_loss, expected = gradients(vocab, "megatron", None)
+    loss, got = gradients(vocab, "tiled", tile)
     assert loss.shape == (2, 256) and loss.dtype == torch.float32
     torch.testing.assert_close(loss, expected_loss)
     assert got.keys() == expected.keys()
@@ -58,9 +59,13 @@ def test_the_gpt_with_tiled_loss_has_megatrons_losses_and_gradients(single_proce
 
 
 @pytest.mark.slow
-def test_tiled_loss_matches_megatron_with_tensor_and_sequence_parallelism():
-    result = run_under_torchrun("loss_worker.py")
-    assert result.stdout.count("6 tiled losses match Megatron's") == 2
+# In the session's two-process torchrun launch (tests/checks_worker.py). A vocabulary of 1000 tokens
+# (padded to 1024: 512 a rank) splits the logits over the ranks as GPT-2's does, at a fiftieth of
+# the arithmetic; the tiles are of tokens.
+@pytest.mark.torchrun(2, "loss_worker.check 1000")
+def test_tiled_loss_matches_megatron_with_tensor_and_sequence_parallelism(torchrun_results):
+    (result,) = torchrun_results
+    assert result.passed() == ("6 tiled losses match Megatron's",) * 2
 
 
 def _phase_peak(trace, phases: tuple[str, ...]) -> int:

@@ -1,9 +1,10 @@
 """``mode=profile`` and ``mode=plan`` as a user runs them."""
 
 import json
+import logging
 import subprocess
 
-from conftest import PYTHON, REPO
+from conftest import PYTHON, REPO, run_in_process
 
 from memo.plan.bilevel import addresses, read_plan
 from memo.dsa.buffers import read_buffers, validate
@@ -15,11 +16,12 @@ def run(*args: str, cwd) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def test_plan_mode_writes_trace_plan_and_row_and_prints_the_comparison(tmp_path):
+def test_plan_mode_writes_trace_plan_and_row_and_prints_the_comparison(tmp_path, caplog):
+    # in this process, as run.py runs the job (the command line's own behaviour is the other tests')
     out = tmp_path / "plan"
-    done = run("mode=plan", "model=7b", "model.num_layers=4", "seq=256k", "parallel.tp=8",
-               f"hydra.run.dir={out}", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    with caplog.at_level(logging.INFO, logger="memo"):
+        done = run_in_process(out, "mode=plan", "model=7b", "model.num_layers=4", "seq=256k", "parallel.tp=8")
+    assert done["status"] == "ok", done["error"]
     row = json.loads((out / "result.json").read_text())
     assert row["status"] == "ok" and row["mode"] == "plan" and row["dtype"] == "bfloat16"
     assert row["profile.layers_identical"] == "1,2"
@@ -31,7 +33,7 @@ def test_plan_mode_writes_trace_plan_and_row_and_prints_the_comparison(tmp_path)
         assert row[f"simulated.{level}.peak_reserved"] > row[f"plan.{level}_peak_bytes"]
     assert row["plan.iteration_peak_bytes"] >= row["plan.flat_lower_bound_bytes"]
     assert row["plan.arena_bytes"] == row["plan.iteration_peak_bytes"]
-    log = (out / "run.log").read_text()
+    log = caplog.text  # what run.py writes to run.log
     assert "caching allocator reserves" in log and "plan written to" in log
 
     trace = read_trace(out / "trace.csv")

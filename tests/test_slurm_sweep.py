@@ -16,6 +16,10 @@ from conftest import PYTHON, REPO
 
 pytestmark = pytest.mark.slow
 QUICK = ["train.steps=2", "train.warmup_steps=1"]
+# The jobs' own work is not what these tests are about: the tiny GPT with a vocabulary of 1000
+# (whose output layer no longer takes most of a step), at 256 tokens where a step's length does
+# not matter.
+SMALL = ["seq=256", "model.vocab_size=1000"]
 
 
 def sweep_command(sweep_dir: Path, *overrides: str) -> list[str]:
@@ -57,7 +61,7 @@ def slurm_job_id(sweep_dir: Path) -> str:
 def test_an_experiment_runs_as_one_array_and_every_job_leaves_its_row(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
     done = subprocess.run(
-        sweep_command(sweep, "+experiment=alpha_sweep_cpu_smoke", "seq=1k", "alpha=0,0.5,1,2", *QUICK),
+        sweep_command(sweep, "+experiment=alpha_sweep_cpu_smoke", *SMALL, "alpha=0,0.5,1,2", *QUICK),
         cwd=tmp_path, env=slurm_cluster.env, capture_output=True, text=True, timeout=280,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -82,7 +86,7 @@ def test_an_experiment_runs_as_one_array_and_every_job_leaves_its_row(slurm_clus
 def test_a_job_the_scheduler_kills_gets_a_row_and_the_sweep_says_so(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
     process = subprocess.Popen(
-        sweep_command(sweep, "seq=1k", "train.steps=500", "+experiment=ablation_cpu_smoke", "method=none",
+        sweep_command(sweep, *SMALL, "train.steps=5000", "+experiment=ablation_cpu_smoke", "method=none",
                       "plan=false"),
         cwd=tmp_path, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -97,15 +101,17 @@ def test_a_job_the_scheduler_kills_gets_a_row_and_the_sweep_says_so(slurm_cluste
     row = json.loads((sweep / "0" / "result.json").read_text())
     assert row["status"] == "error" and row["slurm.state"].startswith("CANCELLED")
     assert row["slurm.job_id"] == job and row["experiment"] == "ablation_cpu_smoke"
-    assert (row["method.name"], row["seq"], row["train.steps"]) == ("none", 1024, 500)
+    assert (row["method.name"], row["seq"], row["train.steps"]) == ("none", 256, 5000)
     assert (sweep / "0" / "metrics.jsonl").read_text(), "the steps it made are kept"
 
 
 @pytest.mark.timeout(300)
 def test_a_preempted_job_is_requeued_and_its_first_attempt_kept(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
+    # steps long enough (1k tokens) that the signal comes while the first attempt still runs,
+    # with an output layer of 1000 tokens that keeps them short
     process = subprocess.Popen(
-        sweep_command(sweep, "seq=1k", "train.steps=6", "train.warmup_steps=1"),
+        sweep_command(sweep, "seq=1k", "model.vocab_size=1000", "train.steps=12", "train.warmup_steps=1"),
         cwd=tmp_path, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     job_dir = sweep / "0"
@@ -117,11 +123,11 @@ def test_a_preempted_job_is_requeued_and_its_first_attempt_kept(slurm_cluster, t
 
     assert process.returncode == 0, stderr[-3000:]
     row = json.loads((job_dir / "result.json").read_text())
-    assert row["status"] == "ok" and row["steps_timed"] == 5
+    assert row["status"] == "ok" and row["steps_timed"] == 11
     steps = [json.loads(line)["step"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6], "the requeued attempt ran the job from the start"
+    assert steps == list(range(1, 13)), "the requeued attempt ran the job from the start"
     first = (job_dir / "interrupted" / "1" / "metrics.jsonl").read_text().splitlines()
-    assert 1 <= len(first) < 6 and json.loads(first[0])["step"] == 1
+    assert 1 <= len(first) < 12 and json.loads(first[0])["step"] == 1
     logs = "".join(p.read_text() for p in (sweep / ".submitit" / job).glob("*_log.*"))
     assert "this job is preempted" in logs and f"Requeued job {job}" in logs
     assert "an earlier attempt of this job was interrupted" in logs

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from memo.config import ConfigError
 from memo.execute import distributed
 from memo.execute.distributed import ProcessInfo
 from memo.execute.data import SyntheticTokens, micro_batches
@@ -18,7 +19,10 @@ from memo.profile.trace import Trace
 from conftest import compose_config, resolve_config
 from swap_training import train_gradients
 
-SIX = ["model.num_layers=6"]  # four swapped layers: both rounding buffers are reused
+# The layers' tensors are what is swapped and recomputed; a vocabulary of 1000 (padded to 1024)
+# keeps the output layer, which took most of each step with GPT-2's 50304, small.
+VOCAB = "model.vocab_size=1000"
+SIX = ["model.num_layers=6", VOCAB]  # four swapped layers: both rounding buffers are reused
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +153,18 @@ def test_skeletal_sizes_of_a_layer_match_a_hand_count(parallel_state):
     assert report.host_bytes == runtime.slab.numel() == 4 * swapped
 
 
+def test_swapping_refuses_the_math_kernel_in_one_line(parallel_state):
+    # SDPA's math kernel saves its s×s probabilities for the backward: no token-wise slot holds
+    # them, so the swap runtime would stop at its first layer (as it did on a GPU).
+    workload = resolve_config("method=memo", *SIX, "seq=256").workload
+    with pytest.raises(ConfigError, match="method=memo swaps .* math kernel.*train.attention_backend=auto"):
+        build_gpt(workload, "cpu", "math")
+    keeping = resolve_config("method=full_recompute", *SIX, "seq=256").workload
+    assert build_gpt(keeping, "cpu", "math").attention_backend == "math"
+
+
 def _one_step_accounting(layers: int, alpha: float):
-    _, _, runtime = train_gradients("memo", f"model.num_layers={layers}", alpha=alpha, steps=1)
+    _, _, runtime = train_gradients("memo", f"model.num_layers={layers}", VOCAB, alpha=alpha, steps=1)
     return runtime, runtime.take_accounting(), runtime.rounding_buffer_bytes
 
 
@@ -169,12 +183,13 @@ def test_device_bytes_do_not_grow_with_layers_and_host_bytes_follow_the_formula(
 
 def _recorded_memo_step(layers: int, seq: int):
     """The allocation trace of one real CPU step of ``method=memo`` (α = 0.5) and its runtime."""
-    workload = resolve_config("method=memo", f"model.num_layers={layers}", f"seq={seq}").workload
+    workload = resolve_config("method=memo", f"model.num_layers={layers}", f"seq={seq}", VOCAB).workload
     torch.manual_seed(0)
     model = build_gpt(workload, "cpu").module
     runtime = SwapRuntime(layers, InlineStreams(), torch.device("cpu"))
     prepare_swap(runtime, model, workload, 0.5, 2**40)
-    (batch,) = next(micro_batches(SyntheticTokens(50257, 0), seq, 1, 1, 0, 1, torch.device("cpu")))
+    (batch,) = next(micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1,
+                                  torch.device("cpu")))
 
     def step(marker):
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
@@ -280,7 +295,8 @@ def test_a_swapped_layer_does_not_run_fc2_again_when_recomputing(parallel_state)
     for i, layer in enumerate(model.decoder.layers):
         layer.mlp.linear_fc2.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
         layer.mlp.linear_fc1.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 100))
-    (batch,) = next(micro_batches(SyntheticTokens(50257, 0), 256, 1, 1, 0, 1, torch.device("cpu")))
+    tokens = SyntheticTokens(workload.model.vocab_size, 0)
+    (batch,) = next(micro_batches(tokens, 256, 1, 1, 0, 1, torch.device("cpu")))
     model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean().backward()
     # FC1 twice (forward, then the dropped tokens again), FC2 once, in every swapped layer
     assert calls == [201] * 4 + [101] * 2
@@ -359,7 +375,8 @@ def test_saved_tensors_come_back_in_the_layout_they_were_saved_in(parallel_state
     model = build_gpt(workload, "cpu").module
     runtime = SwapRuntime(6, InlineStreams(), torch.device("cpu"))
     prepare_swap(runtime, model, workload, 0.5, 2**40)
-    batches = micro_batches(SyntheticTokens(50257, 0), 256, micro_batch_size, 1, 0, 1, torch.device("cpu"))
+    tokens = SyntheticTokens(workload.model.vocab_size, 0)
+    batches = micro_batches(tokens, 256, micro_batch_size, 1, 0, 1, torch.device("cpu"))
     (batch,) = next(batches)
     model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean().backward()
     assert len(handed) == 6 * sum(s.kind != "alias" for s in runtime.layout.slots) + 6  # + aliases

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import REPO, run_in_process, run_under_torchrun
+from conftest import REPO, run_in_process
 
 SHORT = ["seq=256", "train.steps=2", "train.warmup_steps=1"]
 
@@ -63,8 +63,10 @@ def test_gradient_accumulation_swaps_each_micro_batch(tmp_path):
 def test_fifty_steps_on_text_follow_the_loss_of_keeping_everything(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((REPO / "README.md").read_bytes() * 4)
-    # the same loss for both (memo's default); the losses are compared, not their implementations
-    common = ["seq=128", "train.steps=50", "train.warmup_steps=1", f"train.data={corpus}", "train.loss=tiled"]
+    # the same loss for both (memo's default); the losses are compared, not their implementations.
+    # Byte tokens need a vocabulary of 256 (GPT-2's 50257 would spend each step on the output layer).
+    common = ["seq=128", "train.steps=50", "train.warmup_steps=1", f"train.data={corpus}", "train.loss=tiled",
+              "model.vocab_size=256"]
     reference = run_in_process(tmp_path / "none", *common)
     assert reference["status"] == "ok", reference["error"]
     expected = _losses(tmp_path / "none")
@@ -75,18 +77,24 @@ def test_fifty_steps_on_text_follow_the_loss_of_keeping_everything(tmp_path):
         assert _losses(tmp_path / name) == pytest.approx(expected, abs=1e-5)
 
 
+# One torchrun launch of two processes checks every two-process layout (with the other
+# two-process checks of the session: tests/checks_worker.py), one of four the four-process one.
 @pytest.mark.slow
-def test_tensor_and_sequence_parallel_gradients_match_in_two_processes():
-    result = run_under_torchrun("swap_worker.py", 2, "tp2-sp")
-    assert result.stdout.count("6 methods match over 3 steps with tiled and megatron (tp2-sp)") == 2
+@pytest.mark.torchrun(2, "swap_worker.check_layout tp2-sp")
+def test_tensor_and_sequence_parallel_gradients_match_in_two_processes(torchrun_results):
+    (result,) = torchrun_results
+    assert result.passed() == ("6 methods match over 3 steps with tiled and megatron (tp2-sp)",) * 2
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, processes, loss", [
-    ("cp2", 2, "tiled"), ("cp2-p2p", 2, "megatron"), ("cp2-a2a", 2, "tiled"), ("tp2-sp-cp2", 4, "megatron")])
-def test_context_parallel_gradients_match_keeping_everything(layout, processes, loss):
+    pytest.param(layout, processes, loss, id=f"{layout}-{processes}-{loss}",
+                 marks=pytest.mark.torchrun(processes, f"swap_worker.check_layout {layout}"))
+    for layout, processes, loss in [("cp2", 2, "tiled"), ("cp2-p2p", 2, "megatron"), ("cp2-a2a", 2, "tiled"),
+                                    ("tp2-sp-cp2", 4, "megatron")]])
+def test_context_parallel_gradients_match_keeping_everything(torchrun_results, layout, processes, loss):
     """MEMO's swapping and recomputation of each rank's own tokens (α per load-balanced chunk),
     full swapping and full recomputation: the gradients of keeping everything, with the sequence
     split over ranks by every exchange."""
-    result = run_under_torchrun("swap_worker.py", processes, layout)
-    assert result.stdout.count(f"4 methods match over 3 steps with {loss} ({layout})") == processes
+    (result,) = torchrun_results
+    assert result.passed() == (f"4 methods match over 3 steps with {loss} ({layout})",) * processes

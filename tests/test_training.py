@@ -67,6 +67,18 @@ def test_megatron_recomputation_gives_the_same_gradients(single_process, monkeyp
         torch.testing.assert_close(grads_r[name], grads[name], msg=name)
 
 
+# The multi-process comparisons: a vocabulary of 1000 tokens (padded to 1024) keeps the output
+# layer, which with GPT-2's 50304 took most of each step, small next to the layers whose split is
+# compared; the one-process reference runs the same model.
+SMALL = ["train.steps=3", *SHORT, "model.vocab_size=1000"]
+
+
+def _train(*overrides: str) -> str:
+    """A check of the session's shared torchrun launch (tests/training_worker.py): the job
+    ``overrides`` describe, in as many processes as the launch has."""
+    return " ".join(["training_worker.train", *overrides])
+
+
 def _torchrun(tmp_path, name: str, *overrides: str, processes: int = 2) -> list[dict]:
     out = tmp_path / name
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -78,6 +90,14 @@ def _torchrun(tmp_path, name: str, *overrides: str, processes: int = 2) -> list[
     row = json.loads((out / "result.json").read_text())
     assert row["status"] == "ok" and row["world_size"] == processes, row["error"]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _launched(result) -> list[dict]:
+    """The step log of a job of the shared torchrun launch, once every rank has passed it."""
+    result.passed()
+    row = json.loads((result.out_dir / "result.json").read_text())
+    assert row["status"] == "ok" and row["world_size"] == result.processes, row["error"]
+    return [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _steps(tmp_path, name: str, *overrides: str) -> list[dict]:
@@ -94,58 +114,71 @@ def _assert_same_steps(got: list[dict], expected: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_tensor_and_sequence_parallel_two_processes_match_one(tmp_path):
-    common = ["train.steps=3", *SHORT]
-    tp2 = _torchrun(tmp_path, "tp2", "parallel.tp=2", *common)
-    sp2 = _torchrun(tmp_path, "sp2", "parallel.tp=2", "parallel.sequence_parallel=true", *common)
-    tp1 = _steps(tmp_path, "tp1", *common)
+@pytest.mark.torchrun(2, _train("parallel.tp=2", *SMALL),
+                      _train("parallel.tp=2", "parallel.sequence_parallel=true", *SMALL))
+def test_tensor_and_sequence_parallel_two_processes_match_one(tmp_path, torchrun_results):
+    tp2, sp2 = (_launched(result) for result in torchrun_results)
+    tp1 = _steps(tmp_path, "tp1", *SMALL)
     _assert_same_steps(tp2, tp1)
     _assert_same_steps(sp2, tp1)
 
 
+CP_EXCHANGES = (("all_gather", "megatron"), ("p2p", "tiled"), ("a2a", "tiled"))
+
+
 @pytest.mark.slow
-def test_context_parallel_two_processes_match_one_with_every_exchange(tmp_path):
+@pytest.mark.torchrun(2, *(_train("method=memo", *SMALL, f"train.loss={loss}", "parallel.cp=2",
+                                  f"parallel.cp_comm_type={comm}") for comm, loss in CP_EXCHANGES))
+def test_context_parallel_two_processes_match_one_with_every_exchange(tmp_path, torchrun_results):
     """MEMO (α solved per rank) with the sequence split over two ranks (keys and values
     gathered, passed around a ring, or Ulysses' all-to-all): the losses and gradient norms of the
     one-process run. Megatron's layers under the same split give MEMO's gradients
     (tests/test_swap_runs.py), and the four-process test below runs them against one process."""
     method = "memo"
-    one = {loss: _steps(tmp_path, f"cp1-{loss}", f"method={method}", "train.steps=3", *SHORT,
-                        f"train.loss={loss}") for loss in ("megatron", "tiled")}
-    for comm, loss in (("all_gather", "megatron"), ("p2p", "tiled"), ("a2a", "tiled")):
-        cp2 = _torchrun(tmp_path, f"cp2-{comm}", f"method={method}", "train.steps=3", *SHORT,
-                        f"train.loss={loss}", "parallel.cp=2", f"parallel.cp_comm_type={comm}")
+    one = {loss: _steps(tmp_path, f"cp1-{loss}", f"method={method}", *SMALL, f"train.loss={loss}")
+           for loss in ("megatron", "tiled")}
+    for (comm, loss), result in zip(CP_EXCHANGES, torchrun_results, strict=True):
+        cp2 = _launched(result)
         assert len(cp2) == 3
         _assert_same_steps(cp2, one[loss])
+        # the row names the kernels that ran: the CPU's fused one, whole and in blocks
+        row = json.loads((result.out_dir / "result.json").read_text())
+        assert (row["attention_backend"], row["attention_block_kernel"]) == ("flash", "flash"), comm
+
+
+ULYSSES = [*SMALL, "train.loss=megatron"]
 
 
 @pytest.mark.slow
-def test_deepspeed_ulysses_two_processes_match_one(tmp_path):
+@pytest.mark.torchrun(2, _train("method=deepspeed_ulysses", "parallel.cp=2", "parallel.cp_comm_type=a2a",
+                                *ULYSSES), last=True)
+def test_deepspeed_ulysses_two_processes_match_one(tmp_path, request):
     """DeepSpeed's DistributedAttention over two ranks, each one contiguous half of the sequence,
     with full recomputation: the losses and gradient norms of keeping everything in one process."""
     require(deepspeed_missing())
-    common = ["train.steps=3", *SHORT, "train.loss=megatron"]
-    ulysses = _torchrun(tmp_path, "ulysses", "method=deepspeed_ulysses", "parallel.cp=2",
-                        "parallel.cp_comm_type=a2a", *common)
-    one = _steps(tmp_path, "one", "method=none", *common)
+    (result,) = request.getfixturevalue("torchrun_results")
+    ulysses = _launched(result)
+    one = _steps(tmp_path, "one", "method=none", *ULYSSES)
     assert len(ulysses) == 3
     _assert_same_steps(ulysses, one)
 
 
 @pytest.mark.slow
-def test_tensor_sequence_and_context_parallel_four_processes_match_one(tmp_path):
+@pytest.mark.torchrun(4, _train("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
+                                *SMALL))
+def test_tensor_sequence_and_context_parallel_four_processes_match_one(tmp_path, torchrun_results):
     """tp = 2 with sequence parallelism and cp = 2, as the paper's layouts combine them."""
-    common = ["train.steps=3", *SHORT]
-    four = _torchrun(tmp_path, "tp2cp2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
-                     *common, processes=4)
-    one = _steps(tmp_path, "one", *common)
+    (result,) = torchrun_results
+    four = _launched(result)
+    one = _steps(tmp_path, "one", *SMALL)
     assert len(four) == 3
     _assert_same_steps(four, one)
 
 
 @pytest.mark.slow
 def test_data_parallel_two_processes_match_gradient_accumulation(tmp_path):
-    common = ["train.steps=3", *SHORT]
-    dp2 = _torchrun(tmp_path, "dp2", "parallel.dp=2", *common)
-    accumulated = _steps(tmp_path, "acc2", "train.micro_batches=2", *common)
+    """``torchrun run.py`` itself (the other multi-process jobs share one launch of
+    tests/training_worker.py): rank 0 writes the row and the step log."""
+    dp2 = _torchrun(tmp_path, "dp2", "parallel.dp=2", *SMALL)
+    accumulated = _steps(tmp_path, "acc2", "train.micro_batches=2", *SMALL)
     _assert_same_steps(dp2, accumulated)

@@ -69,6 +69,16 @@ class GridSweeper(BasicSweeper):
         self._arguments = list(arguments)
         return super().sweep(arguments)
 
+    def validate_batch_is_legal(self, batch) -> None:
+        """Hydra's check that every job of ``batch`` composes, before the launcher runs any; skipped
+        for the SLURM launcher, which composes every job of the batch before it submits (or prints)
+        anything: there it would only compose each job twice."""
+        from hydra_plugins.memo_launch.slurm_launcher import SlurmLauncher  # submitit's import, if used
+
+        if isinstance(self.launcher, SlurmLauncher):
+            return
+        super().validate_batch_is_legal(batch)
+
     def split_arguments(self, overrides, max_batch_size):  # replaces the basic sweeper's product
         """All jobs of every grid, in grid order, a job listed twice run once, in batches."""
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
