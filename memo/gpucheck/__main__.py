@@ -56,6 +56,7 @@ STEPS = [
     Step("calibration", ("memo.gpucheck.calibration",), 60),
 ]
 FIRST_BUDGET_S = sum(step.budget_s for step in STEPS if step.first)
+CPU_BUDGET_FACTOR = 3
 
 
 def device_name(cpu: bool) -> str:
@@ -74,8 +75,19 @@ def _driver() -> str:
     return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else "unknown"
 
 
+def _commit() -> str:
+    """The checkout's commit, said to be only the base where the tracked files differ from it (a
+    copied working tree can carry an older history than its files): the digest names the code."""
+    commit, dirty = git_revision(REPO)
+    if commit is None:
+        return "no git history"
+    return f"changes on commit {commit}" if dirty else f"commit {commit}"
+
+
 def run_step(step: Step, out: Path, cpu: bool) -> dict:
-    """Run one step in its own process group (its training jobs die with it at the budget)."""
+    """Run one step in its own process group (its training jobs die with it at the budget; the
+    CPU rehearsal, on a machine that may be busy with other work, gets three times the GPU's)."""
+    budget_s = step.budget_s * (CPU_BUDGET_FACTOR if cpu else 1)
     arguments = [*step.module, "--out", str(out), *(["--cpu"] if cpu else [])]
     command = [sys.executable, "-m", *arguments]
     start = time.monotonic()
@@ -84,7 +96,7 @@ def run_step(step: Step, out: Path, cpu: bool) -> dict:
         process = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
-            code = process.wait(timeout=step.budget_s)
+            code = process.wait(timeout=budget_s)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
@@ -92,7 +104,7 @@ def run_step(step: Step, out: Path, cpu: bool) -> dict:
     seconds = time.monotonic() - start
     skipped = out / f"{step.name}.skipped"
     if code is None:
-        status, detail = "timeout", f"ran past its budget of {step.budget_s} s; run the pack again to go on"
+        status, detail = "timeout", f"ran past its budget of {budget_s} s; run the pack again to go on"
     elif code == 0 and skipped.exists():
         status, detail = "skipped", skipped.read_text().strip()
     elif code == 0:
@@ -147,7 +159,7 @@ def summary(out: Path, steps: pd.DataFrame, cpu: bool, argv: list[str]) -> str:
              f"- torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN "
              f"{torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else 'none'}), "
              f"megatron-core {megatron.core.__version__}, Python {platform.python_version()}",
-             f"- code: source digest {source_digest()}, commit {git_revision(REPO)[0] or 'unknown'}",
+             f"- code: source digest {source_digest()}, {_commit()}",
              f"- command: `python -m memo.gpucheck {' '.join(argv)}`", "", "## Steps", "",
              steps.to_markdown(index=False), ""]
     for path in sorted(out.glob("*.csv")):

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         elif "Memcpy" not in event.name and "Memset" not in event.name:
             kernels.append(span)
     rows = [r | {"alpha": report.alpha, "seq": seq} for r in overlap_rows(copies, kernels)]
-    trace.export_chrome_trace(str(args.out / "overlap_trace.json"))
+    trace.export_chrome_trace(str(args.out / "overlap_trace.json.gz"))
     write_rows(args.out, "overlap", rows)
     return 0
 
