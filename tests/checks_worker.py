@@ -34,6 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _say(text: str) -> None:
+    """One line (or block) in one write: the ranks share a pipe, and a print of the text and then
+    its newline let another rank's line in between, where the test's reader missed both."""
+    os.write(sys.stdout.fileno(), f"{text}\n".encode())
+
+
 def main() -> int:
     out_root, specs = Path(sys.argv[1]), sys.argv[2:]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -58,10 +64,10 @@ def main() -> int:
             check = getattr(importlib.import_module(module), function)
             message = check(info, out_root / str(i), *args)
         except BaseException:  # noqa: BLE001 - reported, then the launch ends
-            print(f"rank {rank}: FAILED #{i} {spec}\n{traceback.format_exc()}", flush=True)
+            _say(f"rank {rank}: FAILED #{i} {spec}\n{traceback.format_exc()}")
             sys.stderr.flush()
             os._exit(1)
-        print(f"rank {rank}: ok #{i} {spec} ({time.perf_counter() - start:.1f} s): {message}", flush=True)
+        _say(f"rank {rank}: ok #{i} {spec} ({time.perf_counter() - start:.1f} s): {message}")
     return 0
 
 

@@ -34,6 +34,12 @@ register_configs()
 pytest_plugins = ("slurm_cluster",)
 
 
+_GROUP = pytest.StashKey[str]()
+# the groups that take longest (minutes each on two cores), longest first
+_FIRST = ["test_gpucheck", "slurm", "torchrun2", "test_fit", "test_experiments", "torchrun4", "test_notebooks",
+          "test_training"]
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` (pyproject's addopts), the tests that share a
@@ -50,6 +56,9 @@ def pytest_collection_modifyitems(config, items):
         else:
             group = item.path.stem
         item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_GROUP] = group
+    # the longest groups first, so that no worker starts one when the other is nearly done
+    items.sort(key=lambda item: _FIRST.index(item.stash[_GROUP]) if item.stash[_GROUP] in _FIRST else len(_FIRST))
 
 
 def compose_config(*overrides: str):
