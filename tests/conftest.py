@@ -36,8 +36,8 @@ pytest_plugins = ("slurm_cluster",)
 
 _GROUP = pytest.StashKey[str]()
 # the groups that take longest (minutes each on two cores), longest first
-_FIRST = ["test_gpucheck", "slurm", "torchrun2", "test_fit", "test_experiments", "torchrun4", "test_notebooks",
-          "test_training"]
+_FIRST = ["slurm", "test_gpucheck", "torchrun2", "test_fit", "torchrun4", "test_training", "test_notebooks",
+          "test_experiments"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -57,7 +57,8 @@ def pytest_collection_modifyitems(config, items):
             group = item.path.stem
         item.add_marker(pytest.mark.xdist_group(group))
         item.stash[_GROUP] = group
-    # the longest groups first, so that no worker starts one when the other is nearly done
+    # the longest groups first, so that no worker starts one when the other is nearly done (in this
+    # order: pyproject's --no-loadscope-reorder keeps pytest-xdist from putting the most tests first)
     items.sort(key=lambda item: _FIRST.index(item.stash[_GROUP]) if item.stash[_GROUP] in _FIRST else len(_FIRST))
 
 

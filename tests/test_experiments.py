@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import PYTHON, REPO
 
@@ -49,13 +50,18 @@ def test_every_experiment_has_a_cpu_smoke_version_and_a_documented_command():
 
 @pytest.mark.slow
 def test_end_to_end_sends_each_workload_as_one_array_sized_by_its_layout(tmp_path):
-    found = arrays(dry_run(tmp_path, "+experiment=end_to_end"))
+    # the experiment's 16 lengths, 4k to 1408k; the dry run composes two of them (the command line
+    # wins), since Hydra composes every job of a sweep alone (0.25 s each: the 352 jobs took 100 s)
+    params = OmegaConf.load(REPO / "conf" / "experiment" / "end_to_end.yaml").hydra.sweeper.params
+    lengths = params.seq.split(",")
+    assert len(lengths) == 16 and lengths[0] == "4k" and lengths[-1] == "1408k"
+    found = arrays(dry_run(tmp_path, "+experiment=end_to_end", "seq=4k,1408k"))
     by_nodes = {int(a["options"]["nodes"]): a for a in found}
     assert sorted(by_nodes) == [1, 2, 4, 8]
     big = by_nodes[8]
-    assert big["heading"].startswith("96 job(s): 8 node(s) x 8 task(s) = 64 process(es), 64 GPU(s)")
+    assert big["heading"].startswith("12 job(s): 8 node(s) x 8 task(s) = 64 process(es), 64 GPU(s)")
     assert big["options"]["ntasks-per-node"] == "8" and big["options"]["gpus-per-node"] == "8"
-    assert big["options"]["array"] == "0-95%64"  # at most 64 of its tasks at once
+    assert big["options"]["array"] == "0-11%12"  # at most array_parallelism (64) of its tasks at once
     # memo with its own loss; each Megatron baseline with Megatron's loss and with memo's;
     # DeepSpeed-Ulysses with its all-to-all where the heads divide over tp·cp (7B and 65B)
     variants = set()
@@ -67,9 +73,9 @@ def test_end_to_end_sends_each_workload_as_one_array_sized_by_its_layout(tmp_pat
                         *((m, loss) for m in baselines for loss in ("megatron", "tiled"))}
     assert all("parallel.cp_comm_type=a2a" in o for _, o, _ in big["jobs"] if "deepspeed" in o)
     assert all("+workload=65b_64gpus" in overrides for _, overrides, _ in big["jobs"])
-    seqs = {re.search(r"seq=(\w+)", o).group(1) for _, o, _ in big["jobs"]}
-    assert len(seqs) == 16 and {"4k", "1408k"} <= seqs
-    assert [len(by_nodes[n]["jobs"]) for n in (1, 2, 4, 8)] == [96, 80, 80, 96]
+    assert {re.search(r"seq=(\w+)", o).group(1) for _, o, _ in big["jobs"]} == {"4k", "1408k"}
+    # six variants at 7B and 65B, five at 13B and 30B (no Ulysses), each at both lengths
+    assert [len(by_nodes[n]["jobs"]) for n in (1, 2, 4, 8)] == [12, 10, 10, 12]
     for array in found:  # MEMO's at every layout, context parallelism included
         assert all(problem is None for _, _, problem in array["jobs"]), "every job passes the checks"
 
