@@ -3,6 +3,7 @@
 import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import warnings
@@ -111,13 +112,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(worker: str, processes: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _torchrun(worker: str, processes: int, *args: str, timeout: float = 840) -> str:
+    """The output of ``tests/<worker>`` (with ``args``) in ``processes`` gloo processes; past
+    ``timeout`` seconds the launch and its ranks are killed and what they wrote is returned."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    return subprocess.run(
+    process = subprocess.Popen(
         [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
          str(free_port()), str(REPO / "tests" / worker), *args],
-        cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its ranks die with it
     )
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return f"timed out after {timeout} s\n{process.communicate()[0]}"
 
 
 # ---------------------------------------------------------------- checks sharing one torchrun launch
@@ -166,11 +175,7 @@ class TorchrunChecks:
         if processes not in self.launches:
             specs = self.specs(processes)
             out = self.root / f"torchrun{processes}"
-            try:
-                done = _torchrun("checks_worker.py", processes, str(out), *specs)
-                output = done.stdout + done.stderr
-            except subprocess.TimeoutExpired as error:
-                output = f"timed out after {error.timeout} s\n{error.stdout or ''}{error.stderr or ''}"
+            output = _torchrun("checks_worker.py", processes, str(out), *specs)
             (self.root / f"torchrun{processes}.log").write_text(output)  # each check's seconds
             self.launches[processes] = (specs, out, output)
         specs, out, output = self.launches[processes]

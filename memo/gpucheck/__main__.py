@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from memo.gpucheck.common import REPO, source_digest
-from memo.results import create_file_atomic, git_revision
+from memo.gpucheck.common import CODE_PATHS, REPO, source_digest
+from memo.results import create_file_atomic
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,18 @@ def _driver() -> str:
 
 
 def _commit() -> str:
-    """The checkout's commit, said to be only the base where the tracked files differ from it (a
-    copied working tree can carry an older history than its files): the digest names the code."""
-    commit, dirty = git_revision(REPO)
-    if commit is None:
+    """The checkout's commit, said to be only the base where the code (what the source digest
+    hashes) differs from it: a copied working tree can carry an older history than its files."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
+    except (OSError, subprocess.SubprocessError):
         return "no git history"
-    return f"changes on commit {commit}" if dirty else f"commit {commit}"
+    return f"changes on commit {commit}" if changed else f"commit {commit}"
 
 
 def run_step(step: Step, out: Path, cpu: bool) -> dict:
@@ -185,7 +191,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     digest = source_digest()
     chosen = [s for s in STEPS if (s.name in args.only if args.only else args.all or s.first)]
-    print(f"gpucheck: {', '.join(s.name for s in chosen)} (budgets {sum(s.budget_s for s in chosen)} s) "
+    factor = CPU_BUDGET_FACTOR if args.cpu else 1
+    print(f"gpucheck: {', '.join(s.name for s in chosen)} (budgets {factor * sum(s.budget_s for s in chosen)} s) "
           f"of code {digest} into {out}", flush=True)
     records = []
     for step in chosen:
@@ -196,7 +203,7 @@ def main(argv=None) -> int:
             moved = set_aside(out, step.name)
             if moved:
                 print(f"gpucheck: {step.name}: the earlier result moved to {moved[0].parent}", flush=True)
-            print(f"gpucheck: {step.name} (budget {step.budget_s} s) ...", flush=True)
+            print(f"gpucheck: {step.name} (budget {factor * step.budget_s} s) ...", flush=True)
             record = run_step(step, out, args.cpu) | {"source_digest": digest}
             (out / f"{step.name}.json").unlink(missing_ok=True)
             create_file_atomic(out / f"{step.name}.json", json.dumps(record, indent=1) + "\n")

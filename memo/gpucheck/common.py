@@ -18,6 +18,7 @@ from memo.results import create_file_atomic
 REPO = Path(__file__).resolve().parents[2]
 # what decides a result: the package, the configuration and the entry point
 _SOURCES = ("memo/**/*.py", "memo/**/*.c", "conf/**/*.yaml", "run.py", "pyproject.toml")
+CODE_PATHS = ("memo", "conf", "run.py", "pyproject.toml")  # what _SOURCES covers, as git paths
 
 
 def source_digest(root: Path = REPO) -> str:

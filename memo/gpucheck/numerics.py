@@ -58,17 +58,19 @@ def gradients(method: str, alpha, model_overrides: list[str], seq: int, device: 
     return loss.item(), grads
 
 
-# plan=true against plan=false, the last step's loss: equal on the CPU; on a GPU the backward's
-# atomic accumulations (the attention kernels' dq, among others) make two runs of the same code
-# part after the first update, by about 1e-5 relatively after four steps (a third job, plan=false
-# again, measures it), while a misplaced tensor corrupts the loss outright
-PLAN_TOLERANCE = {True: 1e-6, False: 1e-3}  # by "on the CPU"
+# plan=true against plan=false, the last step's loss (the first step is the one recorded, unplanned
+# in both): equal on the CPU; on a GPU the backward's atomic accumulations (the attention kernels'
+# dq, among others) make two runs of the same code part after the first update, by about 1e-5
+# relatively after four steps, so a third job, plan=false again, measures that spread and the plan
+# may differ by ten times it (at least 1e-4), while a misplaced tensor corrupts the loss outright
+PLAN_TOLERANCE_CPU = 1e-6
+PLAN_SPREAD_FACTOR, PLAN_TOLERANCE_FLOOR = 10, 1e-4
 
 
-def plan_row(planned: dict, unplanned: dict, again: Optional[dict], tolerance: float) -> dict:
-    """The row comparing a ``plan=true`` job with a ``plan=false`` one (and that one's repeat):
-    the first step's losses must be equal (the plan places tensors, it changes no arithmetic),
-    the last step's within ``tolerance`` relatively."""
+def plan_row(planned: dict, unplanned: dict, again: Optional[dict]) -> dict:
+    """The row comparing a ``plan=true`` job with a ``plan=false`` one: the last step's losses
+    equal (:data:`PLAN_TOLERANCE_CPU`) without ``again``, else within ten times their distance from
+    ``again`` (``plan=false`` run once more), and at least :data:`PLAN_TOLERANCE_FLOOR`, relatively."""
     jobs = [planned, unplanned] + ([again] if again is not None else [])
     ran = all(job.get("status") == "ok" for job in jobs)
 
@@ -77,7 +79,11 @@ def plan_row(planned: dict, unplanned: dict, again: Optional[dict], tolerance: f
 
     first, last = error(planned, unplanned, "loss_first"), error(planned, unplanned, "loss_last")
     repeat = error(again, unplanned, "loss_last") if again is not None else None
-    ok = ran and first <= 1e-6 and last <= tolerance
+    if again is None:
+        tolerance = PLAN_TOLERANCE_CPU
+    else:
+        tolerance = max(PLAN_SPREAD_FACTOR * repeat, PLAN_TOLERANCE_FLOOR) if ran else None
+    ok = ran and last <= tolerance
     detail = ", ".join(str(job.get("status")) for job in jobs)
     return {"kernel": "auto", "method": "memo plan=true vs plan=false", "alpha": 0.5,
             "loss_error": last, "first_loss_error": first, "repeat_loss_error": repeat,
@@ -153,7 +159,7 @@ def main(argv=None) -> int:
     names = ("true", "false") if args.cpu else ("true", "false", "false-again")
     planned, unplanned, *again = (run_job(runs_dir(args.out) / f"numerics-plan-{name}", *common,
                                           f"plan={name.split('-')[0]}")[0] for name in names)
-    rows.append(plan_row(planned, unplanned, again[0] if again else None, PLAN_TOLERANCE[args.cpu]))
+    rows.append(plan_row(planned, unplanned, again[0] if again else None))
     write_rows(args.out, "numerics", rows)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
