@@ -18,15 +18,13 @@ READY     := $(VENV)/.ready-$(EXTRAS)
 
 setup: $(READY)
 
-# --no-compile: Python compiles what a process imports when it first does; compiling every file of
-# torch and the rest at install took 67 s of the set-up's 2 minutes on two cores.
 $(READY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_GPU),yes)
-	$(PIP) install --quiet --no-compile -e '.[$(EXTRAS)]'
+	$(PIP) install --quiet -e '.[$(EXTRAS)]'
 else
-	$(PIP) install --quiet --no-compile $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH_CPU)'
-	$(PIP) install --quiet --no-compile -e '.[$(EXTRAS)]'
+	$(PIP) install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH_CPU)'
+	$(PIP) install --quiet -e '.[$(EXTRAS)]'
 	$(VENV)/bin/python -c 'import sys, torch; sys.exit(torch.version.cuda and "a CUDA build of torch was installed on a machine without an NVIDIA GPU; run make clean, then make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu")'
 endif
 	touch $@
