@@ -107,15 +107,16 @@ def create_file_atomic(path: Path, text: str) -> None:
         os.unlink(tmp)
 
 
-def git_revision(repo: Path) -> tuple[Optional[str], Optional[bool]]:
-    """(commit, dirty) of the checkout at ``repo``, or (None, None) outside a git checkout."""
+def git_revision(repo: Path, paths: tuple[str, ...] = ()) -> tuple[Optional[str], Optional[bool]]:
+    """(commit, dirty) of the checkout at ``repo``, or (None, None) outside a git checkout;
+    ``paths`` limits "dirty" to changes under them."""
     def git(*args: str) -> str:
         return subprocess.run(
             ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, timeout=10
         ).stdout.strip()
 
     try:
-        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", *paths))
     except (OSError, subprocess.SubprocessError):
         return None, None
 

@@ -1,10 +1,9 @@
 """Under torchrun (2 processes): the sequence-tiled column- and row-parallel linear layers against
 Megatron's, under sequence parallelism, in fp32. :func:`check` is a check of
-``tests/checks_worker.py``; ``python -m torch.distributed.run ... tests/linear_worker.py`` runs it
-alone. Either raises at the first difference."""
+``tests/checks_worker.py`` (``... tests/checks_worker.py OUT linear_worker.check`` runs it alone);
+it raises at the first difference."""
 
 import itertools
-import sys
 
 import torch
 from megatron.core import parallel_state
@@ -70,12 +69,3 @@ def _compare(workload, info: distributed.ProcessInfo) -> None:
                 a, b, **loose, msg=lambda m, w=what: f"rank {info.rank}: {tiled.__name__} tile={tile} bias={bias} "
                                                      f"{w}: {m}")
 
-
-def main() -> int:
-    info = distributed.process_info()
-    print(f"rank {info.rank}: {check(info)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

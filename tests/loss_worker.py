@@ -1,9 +1,8 @@
 """Under torchrun (2 processes): the tiled loss against Megatron's, on the whole GPT, with tensor
 parallelism with and without sequence parallelism. :func:`check` is a check of
-``tests/checks_worker.py``; ``python -m torch.distributed.run ... tests/loss_worker.py [VOCAB]``
-runs it alone. Either raises at the first difference."""
+``tests/checks_worker.py`` (``... tests/checks_worker.py OUT "loss_worker.check VOCAB"`` runs it
+alone); it raises at the first difference."""
 
-import sys
 
 import torch
 
@@ -52,12 +51,3 @@ def check(info: distributed.ProcessInfo, out=None, vocab: str = "50257") -> str:
         distributed.shutdown()
     return f"{checked} tiled losses match Megatron's"
 
-
-def main() -> int:
-    info = distributed.process_info()
-    print(f"rank {info.rank}: {check(info, None, *sys.argv[1:])}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """Under torchrun: gradients of MEMO's methods against keeping everything, with tensor and
 sequence parallelism or context parallelism (the layout: ``tp2-sp``, ``cp2``, ``cp2-p2p``,
 ``cp2-a2a`` or ``tp2-sp-cp2``). :func:`check_layout` is a check of ``tests/checks_worker.py``
-(several layouts share one launch); ``python -m torch.distributed.run ... tests/swap_worker.py
-LAYOUT`` checks one layout alone. Either raises (with the first difference) if any step differs.
+(several layouts share one launch; ``... tests/checks_worker.py OUT "swap_worker.check_layout
+LAYOUT"`` checks one alone); it raises (with the first difference) if any step differs.
 
 The model is the tiny GPT at six layers (four swapped, the last two kept) with a vocabulary of
 1000 tokens (padded to 1024, as Megatron pads GPT-2's 50257 to 50304): the swapped and recomputed
@@ -10,7 +10,6 @@ tensors are the layers', whose sizes do not depend on the vocabulary, while the 
 50304 tokens took most of each step's time.
 """
 
-import sys
 
 import torch
 
@@ -56,12 +55,3 @@ def check_layout(info: distributed.ProcessInfo, out, layout: str) -> str:
         distributed.shutdown()
     return f"{len(variants)} methods match over 3 steps with {' and '.join(losses)} ({layout})"
 
-
-def main() -> int:
-    info = distributed.process_info()
-    print(f"rank {info.rank}: {check_layout(info, None, sys.argv[1])}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

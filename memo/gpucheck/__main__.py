@@ -34,7 +34,7 @@ from pathlib import Path
 import pandas as pd
 
 from memo.gpucheck.common import CODE_PATHS, REPO, source_digest
-from memo.results import create_file_atomic
+from memo.results import create_file_atomic, git_revision
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,8 @@ def _driver() -> str:
 def _commit() -> str:
     """The checkout's commit, said to be only the base where the code (what the source digest
     hashes) differs from it: a copied working tree can carry an older history than its files."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
-    except (OSError, subprocess.SubprocessError):
+    commit, changed = git_revision(REPO, CODE_PATHS)
+    if commit is None:
         return "no git history"
     return f"changes on commit {commit}" if changed else f"commit {commit}"
 
