@@ -3,6 +3,7 @@ host memory."""
 
 import ctypes
 import functools
+import os
 import subprocess
 
 import pytest
@@ -164,7 +165,8 @@ def test_a_free_while_an_exception_propagates_keeps_the_exception(library, tmp_p
     # plan=true stopped on an H200 with "apply ... returned NULL without setting an exception".
     source = tmp_path / "raise_then_free.c"
     source.write_text(_RAISE_THEN_FREE)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "helper.so"), str(source)], check=True)
+    compiler = os.environ.get("CC", "cc")  # the one the library fixture found
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "helper.so"), str(source)], check=True)
     helper = ctypes.PyDLL(str(tmp_path / "helper.so")).raise_then_free  # PyDLL raises what is pending
     helper.argtypes = [ctypes.c_void_p, ctypes.py_object, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
