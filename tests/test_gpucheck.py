@@ -4,6 +4,7 @@ and every step's rows, rehearsed on the CPU (``--cpu``)."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -83,6 +84,51 @@ def test_a_step_of_this_code_is_kept_and_one_of_other_code_is_set_aside_then_run
 def test_a_failing_step_records_why(tmp_path):
     record = run_step(Step("broken", ("memo.gpucheck.no_such_step",), 60), tmp_path, cpu=True)
     assert record["status"] == "failed" and "No module named memo.gpucheck.no_such_step" in record["detail"]
+
+
+def test_a_job_killed_with_its_step_is_set_aside_and_run_again_and_a_finished_one_is_kept(tmp_path, monkeypatch):
+    import memo.gpucheck.common as common
+    from memo.results import claim_run_dir, write_json_atomic
+
+    def run_py(command, **kwargs):  # what run.py does: claim the directory (refused if taken), write a row
+        run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+        claim_run_dir(run_dir)
+        write_json_atomic(run_dir / "result.json", {"status": "ok", "attempt": len(launched)})
+        launched.append(run_dir)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    launched = []
+    monkeypatch.setattr(common.subprocess, "run", run_py)
+    killed = tmp_path / "throughput-memo-64k"
+    claim_run_dir(killed)  # the job the step's budget killed: a claim, no row
+    (killed / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert common.run_job(killed, "seq=64k") == [{"status": "ok", "attempt": 0}]
+    assert sorted(p.name for p in (killed / "interrupted" / "1").iterdir()) == [".memo-run", "metrics.jsonl"]
+    assert common.run_job(killed, "seq=64k") == [{"status": "ok", "attempt": 0}]  # finished: kept
+    interrupted = tmp_path / "throughput-memo-128k"  # stopped by a signal: its row says so
+    claim_run_dir(interrupted)
+    write_json_atomic(interrupted / "result.json", {"status": "interrupted"})
+    assert common.run_job(interrupted, "seq=128k") == [{"status": "ok", "attempt": 1}]
+    assert json.loads((interrupted / "interrupted" / "1" / "result.json").read_text()) == {"status": "interrupted"}
+    assert common.run_job(interrupted, "seq=128k") == [{"status": "ok", "attempt": 1}]
+    assert launched == [killed, interrupted]
+
+
+def test_a_step_cut_short_by_its_budget_keeps_the_rows_of_its_finished_jobs(tmp_path, monkeypatch):
+    import memo.gpucheck.jobs as jobs
+
+    def run_job(run_dir, *overrides):
+        if len(ran) == 2:
+            raise KeyboardInterrupt  # the budget's kill, as the third job runs
+        ran.append(run_dir.name)
+        return [{"status": "ok", "mfu": 0.5, "method.name": overrides[-1]}]
+
+    ran = []
+    monkeypatch.setattr(jobs, "run_job", run_job)
+    with pytest.raises(KeyboardInterrupt):
+        jobs.main(["throughput", "--out", str(tmp_path)])
+    table = pd.read_csv(tmp_path / "throughput.csv")
+    assert list(table["job"]) == ["none-8k", "megatron_selective-8k"] and list(table["mfu"]) == [0.5, 0.5]
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@ a step that cannot run here."""
 
 import argparse
 import hashlib
-import json
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from typing import Optional
 
 import pandas as pd
 
-from memo.results import create_file_atomic
+from memo.results import create_file_atomic, finished_row, set_aside_unfinished
 
 REPO = Path(__file__).resolve().parents[2]
 # what decides a result: the package, the configuration and the entry point
@@ -77,12 +76,15 @@ def run_job(run_dir: Path, *overrides: str, timeout_s: float = 480, multirun: bo
     """Run ``python run.py OVERRIDES`` in a process of its own and return its rows (one, or one
     per job of a ``-m`` sweep); a ``run_dir`` that holds rows already is not run again. A job
     that leaves no row (it crashed or ran past ``timeout_s``) gives one row with status ``error``
-    or ``timeout`` and the tail of its output."""
+    or ``timeout`` and the tail of its output. A job killed with its step (the step's budget) left
+    its claim and no row: its files move to ``interrupted/<n>/`` and it runs again."""
     # a directory name is part of an override: nothing there that Hydra's grammar reads
     run_dir = run_dir.with_name(re.sub(r"[^A-Za-z0-9._-]+", "-", run_dir.name))
-    done_before = sorted(run_dir.rglob("result.json")) if run_dir.exists() else []
+    done_before = _finished_rows(run_dir, multirun)
     if done_before:  # a pack cut short goes on where it stopped
-        return [json.loads(p.read_text()) for p in done_before]
+        return done_before
+    if not multirun and run_dir.exists():  # a job killed with its step holds a claim and no row
+        set_aside_unfinished(run_dir)
     location = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
     command = [sys.executable, "run.py", *overrides, location, *(["-m"] if multirun else [])]
     start = time.monotonic()
@@ -91,12 +93,21 @@ def run_job(run_dir: Path, *overrides: str, timeout_s: float = 480, multirun: bo
         status, tail = None, (done.stdout + done.stderr)[-600:]
     except subprocess.TimeoutExpired as expired:
         status, tail = "timeout", str(expired.stdout or "")[-600:]
-    rows = [json.loads(p.read_text()) for p in sorted(run_dir.rglob("result.json"))]
+    rows = _finished_rows(run_dir, multirun)
     if rows and status is None:
         return rows
     last = tail.strip().splitlines()
     return [{"status": status or "error", "error": last[-1] if last else "no output",
              "overrides": " ".join(overrides), "wall_s": time.monotonic() - start}]
+
+
+def _finished_rows(run_dir: Path, multirun: bool) -> list[dict]:
+    """The rows of the finished jobs in ``run_dir`` (a sweep's: in its job folders), those set
+    aside as interrupted left out."""
+    if not run_dir.is_dir():
+        return []
+    folders = sorted((p for p in run_dir.iterdir() if p.is_dir()), key=lambda p: (len(p.name), p.name)) if multirun else [run_dir]
+    return [row for row in map(finished_row, folders) if row is not None]
 
 
 def row_figures(row: dict, keys: Optional[list[str]] = None) -> dict:

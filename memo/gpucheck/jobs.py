@@ -32,6 +32,7 @@ def throughput(out, cpu: bool) -> list[dict]:
             name = "-".join(m.split("=")[1] for m in method) + f"-{seq}"
             row = run_job(runs_dir(out) / f"throughput-{name}", *common, f"seq={seq}", *method)[0]
             rows.append(row_figures(row) | {"job": name})
+            write_rows(out, "throughput", rows)  # a step cut short by its budget keeps its table
             print(f"throughput: {name}: {row.get('status')} MFU {row.get('mfu')}", flush=True)
     return rows
 
@@ -48,6 +49,7 @@ def longest(out, layers: int = 8, step_tokens: int = 32 * 1024, top: int = 1024 
             row = run_job(runs_dir(out) / f"longest-{name}", "model=7b", f"model.num_layers={layers}",
                           f"seq={seq}", "train.steps=2", "train.warmup_steps=1", *method)[0]
             rows.append(row_figures(row) | {"job": name})
+            write_rows(out, "longest", rows)
             low, high = (mid, high) if row.get("status") == "ok" else (low, mid)
         print(f"longest: {' '.join(method)}: {low * step_tokens} tokens", flush=True)
     return rows
@@ -57,11 +59,11 @@ def main(argv=None) -> int:
     step, *rest = argv if argv is not None else sys.argv[1:]
     args = arguments(__doc__.splitlines()[0], rest)
     if step == "throughput":
-        write_rows(args.out, step, throughput(args.out, args.cpu))
+        throughput(args.out, args.cpu)
     elif step == "longest":
         if args.cpu:
             return skip(args.out, step, "needs a GPU: the longest sequence of a 7B-shaped model on a GPU")
-        write_rows(args.out, step, longest(args.out))
+        longest(args.out)
     else:
         raise SystemExit(f"unknown step {step}; use throughput or longest")
     return 0
