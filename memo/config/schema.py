@@ -14,18 +14,38 @@ from omegaconf import MISSING
 
 @dataclass
 class ModelConfig:
-    """A GPT shape (conf/model/). Every model uses RoPE, LayerNorm, GeLU and tied embeddings."""
+    """A decoder-only transformer's shape (conf/model/): pre-norm, RoPE, no dropout.
+
+    The defaults are the paper's GPT-3 shape (LayerNorm, GeLU, biases, multi-head attention, one
+    tied embedding); Llama-3 and Qwen2.5 set the fields below them (Megatron-core's names where it
+    has one) from their published configs.
+    """
 
     name: str = MISSING
     num_layers: int = MISSING
     hidden_size: int = MISSING
     ffn_hidden_size: int = MISSING
     num_attention_heads: int = MISSING
+    # grouped-query attention: heads of keys and values (None: one per query head)
+    num_query_groups: Optional[int] = None
+    activation: str = "gelu"  # "gelu" (one FC1 output) or "swiglu" (SiLU-gated, FC1 2·ffn wide)
+    normalization: str = "LayerNorm"  # "LayerNorm" or "RMSNorm"
+    norm_epsilon: float = 1e-5
+    add_bias_linear: bool = True  # biases of every linear layer
+    add_qkv_bias: bool = False  # biases of the QKV projection alone (Qwen2)
+    untie_embeddings_and_output_weights: bool = False  # an output layer of its own
     vocab_size: int = 50257
     # The embedding is padded to a multiple of this (and of tp), as Megatron-LM does; the
     # same padding for every tp keeps the model, and its parameter count, layout-independent.
     make_vocab_size_divisible_by: int = 128
     rotary_base: int = 10000
+    # Llama-3.1's RoPE scaling (low- and high-frequency factors 1 and 4 over an original
+    # 8192-token context, as Megatron-core's RotaryEmbedding applies it)
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    # train: start from the weights of a Llama or Qwen2 checkpoint in transformers' format (the
+    # directory save_pretrained writes), which must be of this shape (memo.model.hf_checkpoint)
+    init_from: Optional[str] = None
 
 
 @dataclass

@@ -24,6 +24,8 @@ LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 LOSSES = ("tiled", "megatron")
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")  # as Megatron-core names them
 CP_ATTENTIONS = ("memo", "deepspeed")
+ACTIVATIONS = ("gelu", "swiglu")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 class ConfigError(ValueError):
@@ -85,6 +87,7 @@ def validate(cfg) -> Optional[int]:
             f"model.num_attention_heads={m.num_attention_heads}"
         )
 
+    _check_model_shape(m)
     _check_method(cfg.method)
     _check_alpha(cfg)
     _check_hardware(cfg.hardware)
@@ -146,6 +149,22 @@ def _check_known_keys(node, prefix: str = "") -> None:
         child = node._get_node(key)
         if isinstance(child, DictConfig):
             _check_known_keys(child, f"{prefix}{key}.")
+
+
+def _check_model_shape(m) -> None:
+    _choice("model.activation", m.activation, ACTIVATIONS)
+    _choice("model.normalization", m.normalization, NORMALIZATIONS)
+    if m.num_query_groups is not None:
+        _positive("model.num_query_groups", m.num_query_groups)
+        if m.num_attention_heads % m.num_query_groups:
+            raise ConfigError(f"model.num_query_groups={m.num_query_groups} does not divide "
+                              f"model.num_attention_heads={m.num_attention_heads}")
+    if not m.norm_epsilon > 0:
+        raise ConfigError(f"model.norm_epsilon={m.norm_epsilon} must be positive")
+    if not m.rope_scaling_factor >= 1:
+        raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be at least 1")
+    _positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    _positive("model.rotary_base", m.rotary_base)
 
 
 def _check_hardware(hw) -> None:
@@ -269,6 +288,7 @@ def _check_parallel(p, model, seq: Optional[int]) -> None:
         _positive(f"parallel.{key}", getattr(p, key))
     for size_key, size in (
         ("model.num_attention_heads", model.num_attention_heads),
+        ("model.num_query_groups", model.num_query_groups or model.num_attention_heads),
         ("model.ffn_hidden_size", model.ffn_hidden_size),
     ):
         if size % p.tp:
@@ -278,11 +298,12 @@ def _check_parallel(p, model, seq: Optional[int]) -> None:
             f"parallel.pp={p.pp} does not divide model.num_layers={model.num_layers}"
         )
     _choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
-    heads = model.num_attention_heads
-    if p.cp > 1 and p.cp_comm_type == "a2a" and heads % (p.tp * p.cp):
-        raise ConfigError(f"parallel.cp_comm_type=a2a splits the heads over tp·cp = {p.tp * p.cp} ranks and "
-                          f"model.num_attention_heads={heads} does not divide; use parallel.cp_comm_type="
-                          "all_gather or another cp")
+    for key, heads in (("model.num_attention_heads", model.num_attention_heads),
+                       ("model.num_query_groups", model.num_query_groups or model.num_attention_heads)):
+        if p.cp > 1 and p.cp_comm_type == "a2a" and heads % (p.tp * p.cp):
+            raise ConfigError(f"parallel.cp_comm_type=a2a splits the heads over tp·cp = {p.tp * p.cp} ranks and "
+                              f"{key}={heads} does not divide; use parallel.cp_comm_type=all_gather or "
+                              "another cp")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     # Megatron splits the sequence into 2·cp chunks (load balance of the causal mask), and

@@ -2,10 +2,12 @@
 
 The layer spec follows what is installed: Transformer Engine's layers and attention on a GPU
 when ``transformer_engine`` imports, otherwise Megatron's local layers with
-:class:`~memo.model.attention.SdpaAttention`, :class:`~memo.model.norm.LayerNorm` and RoPE from
-one cos/sin table per model (:class:`~memo.model.rotary.RotarySelfAttention`). All
-models are pre-norm GPTs with RoPE, GeLU MLPs, biases and tied input/output embeddings, and
-no dropout (long-context runs train without it, and it keeps recomputation bit-exact).
+:class:`~memo.model.attention.SdpaAttention`, our norms (:mod:`memo.model.norm`) and MLP
+activation (:mod:`memo.model.activation`), and RoPE from one cos/sin table per model
+(:class:`~memo.model.rotary.RotarySelfAttention`). All models are pre-norm decoders with RoPE and
+no dropout (long-context runs train without it, and it keeps recomputation bit-exact); the
+GPT-3 shapes have GeLU MLPs, LayerNorms, biases and tied embeddings, Llama-3 and Qwen2.5 grouped
+keys and values, SwiGLU, RMSNorm and an output layer of their own (:class:`ModelConfig`).
 """
 
 import functools
@@ -28,6 +30,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.config.validate import LOSSES
 from memo.model import attention_blocks
+from memo.model.activation import Activation
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.context_parallel import sequence_layout
 from memo.model.deepspeed_attention import DeepSpeedUlyssesAttention
@@ -36,7 +39,7 @@ from memo.model.layer import MemoTransformerLayer
 from memo.model.linear import TiledColumnParallelLinear, TiledRowParallelLinear
 from memo.model.loss import TiledLossGPTModel
 from memo.model.rotary import RotarySelfAttention, RotaryTable
-from memo.model.norm import LayerNorm
+from memo.model.norm import norm_class
 
 try:
     import transformer_engine  # noqa: F401
@@ -83,18 +86,33 @@ def padded_vocab_size(model: ModelConfig, tp: int) -> int:
 
 
 def parameter_count(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
-    """Parameters counted from the GPT's shape: with ``tp = pp = 1`` the whole model (P of the MFU
-    formula), otherwise those one device of the first pipeline stage holds.
+    """Parameters counted from the model's shape: with ``tp = pp = 1`` the whole model (P of the
+    MFU formula), otherwise those one device of the first pipeline stage holds.
 
-    Per layer: QKV 3h²+3h, projection h²+h, FC1 h·f+f, FC2 f·h+h, two LayerNorms 4h; tp splits the
-    QKV, FC1 and FC2/projection weights and the QKV and FC1 biases, and replicates the projection
-    and FC2 biases and the norms. Then the tied embedding V·h (V padded, split over tp) and the
-    final LayerNorm 2h (on the last stage).
+    Per layer, with ``d = h/heads``, ``q = heads·d`` and ``kv = 2·groups·d``: QKV ``h·(q + kv)``,
+    projection ``q·h``, FC1 ``h·f`` (``2·h·f`` for SwiGLU), FC2 ``f·h``, each with a bias where
+    ``add_bias_linear`` (QKV's also where ``add_qkv_bias``), and two norms (``2h`` each for
+    LayerNorm, ``h`` for RMSNorm). tp splits the weights and the QKV and FC1 biases, and
+    replicates the projection and FC2 biases and the norms. Then the embedding ``V·h`` (V padded,
+    split over tp), an output layer as large where untied, and the final norm (the last stage's).
     """
     h, f = model.hidden_size, model.ffn_hidden_size
-    per_layer = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
-    final_norm = 2 * h if pp == 1 else 0
-    return model.num_layers // pp * per_layer + padded_vocab_size(model, tp) * h // tp + final_norm
+    head = h // model.num_attention_heads
+    q = model.num_attention_heads * head
+    qkv = q + 2 * (model.num_query_groups or model.num_attention_heads) * head
+    fc1 = 2 * f if model.activation == "swiglu" else f
+    split = h * qkv + q * h + h * fc1 + f * h
+    if model.add_bias_linear or model.add_qkv_bias:
+        split += qkv
+    replicated = 2 * (2 * h if model.normalization == "LayerNorm" else h)
+    if model.add_bias_linear:
+        split += fc1
+        replicated += 2 * h
+    per_layer = split // tp + replicated
+    vocab = padded_vocab_size(model, tp) * h // tp
+    last_stage = (2 * h if model.normalization == "LayerNorm" else h) + (
+        vocab if model.untie_embeddings_and_output_weights else 0)
+    return model.num_layers // pp * per_layer + vocab + (last_stage if pp == 1 else 0)
 
 
 def count_parameters(module: torch.nn.Module) -> int:
@@ -109,8 +127,9 @@ def count_parameters(module: torch.nn.Module) -> int:
     )
 
 
-def transformer_config(workload: Workload, device_type: str) -> TransformerConfig:
-    """The Megatron ``TransformerConfig`` for one run."""
+def transformer_config(workload: Workload, device_type: str, local_spec: bool = True) -> TransformerConfig:
+    """The Megatron ``TransformerConfig`` for one run, built on the local layer spec (ours) or on
+    Transformer Engine's (``local_spec=False``)."""
     model, method, parallel, dtype = workload.model, workload.method, workload.parallel, torch_dtype(workload)
     recompute = {}
     if method.recompute_granularity is not None:
@@ -140,7 +159,16 @@ def transformer_config(workload: Workload, device_type: str) -> TransformerConfi
         # The full weight is drawn on the host and split, so every tp gives the same model.
         use_cpu_initialization=device_type == "cpu",
         init_method_std=0.02,
-        normalization="LayerNorm",
+        num_query_groups=model.num_query_groups,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        gated_linear_unit=model.activation == "swiglu",
+        activation_func=torch.nn.functional.silu if model.activation == "swiglu" else torch.nn.functional.gelu,
+        # the local spec's activation module (memo.model.activation) is called by Megatron's MLP
+        # on FC1's whole output only under this flag, whatever the module is
+        use_te_activation_func=local_spec,
         bias_activation_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
@@ -162,8 +190,10 @@ def _local_block_spec(
         layer.submodules.self_attention.submodules.linear_proj = TiledRowParallelLinear
         layer.submodules.mlp.submodules.linear_fc1 = TiledColumnParallelLinear
         layer.submodules.mlp.submodules.linear_fc2 = TiledRowParallelLinear
-    layer.submodules.input_layernorm = LayerNorm
-    layer.submodules.pre_mlp_layernorm = LayerNorm
+    norm = norm_class(config.normalization)
+    layer.submodules.input_layernorm = norm
+    layer.submodules.pre_mlp_layernorm = norm
+    layer.submodules.mlp.submodules.activation_func = Activation
     attention = layer.submodules.self_attention
     attention.module = RotarySelfAttention
     attention.params = {**attention.params, "rotary_table": rotary}  # one for all layers
@@ -173,7 +203,7 @@ def _local_block_spec(
     layers = config.num_layers // config.pipeline_model_parallel_size
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=LayerNorm),
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm),
     )
 
 
@@ -245,8 +275,8 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
     _prepare_megatron(device_type)
     model, method, parallel, loss = workload.model, workload.method, workload.parallel, workload.method.loss
     dtype = torch_dtype(workload)
-    config = transformer_config(workload, device_type)
     use_te = uses_transformer_engine(parallel, device_type, attention_backend, method)
+    config = transformer_config(workload, device_type, local_spec=not use_te)
     block_kernel = "none"
     if use_te:
         spec = ModuleSpec(
@@ -282,9 +312,11 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(model, parallel.tp),
         max_sequence_length=workload.seq,
-        share_embeddings_and_output_weights=True,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_base=model.rotary_base,
+        rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
         **extra,
     )
     layout = sequence_layout(method.cp_attention)
@@ -295,6 +327,8 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
             rotary_percent=1.0,
             rotary_interleaved=config.rotary_interleaved,
             rotary_base=model.rotary_base,
+            rope_scaling=model.rope_scaling,
+            rope_scaling_factor=model.rope_scaling_factor,
             use_cpu_initialization=device_type == "cpu",
         )
         gpt.rotary_pos_emb.sequence_layout = layout

@@ -18,8 +18,6 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.utils.checkpoint import checkpoint
 
-from memo.model.placement import gelu
-
 ACTIVATIONS = ("swap", "recompute", "keep")
 
 
@@ -32,14 +30,6 @@ class MemoTransformerLayer(TransformerLayer):
             raise ValueError(f"activations={activations} is not one of {ACTIVATIONS}")
         self.activations = activations
         self.runtime = None
-        config = self.config
-        if (self.mlp.activation_func is torch.nn.functional.gelu and not config.gated_linear_unit
-                and not config.bias_activation_fusion and not config.use_te_activation_func):
-            # GeLU's output is saved by FC2: made where the runtime keeps it
-            self.mlp.activation_func = self._gelu
-
-    def _gelu(self, x: torch.Tensor) -> torch.Tensor:
-        return gelu(x, self.runtime)
 
     def run(self, **kwargs):
         """Megatron's forward pass, as is: ``(hidden_states, context)``."""

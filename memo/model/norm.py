@@ -1,4 +1,5 @@
-"""LayerNorm for the local (non-Transformer-Engine) layer spec, sequence parallelism included.
+"""LayerNorm and RMSNorm for the local (non-Transformer-Engine) layer spec, sequence parallelism
+included.
 
 Megatron-core's ``WrappedTorchNorm`` refuses sequence parallelism. Under it each tensor-parallel
 rank normalizes its own slice of the sequence, so the norm's weight gradients are partial sums;
@@ -6,12 +7,12 @@ marking the weights ``sequence_parallel`` makes Megatron's ``finalize_model_grad
 them over the tensor-parallel group, as Transformer Engine's norms are treated.
 
 With a swap runtime attached (``runtime``), the output and statistics are written into the
-rounding buffer that keeps them (:func:`memo.model.placement.layer_norm`).
+rounding buffer that keeps them (:mod:`memo.model.placement`).
 """
 
 import torch
 
-from memo.model.placement import layer_norm
+from memo.model.placement import layer_norm, rms_norm
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -25,3 +26,23 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, self.runtime)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm (a weight, no bias, no mean) with Megatron's norm constructor and sequence-parallel
+    marking, on PyTorch's fused kernel (:func:`memo.model.placement.rms_norm`)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_options):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+        self.runtime = None  # a SwapRuntime, attached after the model is built
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.runtime)
+
+
+def norm_class(normalization: str) -> type:
+    """The local spec's norm for ``model.normalization`` ("LayerNorm" or "RMSNorm")."""
+    return {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[normalization]

@@ -12,10 +12,10 @@ results), so the layout the runtime discovers is the same either way.
 Which tensors are born where (the README repeats it):
 
 * written by their op into the buffer: the rotated q and k (:mod:`memo.model.rotary`), FC1's
-  output (:mod:`memo.model.linear`) and GeLU's (:func:`gelu`);
-* written into the buffer a tile of tokens at a time: both norms' outputs, means and reciprocal
-  deviations (:func:`layer_norm`; PyTorch's kernel makes its own output, so one tile of it
-  exists twice);
+  output (:mod:`memo.model.linear`) and the activation's (:func:`gelu`, :func:`swiglu`);
+* written into the buffer a tile of tokens at a time: both norms' outputs and statistics
+  (:func:`layer_norm`: means and reciprocal deviations; :func:`rms_norm`: reciprocal root mean
+  squares; PyTorch's kernels make their own output, so one tile of it exists twice);
 * copied into the buffer by the op that first makes them whole: v, cut from the fused QKV output
   (:func:`copy_into` instead of ``.contiguous()``);
 * copied by the runtime from the kernel's memory: attention's output and log-sum-exp (the fused
@@ -81,6 +81,34 @@ def gelu(x: torch.Tensor, runtime) -> torch.Tensor:
     return _Gelu.apply(x, runtime)
 
 
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, runtime):
+        gate, up = torch.chunk(x, 2, dim=-1)
+        out = new_output(runtime, up.shape, x.dtype, x.device)
+        torch.mul(torch.nn.functional.silu(gate), up, out=out)
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        gate, up = torch.chunk(x, 2, dim=-1)
+        # autograd's ops for silu(gate) * up, so gradients are bit-identical to it
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        return torch.cat((grad_gate, grad * torch.nn.functional.silu(gate)), dim=-1), None
+
+
+def swiglu(x: torch.Tensor, runtime) -> torch.Tensor:
+    """``silu(gate) · up`` of ``x = [gate, up]`` (last dimension, halves), written where
+    ``runtime`` places it. Saves ``x`` only and makes SiLU again in the backward pass: autograd's
+    composition would also keep ``silu(gate)`` (half of ``x`` again)."""
+    if not torch.is_grad_enabled():
+        gate, up = torch.chunk(x, 2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    return _SwiGLU.apply(x, runtime)
+
+
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, runtime):
@@ -120,3 +148,59 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if runtime is None or not torch.is_grad_enabled():
         return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
     return _LayerNorm.apply(x, weight, bias, eps, runtime)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, runtime):
+        shape = x.shape[-1:]
+        if runtime is None:
+            out, rstd = torch.ops.aten._fused_rms_norm(x, shape, weight, eps)
+        else:  # as _LayerNorm: a tile at a time, the statistic in the kernel's dtype (float32)
+            tiles = spans(x.shape[0], eighth_tile_tokens(x.shape[0]))
+            start, end = next(tiles)
+            first = torch.ops.aten._fused_rms_norm(x[start:end], shape, weight, eps)
+            out, rstd = (new_output(runtime, (x.shape[0], *t.shape[1:]), t.dtype, x.device) for t in first)
+            for target, value in zip((out, rstd), first, strict=True):
+                target[start:end].copy_(value)
+            for start, end in tiles:
+                tile = torch.ops.aten._fused_rms_norm(x[start:end], shape, weight, eps)
+                for target, value in zip((out, rstd), tile, strict=True):
+                    target[start:end].copy_(value)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        if x.is_cuda:
+            grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(
+                grad, x, x.shape[-1:], rstd, weight, [ctx.needs_input_grad[0], ctx.needs_input_grad[1]])
+        else:  # PyTorch has no CPU kernel for it
+            grad_x, grad_w = _rms_norm_backward_host(grad, x, rstd, weight)
+        return grad_x, grad_w, None, None
+
+
+def _rms_norm_backward_host(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor):
+    """RMSNorm's input and weight gradients in float32, an eighth of the tokens at a time:
+    with ``x̂ = x·rstd``, ``dx = rstd·(g·w − x̂·mean(g·w·x̂))`` and ``dw = Σ g·x̂``."""
+    grad_x = torch.empty_like(x)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    w = weight.float()
+    for start, end in spans(x.shape[0], eighth_tile_tokens(x.shape[0])):
+        normed = x[start:end].float() * rstd[start:end]
+        g = grad[start:end].float()
+        grad_w += (g * normed).flatten(0, -2).sum(dim=0)
+        gw = g * w
+        grad_x[start:end] = rstd[start:end] * (gw - normed * (gw * normed).mean(dim=-1, keepdim=True))
+    return grad_x, grad_w.to(weight.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, runtime) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` (tokens first) with PyTorch's fused kernel, its
+    output and reciprocal root mean square written where ``runtime`` places them, an eighth of
+    the tokens at a time. Saves ``x``, the weight and that statistic (``[tokens, ..., 1]``, float32):
+    autograd's ``rms_norm`` on the CPU is a composition that would keep four tensors of ``x``'s size."""
+    if not torch.is_grad_enabled():
+        return torch.ops.aten._fused_rms_norm(x, x.shape[-1:], weight, eps)[0]
+    return _RMSNorm.apply(x, weight, eps, runtime)

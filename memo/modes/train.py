@@ -29,7 +29,14 @@ from memo.execute.plan_server import ServingStats
 from memo.execute.progress import format_seconds, step_progress
 from memo.execute.train import run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
-from memo.model import build_gpt, dtype_label, torch_dtype, unsupported_layout, uses_transformer_engine
+from memo.model import (
+    build_gpt,
+    dtype_label,
+    hf_checkpoint,
+    torch_dtype,
+    unsupported_layout,
+    uses_transformer_engine,
+)
 from memo.model.context_parallel import sequence_layout
 from memo.model.deepspeed_attention import require_deepspeed
 from memo.modes.frame import job_frame
@@ -54,6 +61,8 @@ def _check_runtime_support(run: Run) -> None:
     uses_transformer_engine(w.parallel, run.device_type, run.train.attention_backend, w.method)
     if w.method.cp_attention == "deepspeed":
         require_deepspeed()
+    if w.model.init_from is not None:
+        hf_checkpoint.check_config(w.model, Path(w.model.init_from), w.parallel.tp)
 
 
 def _prepare_swap(run: Run, model, hw: hardware.Hardware):
@@ -172,6 +181,9 @@ def _train(run: Run, info: distributed.ProcessInfo, row: dict, writer: ResultWri
     swap = None
     try:
         built = build_gpt(workload, device_type, train.attention_backend)
+        if model.init_from is not None:
+            read = hf_checkpoint.load(built.module, model, model.init_from)
+            log.info("weights: %d tensors of %s", read, model.init_from)
         optimizer = build_optimizer(built.module, train, device_type)
         if run.swaps:
             swap, report = _prepare_swap(run, built.module, hw)

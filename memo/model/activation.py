@@ -1,0 +1,25 @@
+"""The MLP's activation as a module of the local layer spec: GeLU, or SwiGLU on FC1's ``[gate, up]``.
+
+Megatron's MLP builds it from ``MLPSubmodules.activation_func`` and calls it on FC1's whole
+output (its ``use_te_activation_func`` path, which takes any module, not only Transformer
+Engine's). Its own unfused SwiGLU would keep ``silu(gate)`` and a copy of ``up`` (as
+``up + glu_linear_offset``) besides FC1's output; this one keeps FC1's output only, and with a
+swap runtime attached (``runtime``) writes its output, which FC2 saves, into the rounding buffer
+(:mod:`memo.model.placement`).
+"""
+
+import torch
+
+from memo.model.placement import gelu, swiglu
+
+
+class Activation(torch.nn.Module):
+    """GeLU, or SwiGLU where the config has a gated linear unit (SiLU-gated)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gated = config.gated_linear_unit
+        self.runtime = None  # a SwapRuntime, attached after the model is built
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.runtime) if self.gated else gelu(x, self.runtime)

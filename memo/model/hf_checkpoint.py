@@ -1,0 +1,362 @@
+"""Weights in Hugging Face ``transformers``' format (``config.json`` and safetensors), both ways.
+
+``model.init_from=DIR`` starts training from a Llama or Qwen2 checkpoint that ``transformers``
+saved (``save_pretrained``): :func:`load` checks that ``DIR/config.json`` describes the run's
+model and copies every tensor into this rank's shard of the Megatron model; :func:`save` writes
+the model back in the same format. Neither needs ``transformers``: the format is read as JSON
+and safetensors.
+
+What changes between the two layouts:
+
+* Megatron fuses q, k and v into one ``linear_qkv`` whose rows run group by group (the query
+  heads of a key/value group, then its key head, then its value head); ``transformers`` keeps
+  ``q_proj``, ``k_proj`` and ``v_proj`` apart. Biases (Qwen2) the same way.
+* Megatron's SwiGLU FC1 is ``[gate; up]`` (``linear_fc1``), ``transformers``' ``gate_proj`` and
+  ``up_proj``; under tensor parallelism each rank holds its rows of both (Megatron's partition
+  stride 2), which :func:`shard` and :func:`unshard` follow.
+* Everything else is renamed only. Transformer Engine's layers keep the norms' weights inside
+  the next linear layer (``layer_norm_weight``); both layer specs are understood.
+
+The vocabulary must not be padded (``make_vocab_size_divisible_by`` and tp divide it, as for
+Llama-3's and Qwen2.5's): padded rows would add logits that the checkpoint's model never had.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors.torch import load_file, save_file
+
+from memo.config import ConfigError, ModelConfig
+from memo.model.gpt import padded_vocab_size
+from memo.results import create_file_atomic
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Megatron-core's RotaryEmbedding applies Llama-3.1's scaling with these, whatever the factor
+_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _hf_shape(config: dict) -> dict:
+    """The fields of a ``transformers`` config.json (version 4 or 5) that decide the model, in
+    our names."""
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    kind = config.get("model_type")
+    if kind not in ("llama", "qwen2"):
+        raise ConfigError(f"model.init_from: config.json has model_type={kind}; Llama and Qwen2 checkpoints "
+                          "(model_type llama or qwen2) can be loaded")
+    if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias"):
+        raise ConfigError("model.init_from: the checkpoint's MLP is not a SwiGLU without biases")
+    heads = config["num_attention_heads"]
+    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+        raise ConfigError(f"model.init_from: head_dim={config['head_dim']} times {heads} heads is not "
+                          f"hidden_size={config['hidden_size']}; such models are not supported")
+    shape = {
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": config["hidden_size"],
+        "ffn_hidden_size": config["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": config.get("num_key_value_heads") or heads,
+        "activation": "swiglu",
+        "normalization": "RMSNorm",
+        "norm_epsilon": config["rms_norm_eps"],
+        "add_bias_linear": False,
+        "add_qkv_bias": kind == "qwen2" or bool(config.get("attention_bias")),
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "vocab_size": config["vocab_size"],
+        "rotary_base": theta,
+        "rope_scaling": scaling is not None,
+    }
+    if scaling is not None:
+        if scaling.get("rope_type", scaling.get("type")) != "llama3" or any(
+                float(scaling.get(k, -1)) != v for k, v in _LLAMA3_SCALING.items()):
+            raise ConfigError(f"model.init_from: the checkpoint's RoPE scaling {scaling} is not Llama-3.1's "
+                              f"(rope_type llama3 with {_LLAMA3_SCALING}), the one Megatron-core applies")
+        shape["rope_scaling_factor"] = float(scaling["factor"])
+    return shape
+
+
+def _our_shape(model: ModelConfig) -> dict:
+    shape = {key: getattr(model, key) for key in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "activation", "normalization",
+        "norm_epsilon", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "vocab_size",
+        "rotary_base", "rope_scaling")}
+    shape["num_query_groups"] = model.num_query_groups or model.num_attention_heads
+    if model.rope_scaling:
+        shape["rope_scaling_factor"] = model.rope_scaling_factor
+    return shape
+
+
+def check_config(model: ModelConfig, directory: Path, tp: int) -> None:
+    """Refuse a checkpoint whose ``config.json`` describes another model than ``model``, or a
+    vocabulary that Megatron would pad under tensor parallelism ``tp``.
+
+    Raises:
+        ConfigError: naming the first field that differs, in one line.
+    """
+    path = Path(directory) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"model.init_from={directory}: cannot read {path} ({error}); give a directory "
+                          "that transformers' save_pretrained wrote") from None
+    theirs, ours = _hf_shape(config), _our_shape(model)
+    for key, value in theirs.items():
+        if key in ours and ours[key] != value and not (isinstance(value, float) and
+                                                       abs(ours[key] - value) <= 1e-12 * abs(value)):
+            raise ConfigError(f"model.init_from={directory} holds a model with {key}={value}, and "
+                              f"model.{key}={ours[key]}; set model.{key}={value} (or choose the model config "
+                              "of that checkpoint)")
+    if padded_vocab_size(model, tp) != model.vocab_size:
+        raise ConfigError(f"model.init_from: model.vocab_size={model.vocab_size} would be padded to "
+                          f"{padded_vocab_size(model, tp)} rows at tp={tp}, adding logits the checkpoint "
+                          "lacks; set model.make_vocab_size_divisible_by to a divisor of the vocabulary")
+
+
+# ---------------------------------------------------------------- names and layouts
+
+
+def _layer_names(prefix: str, i: int, model: ModelConfig) -> dict:
+    """Our parameter names of layer ``i`` -> the checkpoint's (a tuple where ours fuses several)."""
+    ours, theirs = f"decoder.layers.{i}.", f"{prefix}layers.{i}."
+    names = {
+        ours + "input_layernorm.weight": theirs + "input_layernorm.weight",
+        ours + "self_attention.linear_qkv.weight": tuple(theirs + f"self_attn.{p}_proj.weight" for p in "qkv"),
+        ours + "self_attention.linear_proj.weight": theirs + "self_attn.o_proj.weight",
+        ours + "pre_mlp_layernorm.weight": theirs + "post_attention_layernorm.weight",
+        ours + "mlp.linear_fc1.weight": (theirs + "mlp.gate_proj.weight", theirs + "mlp.up_proj.weight"),
+        ours + "mlp.linear_fc2.weight": theirs + "mlp.down_proj.weight",
+    }
+    if model.add_qkv_bias:
+        names[ours + "self_attention.linear_qkv.bias"] = tuple(theirs + f"self_attn.{p}_proj.bias" for p in "qkv")
+    return names
+
+
+def names(model: ModelConfig) -> dict:
+    """Every parameter of the whole model: our name -> the checkpoint's name (or names, in the
+    order they are fused)."""
+    prefix = "model."
+    table = {"embedding.word_embeddings.weight": prefix + "embed_tokens.weight",
+             "decoder.final_layernorm.weight": prefix + "norm.weight"}
+    for i in range(model.num_layers):
+        table.update(_layer_names(prefix, i, model))
+    if model.untie_embeddings_and_output_weights:
+        table["output_layer.weight"] = "lm_head.weight"
+    return table
+
+
+# Transformer Engine's spec keeps each norm's weight in the linear layer after it
+_TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def _module_name(name: str, present: set) -> str:
+    if name in present:
+        return name
+    for local, te in _TE_NAMES.items():
+        if name.endswith(local) and name.replace(local, te) in present:
+            return name.replace(local, te)
+    raise KeyError(f"the model has no parameter {name}")
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Megatron's QKV rows (weights or biases): per group its query heads, key head, value head."""
+    return torch.cat([t.unflatten(0, (groups, -1)) for t in (q, k, v)], dim=1).flatten(0, 1)
+
+
+def _split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple:
+    groups = model.num_query_groups or model.num_attention_heads
+    head = model.hidden_size // model.num_attention_heads
+    per_group = model.num_attention_heads // groups * head
+    q, k, v = qkv.unflatten(0, (groups, -1)).split([per_group, head, head], dim=1)
+    return tuple(t.flatten(0, 1).clone() for t in (q, k, v))
+
+
+def to_megatron(tensors: dict, model: ModelConfig) -> dict:
+    """Checkpoint tensors (``transformers``' names) as the whole model's tensors in our names."""
+    groups = model.num_query_groups or model.num_attention_heads
+    out = {}
+    for ours, theirs in names(model).items():
+        if isinstance(theirs, str):
+            out[ours] = tensors[theirs]
+        elif "linear_qkv" in ours:
+            out[ours] = _fuse_qkv(*(tensors[n] for n in theirs), groups)
+        else:  # FC1: [gate; up]
+            out[ours] = torch.cat([tensors[n] for n in theirs], dim=0)
+    return out
+
+
+def from_megatron(tensors: dict, model: ModelConfig) -> dict:
+    """The whole model's tensors in our names as ``transformers``' tensors (the inverse of
+    :func:`to_megatron`)."""
+    out = {}
+    for ours, theirs in names(model).items():
+        t = tensors[ours]
+        if isinstance(theirs, str):
+            out[theirs] = t
+        elif "linear_qkv" in ours:
+            out.update(zip(theirs, _split_qkv(t, model), strict=True))
+        else:
+            out.update(zip(theirs, (c.clone() for c in t.chunk(2, dim=0)), strict=True))
+    return out
+
+
+# ------------------------------------------------------------- tensor parallelism
+
+
+def _split(param: torch.nn.Parameter) -> tuple[int, int]:
+    """(dimension, stride) of a tensor-parallel parameter's split; (-1, 1) for a replicated one."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return -1, 1
+    return param.partition_dim, getattr(param, "partition_stride", 1)
+
+
+def shard(full: torch.Tensor, param: torch.nn.Parameter, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of ``full`` as ``param`` holds it: along its partition dimension, the
+    ``stride`` pieces ``rank``, ``rank + size``, ... of ``size·stride`` equal ones."""
+    dim, stride = _split(param)
+    if dim < 0 or size == 1:
+        return full
+    parts = full.chunk(size * stride, dim=dim)
+    return torch.cat([parts[k * size + rank] for k in range(stride)], dim=dim)
+
+
+def unshard(local: torch.Tensor, param: torch.nn.Parameter, group, size: int) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's shard, split as ``param`` is (``param``
+    itself, or its gradient), gathered over the tensor-parallel ``group`` of ``size`` ranks (the
+    inverse of :func:`shard`)."""
+    dim, stride = _split(param)
+    local = local.detach()
+    if dim < 0 or size == 1:
+        return local.clone()
+    gathered = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(gathered, local.contiguous(), group=group)
+    pieces = [g.chunk(stride, dim=dim) for g in gathered]
+    return torch.cat([pieces[r][k] for k in range(stride) for r in range(size)], dim=dim)
+
+
+# ---------------------------------------------------------------------- files
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_FILE
+    if index.exists():
+        return sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+    single = directory / WEIGHTS_FILE
+    if not single.exists():
+        raise ConfigError(f"model.init_from={directory} has neither {WEIGHTS_FILE} nor {INDEX_FILE}; give a "
+                          "directory that transformers' save_pretrained wrote (safetensors)")
+    return [single]
+
+
+def read_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint in ``directory``, file by file, on the host."""
+    for path in _weight_files(Path(directory)):
+        yield from load_file(path).items()
+
+
+def load(module: torch.nn.Module, model: ModelConfig, directory) -> int:
+    """Copy the checkpoint in ``directory`` into ``module`` (this rank's Megatron ``GPTModel``
+    of ``model``, its tensor-parallel shards); returns the checkpoint's tensors read.
+
+    Raises:
+        ConfigError: if the checkpoint is not of this model (one line naming the field).
+    """
+    directory = Path(directory)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    check_config(model, directory, tp)
+    tensors = dict(read_tensors(directory))
+    wanted = {n for theirs in names(model).values() for n in ((theirs,) if isinstance(theirs, str) else theirs)}
+    missing = sorted(wanted - tensors.keys())
+    if missing:
+        raise ConfigError(f"model.init_from={directory} lacks {len(missing)} tensors of the model, "
+                          f"{missing[0]} the first; is it a checkpoint of model={model.name}'s shape?")
+    params = dict(module.named_parameters())
+    for ours, full in to_megatron(tensors, model).items():
+        param = params[_module_name(ours, params.keys())]
+        part = shard(full, param, rank, tp)
+        if part.shape != param.shape:
+            raise ConfigError(f"model.init_from: {ours} is {tuple(part.shape)} on this rank, the model's "
+                              f"{tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(part)
+    return len(wanted)
+
+
+def gather(module: torch.nn.Module, model: ModelConfig, grads: bool = False) -> dict:
+    """The whole model's tensors in ``transformers``' names (its weights, or with ``grads`` their
+    gradients), gathered from every tensor-parallel rank (a collective: every rank of the group
+    calls it), on the host."""
+    group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
+    size = parallel_state.get_tensor_model_parallel_world_size() if dist.is_initialized() else 1
+    params = dict(module.named_parameters())
+    whole = {}
+    for ours in names(model):
+        param = params[_module_name(ours, params.keys())]
+        whole[ours] = unshard(param.grad if grads else param, param, group, size).cpu()
+    return from_megatron(whole, model)
+
+
+def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
+    """``config.json`` of ``model`` as ``transformers`` reads it: Qwen2 where q, k and v have
+    biases, Llama otherwise."""
+    qwen = model.add_qkv_bias
+    if model.activation != "swiglu" or model.normalization != "RMSNorm" or model.add_bias_linear:
+        raise ConfigError(f"model={model.name} is not a Llama or Qwen2 shape (SwiGLU, RMSNorm, no linear "
+                          "biases): transformers' format has no place for it")
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "hidden_act": "silu",
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
+        "head_dim": model.hidden_size // model.num_attention_heads,
+        "rms_norm_eps": model.norm_epsilon,
+        "vocab_size": model.vocab_size,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        "rope_theta": float(model.rotary_base),
+        "max_position_embeddings": 131072,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if not qwen:
+        config.update(attention_bias=False, mlp_bias=False)
+    if model.rope_scaling:
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor, **_LLAMA3_SCALING}
+    return config
+
+
+def save(module: torch.nn.Module, model: ModelConfig, directory) -> None:
+    """Write ``module`` (this rank's shard of ``model``) to ``directory`` in ``transformers``'
+    format: ``config.json`` and one ``model.safetensors``. A collective over the tensor-parallel
+    group; the first rank writes. An existing ``directory`` with a checkpoint is never
+    overwritten; each file appears whole (written beside, then renamed).
+
+    Raises:
+        FileExistsError: if ``directory`` holds a checkpoint already.
+    """
+    tensors = gather(module, model)
+    if dist.is_initialized() and parallel_state.get_tensor_model_parallel_rank() != 0:
+        return
+    directory = Path(directory)
+    for name in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE):
+        if (directory / name).exists():
+            raise FileExistsError(f"{directory / name} exists and is kept; save to another directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = next(iter(tensors.values())).dtype
+    partial = directory / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(partial), metadata={"format": "pt"})
+    os.link(partial, directory / WEIGHTS_FILE)  # fails rather than replace one that appeared meanwhile
+    partial.unlink()
+    create_file_atomic(directory / CONFIG_FILE, json.dumps(hf_config(model, dtype), indent=2) + "\n")
+
