@@ -129,3 +129,45 @@ def check_tensor_parallel(info, out, model: str) -> str:
     finally:
         distributed.shutdown()
     return f"{model}: logits, loss and {compared - 2} gradients equal transformers' at tp=2 with SP"
+
+
+def check_context_parallel(info, out, model: str, comm: str) -> str:
+    """Under torchrun, two ranks: our ``model`` at cp=2 exchanging keys and values by ``comm``
+    (grouped: fewer key/value heads than query heads), each rank its two load-balanced chunks of
+    the sequence: loss and gradients equal ``transformers``' on the whole sequence."""
+    import transformers
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from memo.execute import distributed
+
+    from conftest import compose_config
+
+    overrides = ("parallel.cp=2", f"parallel.cp_comm_type={comm}")
+    directory = Path(out) / "checkpoint"
+    distributed.initialize(compose_config(*overrides).parallel, "cpu", info)
+    try:
+        if info.rank == 0:
+            make_checkpoint(model, directory)
+        dist.barrier()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        ids = tokens(hf.config.vocab_size)
+        theirs = hf_figures(hf, ids)
+        run = resolve_config(f"model={model}", f"model.init_from={directory}", f"seq={SEQ}", *overrides)
+        gpt = build_gpt(run.workload, "cpu").module
+        hf_checkpoint.load(gpt, run.workload.model, directory)
+        batch = get_batch_on_this_cp_rank({"tokens": ids[:, :-1], "labels": ids[:, 1:],
+                                           "position_ids": torch.arange(SEQ).unsqueeze(0)})
+        per_token = gpt(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss = per_token.float().sum() / SEQ  # this rank's share of the sequence's mean
+        loss.backward()
+        group = parallel_state.get_context_parallel_group()
+        dist.all_reduce(loss.detach(), group=group)
+        for p in gpt.parameters():  # each rank's tokens' part of every gradient
+            dist.all_reduce(p.grad, group=group)
+        torch.testing.assert_close(loss.detach(), theirs["loss"])
+        grads = hf_checkpoint.gather(gpt, run.workload.model, grads=True)
+        for name, grad in theirs["grads"].items():
+            torch.testing.assert_close(grads[name], grad, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        distributed.shutdown()
+    return f"{model}: loss and {len(grads)} gradients equal transformers' at cp=2 ({comm})"

@@ -31,14 +31,18 @@ VARIANTS = [("memo", 0.0), ("memo", 0.125), ("memo", 0.5), ("memo", 1.0), ("full
 # under context parallelism: nothing swapped or recomputed, both, and the two whole methods
 CP_VARIANTS = [("memo", 0.0), ("memo", 0.5), ("full_swap", None), ("full_recompute", None)]
 MODEL = ["model.num_layers=6", "model.vocab_size=1000"]
+MEGATRON_VARIANTS = [("megatron_selective", None), ("megatron_full_recompute", None)]
 
 
-def check_layout(info: distributed.ProcessInfo, out, layout: str) -> str:
+def check_layout(info: distributed.ProcessInfo, out, layout: str, model: str = "tiny") -> str:
     """Every variant's gradients, step by step, equal keeping everything's; raises at the first
-    difference."""
+    difference. ``model``: tiny (the GPT) or tiny_llama (grouped keys and values, SwiGLU, RMSNorm,
+    an untied output layer), which is also checked with Megatron's own recomputations."""
     overrides, losses = LAYOUTS[layout]
     variants = CP_VARIANTS if "cp" in layout else VARIANTS
-    parallel = [*overrides, *MODEL]
+    if model != "tiny":  # the loss is checked with the GPT: one of them here
+        variants, losses = [*variants, *MEGATRON_VARIANTS], losses[:1]
+    parallel = [*overrides, *MODEL, f"model={model}"]
     distributed.initialize(compose_config(*parallel).parallel, "cpu", info)
     try:
         for loss in (f"train.loss={name}" for name in losses):
@@ -53,5 +57,5 @@ def check_layout(info: distributed.ProcessInfo, out, layout: str) -> str:
                                                           f"step {s + 1} {n}: {m}")
     finally:
         distributed.shutdown()
-    return f"{len(variants)} methods match over 3 steps with {' and '.join(losses)} ({layout})"
-
+    shown = "" if model == "tiny" else f"{model}, "
+    return f"{len(variants)} methods match over 3 steps with {' and '.join(losses)} ({shown}{layout})"

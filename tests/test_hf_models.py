@@ -34,6 +34,16 @@ def test_logits_loss_and_gradients_equal_transformers_at_tp2_with_sequence_paral
             assert message.startswith(f"{model}: logits, loss and "), message
 
 
+CP_EXCHANGES = ["all_gather", "p2p", "a2a"]
+
+
+@pytest.mark.torchrun(2, *(f"hf_models.check_context_parallel tiny_llama {comm}" for comm in CP_EXCHANGES))
+def test_loss_and_gradients_equal_transformers_at_cp2_with_every_exchange(torchrun_results):
+    for comm, result in zip(CP_EXCHANGES, torchrun_results, strict=True):
+        for message in result.passed():
+            assert message.endswith(f"equal transformers' at cp=2 ({comm})"), message
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_a_checkpoint_survives_a_round_trip_byte_for_byte(single_process, tmp_path, model):
     import transformers

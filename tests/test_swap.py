@@ -153,6 +153,38 @@ def test_skeletal_sizes_of_a_layer_match_a_hand_count(parallel_state):
     assert report.host_bytes == runtime.slab.numel() == 4 * swapped
 
 
+def test_skeletal_sizes_of_a_llama_layer_match_a_hand_count(parallel_state):
+    # tiny_llama: h = 256, 8 query heads over 2 key/value heads of 32, SwiGLU of ffn 768, RMSNorm;
+    # one sequence of S = 256 tokens in fp32.
+    workload = resolve_config("method=memo", "model=tiny_llama", "model.num_layers=6", VOCAB, "seq=256",
+                              "train.loss=megatron").workload
+    torch.manual_seed(0)
+    model = build_gpt(workload, "cpu").module
+    runtime = SwapRuntime(6, DeferredStreams(), torch.device("cpu"))
+    report = prepare_swap(runtime, model, workload, 0.25, 2**40)
+    S, h, f, heads, kv = 256, 256, 768, 8, 2 * 32
+    assert report.skeletal_input_bytes == 4 * S * h
+    assert report.skeletal_attention_bytes == 4 * S * (h + heads)  # output and log-sum-exp
+    # norm1 out, q, the attention residual, norm2 out: 4h; k and v: 2·kv; FC1's [gate, up] 2f and
+    # SwiGLU's output f (no silu(gate) is kept); each RMSNorm's reciprocal root mean square: 2
+    assert report.skeletal_other_bytes == 4 * S * (4 * h + 2 * kv + 3 * f + 2)
+    born = [s for s in runtime.layout.slots if s.born is not None]
+    # made in place: both norms' output and statistic, q, k, v, FC1's and SwiGLU's outputs
+    assert sorted(s.shape for s in born) == sorted(
+        [(S, 1, h), (S, 1, 1)] * 2 + [(S, 1, 8, 32), (S, 1, 2, 32), (S, 1, 2, 32), (S, 1, 2 * f), (S, 1, f)])
+    assert (report.keep_tokens, report.alpha) == (64, 0.25)
+
+
+@pytest.mark.parametrize("loss", ["tiled", "megatron"])
+def test_llama_shaped_gradients_of_every_method_equal_keeping_everything(parallel_state, loss):
+    shape = ("model=tiny_llama", "model.num_layers=6", VOCAB, f"train.loss={loss}")
+    _, expected, _ = train_gradients("none", *shape)
+    for method, alpha in [("memo", 0.0), ("memo", 0.5), ("full_swap", None), ("full_recompute", None),
+                          ("megatron_selective", None), ("megatron_full_recompute", None)]:
+        _, grads, _ = train_gradients(method, *shape, alpha=alpha)
+        _assert_same_gradients(grads, expected)
+
+
 def test_swapping_refuses_the_math_kernel_in_one_line(parallel_state):
     # SDPA's math kernel saves its s×s probabilities for the backward: no token-wise slot holds
     # them, so the swap runtime would stop at its first layer (as it did on a GPU).
@@ -181,9 +213,10 @@ def test_device_bytes_do_not_grow_with_layers_and_host_bytes_follow_the_formula(
     assert sum(r["recomputed"] for r in rows8) == 6 * (1 - alpha) * s_other
 
 
-def _recorded_memo_step(layers: int, seq: int):
+def _recorded_memo_step(layers: int, seq: int, model: str = "tiny"):
     """The allocation trace of one real CPU step of ``method=memo`` (α = 0.5) and its runtime."""
-    workload = resolve_config("method=memo", f"model.num_layers={layers}", f"seq={seq}", VOCAB).workload
+    workload = resolve_config("method=memo", f"model={model}", f"model.num_layers={layers}", f"seq={seq}",
+                              VOCAB).workload
     torch.manual_seed(0)
     model = build_gpt(workload, "cpu").module
     runtime = SwapRuntime(layers, InlineStreams(), torch.device("cpu"))
@@ -199,9 +232,10 @@ def _recorded_memo_step(layers: int, seq: int):
     return Trace(record(model, step).events), runtime
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny_llama"])
 @pytest.mark.parametrize("layers", [4, 8])
-def test_the_device_holds_exactly_two_layers_of_skeletal_bytes(parallel_state, layers):
-    trace, runtime = _recorded_memo_step(layers, 1024)
+def test_the_device_holds_exactly_two_layers_of_skeletal_bytes(parallel_state, layers, model):
+    trace, runtime = _recorded_memo_step(layers, 1024, model)
     requests = trace.requests()
     # No layer keeps a request of its own for its backward: the last two included, everything
     # it saves is in a rounding buffer (allocated before the step, so not a request).

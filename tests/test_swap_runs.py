@@ -98,3 +98,18 @@ def test_context_parallel_gradients_match_keeping_everything(torchrun_results, l
     split over ranks by every exchange."""
     (result,) = torchrun_results
     assert result.passed() == (f"4 methods match over 3 steps with {loss} ({layout})",) * processes
+
+
+LLAMA_LAYOUTS = [("tp2-sp", "tiled"), ("cp2", "tiled"), ("cp2-p2p", "megatron"), ("cp2-a2a", "tiled")]
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun(2, *(f"swap_worker.check_layout {layout} tiny_llama" for layout, _ in LLAMA_LAYOUTS))
+def test_llama_shaped_gradients_of_every_method_match_keeping_everything_in_two_processes(torchrun_results):
+    """Grouped keys and values, SwiGLU, RMSNorm and an untied output layer under tensor and
+    sequence parallelism and under each context-parallel exchange: MEMO's variants and
+    Megatron's own recomputations give keeping everything's gradients (which equal
+    transformers', tests/test_hf_models.py)."""
+    for (layout, loss), result in zip(LLAMA_LAYOUTS, torchrun_results, strict=True):
+        methods = 8 if layout == "tp2-sp" else 6
+        assert result.passed() == (f"{methods} methods match over 3 steps with {loss} (tiny_llama, {layout})",) * 2
