@@ -55,7 +55,7 @@ class _Train:
 
     micro_batch_size: int = 1
     micro_batches: int = 1
-    distributed_optimizer: bool = False
+    distributed_optimizer: Optional[bool] = None
     loss_tile_tokens: Optional[int] = None
 
 
@@ -84,7 +84,7 @@ def problem_of_row(row: pd.Series) -> tuple[Problem, ParallelConfig, int]:
         hardware=prediction_hardware(_section(row, "hardware.", Hardware)),
         fit=_section(row, "fit.", FitConfig),
         micro_batches=int(train.micro_batches),
-        distributed_optimizer=bool(train.distributed_optimizer),
+        distributed_optimizer=train.distributed_optimizer,
         alpha=alpha,
     )
     return problem, parallel, seq

@@ -127,6 +127,16 @@ def test_seq_sweep_values_compose_as_strings():
         (["method.cp_attention=ring"], "method.cp_attention=ring is not allowed"),
         (["parallel.cp=8", "parallel.cp_comm_type=a2a", "seq=16k"],
          "parallel.cp_comm_type=a2a splits the heads over tp·cp = 8 ranks and model.num_attention_heads=4"),
+        (["model=tiny_llama", "parallel.cp=4", "parallel.cp_comm_type=a2a", "seq=16k"],
+         "parallel.cp_comm_type=a2a splits the heads over tp·cp = 4 ranks and model.num_query_groups=2"),
+        (["model=tiny_llama", "parallel.tp=4"], "parallel.tp=4 does not divide model.num_query_groups=2"),
+        (["model=tiny_llama", "model.num_query_groups=3"], "model.num_query_groups=3 does not divide"),
+        (["model.activation=relu"], "model.activation=relu is not allowed; choose one of: gelu, swiglu"),
+        (["model.normalization=ScaleNorm"], "model.normalization=ScaleNorm is not allowed"),
+        (["model.norm_epsilon=0"], "model.norm_epsilon=0.0 must be positive"),
+        (["model=tiny_llama", "model.rope_scaling_factor=0.5"], "model.rope_scaling_factor=0.5"),
+        (["mode=fit", "fit.seq_limit=0"], "fit.seq_limit=0 is not a sequence length"),
+        (["mode=fit", "fit.seq_step=4q"], "fit.seq_step=4q is not a sequence length"),
     ],
 )
 def test_validation_errors_name_the_key_in_one_line(overrides, key):

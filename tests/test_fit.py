@@ -9,7 +9,7 @@ import subprocess
 
 import pandas as pd
 import pytest
-from conftest import PYTHON, REPO, run_in_process
+from conftest import PYTHON, REPO, resolve_config, run_in_process
 
 from analysis import tables
 from analysis.rows import load_results
@@ -132,9 +132,24 @@ def test_model_states_are_megatrons_mixed_precision_bytes():
     # The distributed optimizer shards main weights and moments over dp·cp = 2 ranks.
     sharded = memory.model_states(work(parallel=LAYOUT), distributed_optimizer=True)
     assert sharded.optimizer == 6 * params and sharded.weights == 2 * params
+    # unset, it is on wherever there are dp·cp ranks to shard over
+    assert memory.model_states(work(parallel=LAYOUT), distributed_optimizer=None) == sharded
+    alone = dataclasses.replace(LAYOUT, dp=1, cp=1)
+    assert memory.model_states(work(parallel=alone), None) == memory.model_states(work(parallel=alone), False)
     # All devices together hold the model once per dp·cp replica.
     whole = parameter_count(SEVEN_B)
     assert whole == 32 * (4 * h * h + 2 * h * f + 9 * h + f) + padded_vocab_size(SEVEN_B, 1) * h + 2 * h
+
+
+def test_llama_and_qwen_parameter_counts_are_their_published_ones():
+    # Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B and Qwen2.5-32B as their model cards count them
+    # (8.03B, 70.6B, 7.61B, 32.5B), to the parameter: every tensor of their checkpoints
+    counts = {name: parameter_count(resolve_config(f"model={name}").workload.model)
+              for name in ("llama3_8b", "llama3_70b", "qwen2.5_7b", "qwen2.5_32b")}
+    assert counts == {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496,
+                      "qwen2.5_7b": 7_615_616_512, "qwen2.5_32b": 32_763_876_352}
+    h, f, q, kv, vocab = 4096, 14336, 4096, 2 * 8 * 128, 128256  # llama3_8b, by hand
+    assert counts["llama3_8b"] == 32 * (h * (q + kv) + q * h + 3 * h * f + 2 * h) + 2 * vocab * h + h
 
 
 def test_skeletal_activations_of_every_layer_at_one_million_tokens():
@@ -347,14 +362,21 @@ def test_layouts_of_eight_devices_keep_tensor_parallelism_in_a_node():
     found = layouts(SEVEN_B, 16, 8)
     assert all(p.tp * p.cp * p.pp * p.dp == 16 and p.tp <= 8 and 32 % p.pp == 0 for p in found)
     assert not any(p.tp == 16 for p in found)
-    # By hand: tp ∈ {1, 2, 4, 8}; for each, ordered (cp, pp, dp) with product 16/tp: 15 + 10 + 6 + 3.
-    assert len(found) == 15 + 10 + 6 + 3
+    # By hand: tp ∈ {1, 2, 4, 8}; for each, ordered (cp, pp, dp) with product 16/tp: 15 + 10 + 6 + 3,
+    # of which 10 + 6 + 3 + 1 have cp > 1 and are tried with each of the three exchanges
+    assert len(found) == 15 + 10 + 6 + 3 + 2 * (10 + 6 + 3 + 1)
     assert all(p.sequence_parallel == (p.tp > 1) for p in found)
+    assert {p.cp_comm_type for p in found if p.cp > 1} == {"all_gather", "p2p", "a2a"}
     # Ulysses splits the heads over tp·cp: with 12 heads, only layouts whose tp·cp divides 12
     ulysses = layouts(dataclasses.replace(SEVEN_B, num_attention_heads=12, hidden_size=4608), 16, 8,
-                      cp_comm_type="a2a")
+                      cp_comm_types=("a2a",))
     assert ulysses and all(12 % (p.tp * p.cp) == 0 and p.cp_comm_type == "a2a" for p in ulysses)
     assert {(p.tp, p.cp) for p in ulysses} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}
+    # and its key/value groups too: Llama-3-8B's 8 leave tp·cp ≤ 8; tp also divides them
+    llama = dataclasses.replace(SEVEN_B, num_query_groups=8, ffn_hidden_size=14336)
+    grouped = layouts(llama, 64, 8, cp_comm_types=("a2a",))
+    assert grouped and max(p.tp * p.cp for p in grouped) == 8
+    assert not [p for p in layouts(dataclasses.replace(llama, num_query_groups=2), 16, 8) if p.tp > 2]
 
 
 def test_binary_search_finds_the_longest_length_that_fits():
@@ -445,7 +467,7 @@ def test_layout_and_length_search_rows_feed_the_longest_sequence_table(tmp_path)
     assert set(results["status"]) == {"ok"} and (results["seq"] % (16 * 1024) == 0).all()
     for job in ("0", "1"):
         tried = pd.read_csv(sweep / job / "layouts.csv")
-        assert len(tried) == len(layouts(TINY, 2, 8))  # tp1 cp2, tp1 pp2, tp1 dp2, tp2 (+sp)
+        assert len(tried) == len(layouts(TINY, 2, 8)) == 6  # tp1 cp2 (each exchange), pp2, dp2; tp2 (+sp)
         row = results[results["output_dir"].str.endswith(f"/{job}")].iloc[0]
         # The row is the layout that fits the longest sequence, listed first.
         assert row["seq"] == tried.loc[tried["status"] == "ok", "seq"].max() == tried["seq"].iloc[0]
@@ -456,7 +478,7 @@ def test_layout_and_length_search_rows_feed_the_longest_sequence_table(tmp_path)
         assert len(unrunnable) == (tried["pp"] > 1).sum() == 1 and (tried["cp"] > 1).sum() > 0
         assert (tried.loc[tried["cp"] > 1, "status"] != "unrunnable").any()
         assert unrunnable["unrunnable"].str.contains("parallel.pp=").all()
-    assert results["fit.runners_up"].str.count(";").min() == 1  # two runners-up of three runnable
+    assert results["fit.runners_up"].str.count(";").min() == 2  # three runners-up of five runnable
     table = tables.longest_sequence(results)
     assert sorted(table.index.get_level_values("variant")) == [
         "full_recompute (predicted)",

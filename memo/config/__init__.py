@@ -14,7 +14,7 @@ from memo.config.schema import (
     TrainConfig,
     register_configs,
 )
-from memo.config.resolve import DTYPE_BYTES, Run, SeqSearch, Workload, resolve
+from memo.config.resolve import DTYPE_BYTES, Run, SeqSearch, Workload, resolve, shards_optimizer
 from memo.config.validate import ConfigError, parse_alpha, parse_seq, validate
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "parse_seq",
     "register_configs",
     "resolve",
+    "shards_optimizer",
     "validate",
     "Workload",
 ]

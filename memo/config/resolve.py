@@ -109,7 +109,8 @@ def resolve(cfg, gpu_visible: bool) -> Run:
     loss = method.loss if cfg.train.loss == "auto" else cfg.train.loss
     search = None
     if seq is None:
-        search = SeqSearch(parse_seq(cfg.fit.seq_step), parse_seq(cfg.fit.seq_limit))
+        search = SeqSearch(parse_seq(cfg.fit.seq_step, "fit.seq_step"),
+                           parse_seq(cfg.fit.seq_limit, "fit.seq_limit"))
         seq = search.limit
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device_type == "cuda" else "fp32")
     workload = Workload(
@@ -145,3 +146,9 @@ def _device_type(cfg, backend: str, gpu_visible: bool) -> str:
         return "cuda" if gpu_visible else "cpu"
     return "cpu" if cfg.hardware.name == "cpu" else "cuda"
 
+
+
+def shards_optimizer(setting: Optional[bool], parallel: ParallelConfig) -> bool:
+    """Whether the optimizer's states are sharded under ``parallel``: ``train.distributed_optimizer``
+    where set, else wherever there is more than one data- or context-parallel rank to shard over."""
+    return setting if setting is not None else parallel.dp * parallel.cp > 1

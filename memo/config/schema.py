@@ -136,7 +136,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), fp32, bf16 or fp16
     data: str = "synthetic"  # "synthetic" or the path of a text file read as byte tokens
     attention_backend: str = "auto"  # auto, te, cudnn, flash, efficient or math
-    distributed_optimizer: bool = False  # shard optimizer states over data parallel (GPU)
+    # Megatron's distributed optimizer: Adam's states and the fp32 main weights sharded over the
+    # dp·cp ranks (GPU). None: on wherever dp·cp > 1, as every Megatron-LM long-context recipe.
+    distributed_optimizer: Optional[bool] = None
     # Output layer and cross entropy: auto (the method's `loss`), tiled (logits made per tile of
     # tokens, never for the whole sequence; memo.model.loss) or megatron (Megatron-core's own).
     loss: str = "auto"

@@ -35,19 +35,20 @@ class ConfigError(ValueError):
 _SEQ = re.compile(r"(\d+)([kK]?)")
 
 
-def parse_seq(value: object) -> int:
+def parse_seq(value: object, key: str = "seq") -> int:
     """Return the sequence length in tokens for ``value`` (an int or a string like ``"64k"``).
 
     ``4096`` and ``"4096"`` are tokens; ``"4k"`` and ``"1408k"`` count k = 1024 tokens.
 
     Raises:
-        ConfigError: if ``value`` is not a positive whole number of tokens or of k.
+        ConfigError: if ``value`` is not a positive whole number of tokens or of k (naming ``key``,
+            the setting it was given as).
     """
     match = _SEQ.fullmatch(str(value).strip())
     tokens = int(match.group(1)) * (1024 if match.group(2) else 1) if match else 0
     if tokens <= 0:
         raise ConfigError(
-            f"seq={value} is not a sequence length: write a positive number of tokens "
+            f"{key}={value} is not a sequence length: write a positive number of tokens "
             "as 4096, 4k or 1408k (k = 1024 tokens)"
         )
     return tokens
@@ -195,7 +196,7 @@ def _check_cluster(cfg) -> None:
 
 
 def _check_fit(fit) -> None:
-    step, limit = parse_seq(fit.seq_step), parse_seq(fit.seq_limit)
+    step, limit = parse_seq(fit.seq_step, "fit.seq_step"), parse_seq(fit.seq_limit, "fit.seq_limit")
     if limit < step:
         raise ConfigError(f"fit.seq_limit={fit.seq_limit} is below fit.seq_step={fit.seq_step}")
     _positive("fit.runners_up", fit.runners_up, minimum=0)

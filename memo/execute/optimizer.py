@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from memo.config import TrainConfig
+from memo.config import ParallelConfig, TrainConfig, shards_optimizer
 
 
 class StepOptimizer(Protocol):
@@ -114,7 +114,7 @@ class MegatronStepOptimizer:
 
     name = "megatron"
 
-    def __init__(self, module: torch.nn.Module, train: TrainConfig):
+    def __init__(self, module: torch.nn.Module, train: TrainConfig, sharded: bool):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -128,7 +128,7 @@ class MegatronStepOptimizer:
             config=config,
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
-                use_distributed_optimizer=train.distributed_optimizer,
+                use_distributed_optimizer=sharded,
             ),
             module=module,
         )
@@ -143,7 +143,7 @@ class MegatronStepOptimizer:
                 bf16=config.bf16,
                 fp16=config.fp16,
                 params_dtype=config.params_dtype,
-                use_distributed_optimizer=train.distributed_optimizer,
+                use_distributed_optimizer=sharded,
             ),
             [self.model],
         )
@@ -163,8 +163,10 @@ class MegatronStepOptimizer:
         return float("nan") if grad_norm is None else float(grad_norm)
 
 
-def build_optimizer(module: torch.nn.Module, train: TrainConfig, device_type: str) -> StepOptimizer:
-    """Megatron's optimizer on a GPU, :class:`HostOptimizer` on the CPU."""
+def build_optimizer(module: torch.nn.Module, train: TrainConfig, device_type: str,
+                    parallel: ParallelConfig) -> StepOptimizer:
+    """Megatron's optimizer on a GPU (distributed where :func:`memo.config.shards_optimizer`
+    says), :class:`HostOptimizer` on the CPU."""
     if device_type == "cuda":
-        return MegatronStepOptimizer(module, train)
+        return MegatronStepOptimizer(module, train, shards_optimizer(train.distributed_optimizer, parallel))
     return HostOptimizer(module, train)

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from memo.config import Workload
+from memo.config import Workload, shards_optimizer
 from memo.fit.template import INNER_LAYERS, IterationTemplate
 from memo.model.gpt import parameter_count
 from memo.plan.alpha import AlphaSolution, SkeletalBytes, choose_alpha
@@ -50,14 +50,15 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
-def model_states(workload: Workload, distributed_optimizer: bool) -> ModelStates:
-    """Weights, gradients and Adam states of one device, bytes."""
+def model_states(workload: Workload, distributed_optimizer: Optional[bool]) -> ModelStates:
+    """Weights, gradients and Adam states of one device, bytes; the states sharded over dp·cp
+    where ``distributed_optimizer`` is true, or is None and dp·cp > 1."""
     parallel = workload.parallel
     params = parameter_count(workload.model, parallel.tp, parallel.pp)
     element = workload.dtype_bytes
     # 16-bit training keeps fp32 main weights next to Adam's two fp32 moments.
     optimizer_per_param = 12 if element < 4 else 8
-    shards = parallel.dp * parallel.cp if distributed_optimizer else 1
+    shards = parallel.dp * parallel.cp if shards_optimizer(distributed_optimizer, parallel) else 1
     return ModelStates(params, params * element, params * 4, math.ceil(params * optimizer_per_param / shards))
 
 

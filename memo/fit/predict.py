@@ -22,7 +22,7 @@ class Problem:
     hardware: Hardware
     fit: FitConfig
     micro_batches: int = 1
-    distributed_optimizer: bool = False
+    distributed_optimizer: Optional[bool] = None  # None: where dp·cp > 1 (memo.config.shards_optimizer)
     plan: bool = False  # transient tensors from the memory plan instead of the caching allocator
     alpha: Optional[float] = None  # swapping methods: the swapped fraction given, or None to solve it
     plan_time_limit_s: float = 10.0

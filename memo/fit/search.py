@@ -2,8 +2,9 @@
 that fits one.
 
 A layout is valid when ``tp·cp·pp·dp`` is the number of devices, tensor parallelism stays within
-a node and divides the attention heads and the FFN width (Ulysses' ``tp·cp`` divides the heads),
-and pipeline parallelism divides the layers. Whether a length fits is monotone in the length
+a node and divides the attention heads, the key/value groups and the FFN width (Ulysses' ``tp·cp``
+divides the heads and the groups), and pipeline parallelism divides the layers; a layout with
+context parallelism is tried with each exchange (``all_gather``, ``p2p``, ``a2a``). Whether a length fits is monotone in the length
 (every activation grows with it), so the longest one is found by binary search over multiples of
 ``fit.seq_step`` that every layout can split (``2·cp``, and ``tp`` under sequence parallelism).
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from memo.config import ModelConfig, ParallelConfig
-from memo.config.validate import sequence_divisor
+from memo.config.validate import CP_COMM_TYPES, sequence_divisor
 from memo.fit.predict import Prediction
 
 
@@ -23,30 +24,32 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(
     model: ModelConfig, devices: int, devices_per_node: int, sequence_parallel: bool = True,
-    cp_comm_type: str = "all_gather",
+    cp_comm_types: tuple[str, ...] = CP_COMM_TYPES,
 ) -> list[ParallelConfig]:
-    """Every valid ``(tp, cp, pp, dp)`` for ``devices`` (see the module docstring), tp first, each
-    exchanging context-parallel keys and values by ``cp_comm_type``."""
+    """Every valid ``(tp, cp, pp, dp)`` for ``devices`` (see the module docstring), tp first; one
+    with context parallelism once per exchange of ``cp_comm_types`` that can split it."""
+    groups = model.num_query_groups or model.num_attention_heads
     found = []
     for tp in _divisors(devices):
-        if tp > devices_per_node or model.num_attention_heads % tp or model.ffn_hidden_size % tp:
+        if tp > devices_per_node or any(n % tp for n in (model.num_attention_heads, groups, model.ffn_hidden_size)):
             continue
         for cp in _divisors(devices // tp):
-            if cp > 1 and cp_comm_type == "a2a" and model.num_attention_heads % (tp * cp):
-                continue
-            for pp in _divisors(devices // (tp * cp)):
-                if model.num_layers % pp:
+            for comm in cp_comm_types if cp > 1 else cp_comm_types[:1]:
+                if cp > 1 and comm == "a2a" and (model.num_attention_heads % (tp * cp) or groups % (tp * cp)):
                     continue
-                found.append(
-                    ParallelConfig(
-                        tp=tp,
-                        cp=cp,
-                        pp=pp,
-                        dp=devices // (tp * cp * pp),
-                        sequence_parallel=sequence_parallel and tp > 1,
-                        cp_comm_type=cp_comm_type,
+                for pp in _divisors(devices // (tp * cp)):
+                    if model.num_layers % pp:
+                        continue
+                    found.append(
+                        ParallelConfig(
+                            tp=tp,
+                            cp=cp,
+                            pp=pp,
+                            dp=devices // (tp * cp * pp),
+                            sequence_parallel=sequence_parallel and tp > 1,
+                            cp_comm_type=comm,
+                        )
                     )
-                )
     return found
 
 
@@ -104,6 +107,7 @@ class Candidate:
 
 
 def layout_label(parallel: ParallelConfig) -> str:
-    """``tp4 cp2 pp1 dp1`` (``+sp`` with sequence parallelism)."""
+    """``tp4 cp2 pp1 dp1`` (``+sp`` with sequence parallelism, then the context-parallel exchange)."""
     p = parallel
-    return f"tp{p.tp} cp{p.cp} pp{p.pp} dp{p.dp}" + (" +sp" if p.sequence_parallel else "")
+    return (f"tp{p.tp} cp{p.cp} pp{p.pp} dp{p.dp}" + (" +sp" if p.sequence_parallel else "")
+            + (f" {p.cp_comm_type}" if p.cp > 1 else ""))

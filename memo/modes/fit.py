@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from memo import hardware
 from memo.config import ConfigError, Run, SeqSearch, resolve
+from memo.config.validate import CP_COMM_TYPES
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
 from memo.fit.search import Candidate, LayoutResult, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
@@ -88,10 +89,12 @@ def _candidates(run: Run, problem: Problem) -> list[Candidate]:
     method, parallel = run.workload.method, run.workload.parallel
     if not parallel.search:
         return [Candidate(parallel, unsupported_layout(parallel, method))]
+    # DeepSpeed-Ulysses exchanges by its all-to-all only; our attention by any of Megatron's three
+    exchanges = ("a2a",) if method.cp_attention == "deepspeed" else CP_COMM_TYPES
     found = [
         Candidate(p, unsupported_layout(p, method))
         for p in layouts(run.workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
-                         parallel.sequence_parallel, parallel.cp_comm_type)
+                         parallel.sequence_parallel, exchanges)
     ]
     if not found:
         raise ConfigError(

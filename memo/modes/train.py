@@ -184,7 +184,7 @@ def _train(run: Run, info: distributed.ProcessInfo, row: dict, writer: ResultWri
         if model.init_from is not None:
             read = hf_checkpoint.load(built.module, model, model.init_from)
             log.info("weights: %d tensors of %s", read, model.init_from)
-        optimizer = build_optimizer(built.module, train, device_type)
+        optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
         if run.swaps:
             swap, report = _prepare_swap(run, built.module, hw)
             row.update({f"swap.{k}": finite(v) for k, v in dataclasses.asdict(report).items()})
