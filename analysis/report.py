@@ -9,7 +9,8 @@ For each experiment found in the rows (the ``experiment`` column; rows without o
   ``<name>_longest_sequence`` tables, ``<name>_mfu_vs_seq`` and ``<name>_tgs_vs_seq`` figures;
 * ``ablation``: the ``<name>`` table, the MFU and TGS figures and ``<name>_step_time``;
 * ``alpha_sweep``: the ``<name>`` table and the ``<name>_alpha`` figure;
-* ``convergence``: ``<name>_loss`` and ``<name>_step_time`` figures.
+* ``convergence``: ``<name>_loss`` and ``<name>_step_time`` figures;
+* ``anchors``: the ``<name>`` table, our longest sequence next to each peer's published one.
 
 An experiment's ``_cpu_smoke`` version gets the same. Each table is written as CSV
 (numbers in the rows' units: tokens, bytes, seconds, MFU as a fraction) and as Markdown (for
@@ -57,12 +58,15 @@ TABLES: dict[str, dict[str, tuple[str, Table]]] = {
     "alpha_sweep": {"": ("Iteration time and MFU by α and sequence length (* the best α)",
                          tables.alpha_sweep_table)},
     "convergence": {},
+    "anchors": {"": ("Longest sequence predicted to fit against the peers' published figures (tokens; "
+                     "where nothing fits, the term that binds)", tables.anchors_table)},
 }
 SEQ_FIGURES: dict[str, Plot] = {
     "_mfu_vs_seq": lambda runs, steps: figures.metric_vs_seq(runs, "mfu"),
     "_tgs_vs_seq": lambda runs, steps: figures.metric_vs_seq(runs, "tgs"),
 }
 FIGURES: dict[str, dict[str, Plot]] = {
+    "anchors": {},
     "ablation": {**SEQ_FIGURES, "_step_time": lambda runs, steps: figures.step_times(steps)},
     "alpha_sweep": {"_alpha": lambda runs, steps: figures.alpha_sweep(runs)},
     "convergence": {
@@ -155,12 +159,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--out is required: the sweep directories share no directory but the root")
     try:
         results = rows.load_results(*args.dirs)
-        for path in write_report(results, rows.read_steps(results), out, formats):
+        written = write_report(results, rows.read_steps(results), out, formats)
+        for path in written:
             print(path)
     except ValueError as error:
         print(f"analysis.report: {error}", file=sys.stderr)
         return 1
     print(summary(results))
+    for path in written:  # the comparison with published figures is read at once, not opened
+        if rows.experiment_family(path.stem) == "anchors" and path.suffix == ".md":
+            print(f"\n{path.read_text()}")
     return 0
 
 

@@ -200,3 +200,46 @@ def _models_by_size(cells: pd.DataFrame) -> list[str]:
         sizes = {}
     known = {n: s for n, s in sizes.items() if pd.notna(s)}
     return sorted(names, key=lambda n: (n not in known, known.get(n, 0), n))
+
+
+ANCHOR_INDEX = ["anchor.peer", "model.name", "hardware.name", "gpus", "anchor.peer_tokens"]
+
+
+def binding_term(row: pd.Series) -> str:
+    """What keeps a prediction that did not fit (``oom`` or ``oohm``) from fitting: the model's
+    states alone where they and the reserved bytes exceed the device, else the activations; the
+    host memory of swapped activations for ``oohm``. Empty for any other row."""
+    if row["status"] == "oohm":
+        return "host memory of swapped activations"
+    if row["status"] != "oom" or pd.isna(row.get("predicted_device_capacity_bytes")):
+        return ""
+    states = sum(row[f"predicted_{k}_bytes"] for k in ("weights", "gradients", "optimizer"))
+    capacity = row["predicted_device_capacity_bytes"]
+    if states + row["predicted_reserved_bytes"] > capacity:
+        return (f"model states {states / GIB:.1f} GiB (optimizer {row['predicted_optimizer_bytes'] / GIB:.1f}) "
+                f"of {capacity / GIB:.0f} GiB")
+    return "activations"
+
+
+def anchors_table(df: pd.DataFrame, display: bool = False) -> pd.DataFrame:
+    """Per published result (``anchor.*``: the peer, its model and GPUs, its longest sequence in
+    tokens) and per variant: the longest sequence predicted to fit (``seq``, tokens), its share
+    of the peer's figure (``of_peer``) and, where nothing fits, the term that binds (``binding``)."""
+    runs = df[df["anchor.peer"].notna()].copy() if "anchor.peer" in df else df.iloc[0:0]
+    if runs.empty:
+        return pd.DataFrame()
+    runs["gpus"] = pd.to_numeric(runs.get("cluster.gpus", runs["gpus"]), errors="coerce").astype("Int64")
+    runs["binding"] = runs.apply(binding_term, axis=1)
+    index = [*ANCHOR_INDEX, "variant"]
+    cells = runs.sort_values("status", key=lambda s: s.map(STATUS_RANK)).drop_duplicates(index)
+    table = cells.set_index(index)[["status", "seq", "binding"]].sort_index()
+    table["seq"] = table["seq"].where(table["status"] == "ok").astype("Int64")
+    peer = pd.to_numeric(table.index.get_level_values("anchor.peer_tokens"), errors="coerce")
+    table["of_peer"] = (table["seq"].astype(float) / peer).round(3)
+    if display:
+        shown = table.copy()
+        shown["seq"] = [seq_label(s) if pd.notna(s) else STATUS_TEXT.get(status, status)
+                        for s, status in zip(table["seq"], table["status"], strict=True)]
+        shown["of_peer"] = table["of_peer"].map(lambda v: f"{v:.2f}×" if pd.notna(v) else "")
+        return shown.drop(columns="status").rename_axis(index={"anchor.peer_tokens": "peer's tokens"})
+    return table

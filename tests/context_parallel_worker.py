@@ -84,13 +84,20 @@ def check_memory(comm: str, dtype, group) -> str:
     generator = torch.Generator().manual_seed(0)
     q, k, v = (split_for_rank(torch.randn(2 * cp * chunk, b, heads, dim, generator=generator, dtype=dtype),
                               0, rank, cp).requires_grad_() for _ in range(3))
-    out = causal_attention(q, k, v, "flash", scale=0.25, cp_group=group, cp_comm_type=comm)
-    recorder = AllocationRecorder(lambda: "backward")
-    with recorder:
-        out.backward(torch.ones_like(out))
+    peaks = []
+    # gloo's worker thread lets go of an exchange's own copies whenever it is done with the work,
+    # sometimes after the next allocation: the least of three backward passes is the one whose
+    # peak is the program's own
+    for _ in range(3):
+        out = causal_attention(q, k, v, "flash", scale=0.25, cp_group=group, cp_comm_type=comm)
+        recorder = AllocationRecorder(lambda: "backward")
+        with recorder:
+            out.backward(torch.ones_like(out))
+        peaks.append(_peak(recorder.events))
+        q.grad = k.grad = v.grad = None
     own = 3 * q.numel() * dtype.itemsize
     expected = exchange_bytes(comm, cp, b, 2 * cp * chunk, heads * dim, dtype.itemsize) + own
-    measured = _peak(recorder.events)
+    measured = min(peaks)
     # exact for all_gather and p2p; a bound for a2a, whose staging copies vary with cp and dtype
     if not measured <= expected <= measured * (1.0 if comm != "a2a" else 1.2):
         return f"{comm} {dtype}: the backward pass peaked at {measured} bytes, the fit counts {expected}"

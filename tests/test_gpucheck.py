@@ -77,7 +77,7 @@ def test_a_step_of_this_code_is_kept_and_one_of_other_code_is_set_aside_then_run
     assert fake.ran[7:] == ["probe"]  # its result of this code failed: run again, not kept
     assert pack.main(["--cpu", "--out", str(tmp_path), "--all"]) == 0
     # every step but probe, whose result is this code's
-    assert fake.ran[8:] == ["smoke", "cp_kernels", "numerics", "throughput", "overlap", "longest",
+    assert fake.ran[8:] == ["smoke", "cp_kernels", "numerics", "models", "throughput", "overlap", "longest",
                             "calibration"]
 
 
@@ -169,15 +169,19 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     assert "# GPU validation pack: cpu" in summary and "## numerics" in summary and "megatron-core" in summary
 
     # the later steps, each alone; the GPU-only ones say why they did not run
-    steps = pack_run("--only", "throughput", "calibration", "overlap", "longest", "probe")
+    steps = pack_run("--only", "throughput", "calibration", "overlap", "longest", "probe", "models")
     assert steps.loc["probe", "status"] == "done before"
-    assert set(steps.loc[["throughput", "calibration"], "status"]) == {"ok"}
+    assert set(steps.loc[["throughput", "calibration", "models"], "status"]) == {"ok"}
     assert set(steps.loc[["overlap", "longest"], "status"]) == {"skipped"}
     assert all(steps.loc[["overlap", "longest"], "detail"].str.startswith("needs a GPU: "))
     throughput = pd.read_csv(tmp_path / "throughput.csv")
     assert list(throughput["job"]) == ["memo-true-256"]
     assert (throughput["status"] == "ok").all() and (throughput["mfu"] > 0).all()
     assert len(pd.read_csv(tmp_path / "calibration.csv")) == 1
+    models = pd.read_csv(tmp_path / "models.csv")  # the Llama shape, each row with the fit's prediction
+    assert list(models["job"]) == ["memo-256", "megatron_full_recompute-256"]
+    assert (models["status"] == "ok").all() and (models["predicted_peak_bytes"] > 0).all()
+    assert (models["model.name"] == "tiny_llama").all() and models["time_error"].notna().all()
 
 
 def test_overlap_counts_copy_time_under_compute_and_compute_idle_during_copies():

@@ -26,7 +26,7 @@ def test_a_job_writes_its_row_and_step_log(tmp_path):
     row = json.loads((out / "result.json").read_text())
     assert row["status"] == "ok" and row["tgs"] > 0 and 0 < row["mfu"] < 1
     assert row["hardware.name"] == "cpu" and row["hardware.peak_flops_source"] == "measured"
-    assert row["model.name"] == "tiny" and row["method.name"] == "none" and row["seq"] == 256
+    assert row["model.name"] == "tiny_llama" and row["method.name"] == "none" and row["seq"] == 256  # the default
     assert row["overrides"].startswith("seq=256 train.steps=3")
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3] and [s["timed"] for s in steps] == [False, True, True]
@@ -64,7 +64,7 @@ def test_an_invalid_combination_in_a_sweep_leaves_an_error_row_and_the_sweep_goe
 @pytest.mark.parametrize(
     "args, starts",
     [
-        (["parallel.tp=3"], "error: parallel.tp=3 does not divide model.num_attention_heads=4"),
+        (["parallel.tp=3"], "error: parallel.tp=3 does not divide model.num_attention_heads=8"),
         (["seq=12q"], "error: seq=12q is not a sequence length"),
         (["model=13c"], "error: model=13c is not a known model; choose one of: 1.3b, 125m, 13b"),
         (["-m", "method=none,memo_typo"], "error: method=memo_typo is not a known method"),

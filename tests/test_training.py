@@ -70,7 +70,7 @@ def test_megatron_recomputation_gives_the_same_gradients(single_process, monkeyp
 # The multi-process comparisons: a vocabulary of 1000 tokens (padded to 1024) keeps the output
 # layer, which with GPT-2's 50304 took most of each step, small next to the layers whose split is
 # compared; the one-process reference runs the same model.
-SMALL = ["train.steps=3", *SHORT, "model.vocab_size=1000"]
+SMALL = ["train.steps=3", *SHORT, "model=tiny", "model.vocab_size=1000"]
 
 
 def _train(*overrides: str) -> str:

@@ -50,6 +50,7 @@ STEPS = [
     Step("cp_kernels", ("memo.gpucheck.cp_kernels",), 90, first=True),
     Step("numerics", ("memo.gpucheck.numerics",), 135, first=True),
     Step("probe", ("memo.gpucheck.probe",), 60, first=True),
+    Step("models", ("memo.gpucheck.models",), 300),
     Step("throughput", ("memo.gpucheck.jobs", "throughput"), 360),
     Step("overlap", ("memo.gpucheck.overlap",), 150),
     Step("longest", ("memo.gpucheck.jobs", "longest"), 360),

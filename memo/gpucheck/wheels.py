@@ -5,7 +5,8 @@ versions this project is tested with, and check that they fit what one command m
 
 The machine has PyTorch, NumPy, pandas, matplotlib, tabulate, cloudpickle and packaging; it lacks
 megatron-core, Hydra, OmegaConf (and its parser runtime, published as a source archive only, so
-built here as a pure-Python wheel), submitit, the Hydra submitit launcher and HiGHS. Gurobi stays
+built here as a pure-Python wheel), submitit, the Hydra submitit launcher, HiGHS and safetensors
+(``model.init_from``). Gurobi stays
 behind (it needs a licence); the planner then uses HiGHS.
 """
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 BINARY = ["megatron-core==0.16.1", "hydra-core==1.3.2", "omegaconf==2.3.0", "submitit==1.5.4",
-          "hydra-submitit-launcher==1.2.0", "highspy==1.16.0"]
+          "hydra-submitit-launcher==1.2.0", "highspy==1.16.0", "safetensors==0.8.0"]
 SOURCE_ONLY = ["antlr4-python3-runtime==4.9.3"]  # pure Python: its wheel runs on any platform
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64"]
