@@ -372,3 +372,37 @@ def test_report_of_untagged_rows_is_end_to_end(tmp_path, capsys):
         "end_to_end_longest_sequence.csv", "end_to_end_longest_sequence.md", "end_to_end_mfu.csv",
         "end_to_end_mfu.md", "end_to_end_mfu_vs_seq.png", "end_to_end_tgs.csv", "end_to_end_tgs.md",
         "end_to_end_tgs_vs_seq.png"]
+
+
+def test_anchors_set_our_longest_sequence_beside_the_peers_and_name_what_binds(tmp_path, capsys):
+    GIB = tables.GIB
+    sweep = tmp_path / "anchors"
+    alst = {"experiment": "anchors", "mode": "fit", "model.name": "llama3_8b", "hardware.name": "h100",
+            "anchor.peer": "ALST", "anchor.source": "arXiv:2506.13996 (abstract)", "predicted_reserved_bytes": 2 * GIB,
+            "predicted_device_capacity_bytes": 80 * GIB, "predicted_mfu": 0.4, "predicted_tgs": 500.0,
+            "predicted_iter_time_s": 100.0}
+    eight = {**alst, "cluster.gpus": 8, "world_size": 8, "anchor.peer_tokens": 3_700_000}
+    write_run(sweep, "0", **eight, **{"method.name": "memo", "seq": 983040, "status": "ok"})
+    write_run(sweep, "1", **eight, **{"method.name": "megatron_full_recompute", "seq": 524288, "status": "ok"})
+    # one GPU: 8B's weights, fp32 gradients and Adam's states alone exceed 80 GiB
+    one = {**alst, "cluster.gpus": 1, "world_size": 1, "anchor.peer_tokens": 500_000, "seq": 65536,
+           "predicted_weights_bytes": 15 * GIB, "predicted_gradients_bytes": 30 * GIB,
+           "predicted_optimizer_bytes": 90 * GIB}
+    write_run(sweep, "2", **one, **{"method.name": "memo", "status": "oom"})
+    runs = rows.training_runs(load_results(sweep))
+    table = tables.anchors_table(runs)
+    cells = {(gpus, variant): row for (_, _, _, gpus, _, variant), row in table.iterrows()}
+    memo8, megatron8 = cells[8, "memo (predicted)"], cells[8, "megatron_full_recompute (predicted)"]
+    assert (memo8["seq"], megatron8["seq"]) == (983040, 524288)
+    assert (memo8["of_peer"], megatron8["of_peer"]) == (round(983040 / 3_700_000, 3), round(524288 / 3_700_000, 3))
+    assert memo8["binding"] == megatron8["binding"] == ""
+    memo1 = cells[1, "memo (predicted)"]
+    assert pd.isna(memo1["seq"]) and math.isnan(memo1["of_peer"])
+    assert memo1["binding"] == "model states 135.0 GiB (optimizer 90.0) of 80 GiB"
+    shown = tables.anchors_table(runs, display=True)
+    assert sorted(shown["seq"]) == ["512K", "960K", "OOM"] and "0.27×" in set(shown["of_peer"])
+    # the report writes it and prints it
+    assert report.main([str(sweep)]) == 0
+    printed = capsys.readouterr().out
+    assert "Longest sequence predicted to fit against the peers' published figures" in printed
+    assert "| ALST" in printed and "model states 135.0 GiB" in printed

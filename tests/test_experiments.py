@@ -39,10 +39,10 @@ def arrays(output: str) -> list[dict]:
 
 def test_every_experiment_has_a_cpu_smoke_version_and_a_documented_command():
     readme = (REPO / "experiments" / "README.md").read_text()
-    # fit predicts without running, on any machine: it needs no CPU version.
-    paper = [name for name in EXPERIMENTS if not name.endswith("_cpu_smoke") and name != "fit"]
+    # fit and anchors predict without running, on any machine: they need no CPU version.
+    paper = [name for name in EXPERIMENTS if not name.endswith("_cpu_smoke") and name not in ("fit", "anchors")]
     assert sorted(paper) == ["ablation", "alpha_sweep", "convergence", "end_to_end", "scalability"]
-    assert "+experiment=fit" in readme
+    assert "+experiment=fit" in readme and "+experiment=anchors" in readme
     for name in paper:
         assert f"{name}_cpu_smoke" in EXPERIMENTS
         assert f"+experiment={name}" in readme and f"+experiment={name}_cpu_smoke" in readme
@@ -127,3 +127,23 @@ def test_a_dry_run_needs_no_slurm_command(tmp_path):
     usual = dry_run(tmp_path, "+experiment=scalability", "seq=512k")  # a dry run leaves nothing behind
     assert arrays(without) == arrays(usual) and len(arrays(without)) > 1
     assert all("time" in a["options"] and "nodes" in a["options"] for a in arrays(without))
+
+
+def test_anchors_predict_every_peer_setting_with_each_method(tmp_path):
+    (found,) = arrays(dry_run(tmp_path, "+experiment=anchors"))
+    jobs = [dict(re.findall(r"([\w.+]+)=(\S+)", overrides)) for _, overrides, _ in found["jobs"]]
+    settings = {(j["anchor"], j["model"], j["hardware"], int(j["cluster.gpus"])) for j in jobs}
+    assert settings == {("alst_8xh100", "llama3_8b", "h100", 8), ("alst_1xh100", "llama3_8b", "h100", 1),
+                        ("alst_1xh200", "llama3_8b", "h200", 1), ("fpdt_4gpus", "llama3_8b", "a100", 4),
+                        ("oomb_1xh200", "qwen2.5_7b", "h200", 1)}
+    variants = {(j["anchor"], j["method"], j.get("train.loss", "auto")) for j in jobs}
+    for anchor, *_ in settings:
+        assert {(anchor, "memo", "auto"), (anchor, "megatron_full_recompute", "auto")} <= variants
+        # Ulysses and Megatron's baseline with the tiled loss where there are GPUs to split over
+        multi = anchor in ("alst_8xh100", "fpdt_4gpus")
+        assert ((anchor, "deepspeed_ulysses", "tiled") in variants) == multi
+        assert ((anchor, "megatron_full_recompute", "tiled") in variants) == multi
+    assert len(jobs) == 14
+    for name in {j["anchor"] for j in jobs}:  # each cites its figure
+        anchor = OmegaConf.load(REPO / "conf" / "anchor" / f"{name}.yaml")
+        assert anchor.peer and anchor.peer_tokens >= 500_000 and anchor.source

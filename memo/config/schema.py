@@ -197,6 +197,17 @@ class FitConfig:
 
 
 @dataclass
+class AnchorConfig:
+    """A published result a run is set beside (conf/anchor/, experiment ``anchors``): whose it is,
+    its longest sequence as published (tokens, decimal millions as the peer writes them), and
+    where; recorded in the run's row, read by the report."""
+
+    peer: Optional[str] = None
+    peer_tokens: Optional[int] = None
+    source: Optional[str] = None
+
+
+@dataclass
 class RunConfig:
     """One job: ``python run.py`` resolves to exactly one of these."""
 
@@ -222,6 +233,7 @@ class RunConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     fit: FitConfig = field(default_factory=FitConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
 
 
 def register_configs() -> None:
