@@ -215,10 +215,10 @@ def binding_term(row: pd.Series) -> str:
         return ""
     states = sum(row[f"predicted_{k}_bytes"] for k in ("weights", "gradients", "optimizer"))
     capacity = row["predicted_device_capacity_bytes"]
+    kept = f"model states {states / GIB:.1f} GiB (optimizer {row['predicted_optimizer_bytes'] / GIB:.1f})"
     if states + row["predicted_reserved_bytes"] > capacity:
-        return (f"model states {states / GIB:.1f} GiB (optimizer {row['predicted_optimizer_bytes'] / GIB:.1f}) "
-                f"of {capacity / GIB:.0f} GiB")
-    return "activations"
+        return f"{kept} of {capacity / GIB:.0f} GiB"
+    return f"activations: {kept} leave {(capacity - states - row['predicted_reserved_bytes']) / GIB:.1f} GiB"
 
 
 def anchors_table(df: pd.DataFrame, display: bool = False) -> pd.DataFrame:
