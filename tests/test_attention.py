@@ -50,6 +50,30 @@ def test_backend_selection_on_cpu():
         select_backend("cpu", torch.float32, 64, "cudnn")
 
 
+def test_a_grouped_model_probes_with_fewer_key_value_heads(monkeypatch):
+    import memo.model.attention as attention
+
+    # the CUDA memory-efficient kernel takes no grouped keys and values: a kernel that refuses them
+    # must not be chosen for a grouped model (a stand-in here, on the CPU)
+    seen, real = [], attention.causal_attention
+
+    def refusing_grouped(q, k, v, backend, **kwargs):
+        seen.append((backend, q.shape[2], k.shape[2], kwargs.get("grouped")))
+        if backend == "flash" and q.shape[2] != k.shape[2]:
+            raise RuntimeError("both fused kernels require query, key and value to have the same num_heads")
+        return real(q, k, v, backend, **kwargs)
+
+    monkeypatch.setattr(attention, "causal_attention", refusing_grouped)
+    select_backend.cache_clear()
+    assert select_backend("cpu", torch.float32, 32, "auto", True) == "math"
+    assert [b for b, *_ in seen] == ["cudnn", "flash", "efficient", "math"]  # each tried, grouped
+    assert {tuple(shape) for _, *shape in seen} == {(4, 2, True)}
+    with pytest.raises(ConfigError, match="with fewer key/value heads than query heads"):
+        select_backend("cpu", torch.float32, 32, "flash", True)
+    assert select_backend("cpu", torch.float32, 32, "auto", False) == "flash"
+    select_backend.cache_clear()
+
+
 def test_refuses_non_causal_masks():
     config = attention_config()
     with pytest.raises(ValueError, match="causal"):

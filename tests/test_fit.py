@@ -21,7 +21,7 @@ from memo.fit.search import layouts, longest
 from memo.fit.template import iteration_template
 from memo.fit.timing import predict_time
 from memo.hardware import HARDWARE, GiB
-from memo.model.gpt import padded_vocab_size, parameter_count
+from memo.model.gpt import layer_matmul_weights, model_flops_parameters, padded_vocab_size, parameter_count
 from memo.plan.alpha import HostMemoryError
 from memo.dsa.buffers import max_load
 from memo.profile.iteration import trace_iteration
@@ -150,6 +150,11 @@ def test_llama_and_qwen_parameter_counts_are_their_published_ones():
                       "qwen2.5_7b": 7_615_616_512, "qwen2.5_32b": 32_763_876_352}
     h, f, q, kv, vocab = 4096, 14336, 4096, 2 * 8 * 128, 128256  # llama3_8b, by hand
     assert counts["llama3_8b"] == 32 * (h * (q + kv) + q * h + 3 * h * f + 2 * h) + 2 * vocab * h + h
+    llama = resolve_config("model=llama3_8b").workload.model
+    assert layer_matmul_weights(llama) == h * (q + kv) + q * h + 3 * h * f  # 218,103,808
+    # MFU's P leaves out the untied input embedding (a lookup); a tied one is the output layer
+    assert model_flops_parameters(llama) == counts["llama3_8b"] - vocab * h
+    assert model_flops_parameters(SEVEN_B) == parameter_count(SEVEN_B)
 
 
 def test_skeletal_activations_of_every_layer_at_one_million_tokens():
@@ -304,6 +309,13 @@ def test_context_parallel_time_is_the_exchange_of_keys_and_values():
     naked = predict_time(work(seq=s, parallel=LAYOUT), 1, slow, FitConfig())
     assert exposed.layer_cp_comm_exposed_s > 0
     assert exposed.layer_forward_s < naked.layer_forward_s  # attention hides part of the transfer
+    # grouped keys and values (8 groups of 32 heads) are a quarter as wide: so is their exchange;
+    # Ulysses moves q and the output whole, k and v a quarter
+    grouped = dataclasses.replace(SEVEN_B, num_query_groups=8)
+    t = predict_time(work(grouped, seq=s, parallel=LAYOUT), 1, A800, FitConfig())
+    assert t.layer_cp_comm_exposed_s == pytest.approx(3 * block / 4 / (400e9 * 0.8))
+    t = predict_time(work(grouped, seq=s, parallel=ulysses), 1, A800, FitConfig())
+    assert t.layer_cp_comm_exposed_s == pytest.approx(3 * (1 / 2) * (2 + 2 / 4) * (block / 2) / (400e9 * 0.8))
 
 
 # ---------------------------------------------------------------- tiny: predicted against a CPU run
@@ -330,13 +342,14 @@ def test_tiny_activation_peak_matches_a_real_cpu_iteration():
     assert prediction.states.optimizer == 8 * prediction.states.params
 
 
-def test_tiny_memo_prediction_matches_a_cpu_training_run(tmp_path):
+@pytest.mark.parametrize("name", ["tiny", "tiny_llama"])
+def test_tiny_memo_prediction_matches_a_cpu_training_run(tmp_path, name):
     """MEMO's buffers, host slab and resident layers as ``python run.py method=memo alpha=0.5``
     allocates them on the CPU, against the prediction: within 10%. (The layers' tensors are
     compared: a vocabulary of 1000 keeps the output layer, which they do not depend on, small.)"""
     out = tmp_path / "train"
     row = run_in_process(out, "method=memo", "alpha=0.5", "seq=2k", "train.steps=2", "train.warmup_steps=1",
-                         "model.vocab_size=1000")
+                         f"model={name}", "model.vocab_size=1000")
     assert row["status"] == "ok", row["error"]
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     cpu = dataclasses.replace(
@@ -346,7 +359,7 @@ def test_tiny_memo_prediction_matches_a_cpu_training_run(tmp_path):
         host_memory_bytes=16 * GiB,
         host_link_bytes_per_s=1e10,
     )
-    model = dataclasses.replace(TINY, vocab_size=1000)
+    model = resolve_config(f"model={name}", "model.vocab_size=1000").workload.model
     tiny = Problem(work(model, MEMO, dtype="fp32"), hardware=cpu, fit=FitConfig(), alpha=0.5)
     prediction = predict(tiny, ParallelConfig(), 2048)
     assert prediction.rounding_buffers == pytest.approx(row["swap.rounding_buffer_bytes"], rel=0.10)

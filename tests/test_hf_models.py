@@ -77,9 +77,40 @@ def test_a_checkpoint_of_another_shape_or_format_is_refused_in_one_line(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "mistral"}))
     with pytest.raises(ConfigError, match="model_type=mistral"):
         hf_checkpoint.check_config(resolve_config("model=tiny_qwen").workload.model, tmp_path, tp=1)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"use_sliding_window": True}))
+    with pytest.raises(ConfigError, match="sliding window"):
+        hf_checkpoint.check_config(resolve_config("model=tiny_qwen").workload.model, tmp_path, tp=1)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "llama", "attention_bias": True}))
+    with pytest.raises(ConfigError, match="attention_bias=true"):  # transformers' Llama then biases o_proj
+        hf_checkpoint.check_config(resolve_config("model=tiny_qwen").workload.model, tmp_path, tp=1)
     (tmp_path / "config.json").unlink()
     with pytest.raises(ConfigError, match="cannot read"):
         hf_checkpoint.check_config(resolve_config("model=tiny_qwen").workload.model, tmp_path, tp=1)
+
+
+def test_a_checkpoint_with_tensors_the_model_has_no_place_for_is_refused(single_process, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_models.make_checkpoint("tiny_llama", tmp_path)
+    weights = tmp_path / hf_checkpoint.WEIGHTS_FILE
+    tensors = load_file(weights)
+    run = resolve_config("model=tiny_llama", "seq=64")
+    gpt = build_gpt(run.workload, "cpu").module
+    save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": torch.zeros(256)}, weights)
+    with pytest.raises(ConfigError, match=r"holds model.layers.0.self_attn.o_proj.bias, which the model has no "
+                                          r"place for \(0 missing, 1 unused\)"):
+        hf_checkpoint.load(gpt, run.workload.model, tmp_path)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights)
+    with pytest.raises(ConfigError, match=r"lacks lm_head.weight \(1 missing, 0 unused\)"):
+        hf_checkpoint.load(gpt, run.workload.model, tmp_path)
+
+
+def test_megatrons_distributed_checkpoint_sees_every_weight(single_process):
+    for model in MODELS:
+        gpt = build_gpt(resolve_config(f"model={model}", "seq=64").workload, "cpu").module
+        sharded = gpt.sharded_state_dict()
+        assert {name for name, _ in gpt.named_parameters()} <= set(sharded), model
 
 
 def test_tensor_parallel_shards_follow_megatrons_partition_stride():

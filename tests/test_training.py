@@ -146,21 +146,25 @@ def test_context_parallel_two_processes_match_one_with_every_exchange(tmp_path, 
         assert (row["attention_backend"], row["attention_block_kernel"]) == ("flash", "flash"), comm
 
 
-ULYSSES = [*SMALL, "train.loss=megatron"]
+ULYSSES = [*(o for o in SMALL if not o.startswith("model=")), "train.loss=megatron"]  # each model below
+
+
+ULYSSES_MODELS = ("tiny", "tiny_llama")  # the GPT, and grouped keys and values
 
 
 @pytest.mark.slow
-@pytest.mark.torchrun(2, _train("method=deepspeed_ulysses", "parallel.cp=2", "parallel.cp_comm_type=a2a",
-                                *ULYSSES), last=True)
+@pytest.mark.torchrun(2, *(_train("method=deepspeed_ulysses", "parallel.cp=2", "parallel.cp_comm_type=a2a",
+                                  *ULYSSES, f"model={model}") for model in ULYSSES_MODELS), last=True)
 def test_deepspeed_ulysses_two_processes_match_one(tmp_path, request):
     """DeepSpeed's DistributedAttention over two ranks, each one contiguous half of the sequence,
     with full recomputation: the losses and gradient norms of keeping everything in one process."""
     require(deepspeed_missing())
-    (result,) = request.getfixturevalue("torchrun_results")
-    ulysses = _launched(result)
-    one = _steps(tmp_path, "one", "method=none", *ULYSSES)
-    assert len(ulysses) == 3
-    _assert_same_steps(ulysses, one)
+    results = request.getfixturevalue("torchrun_results")
+    for model, result in zip(ULYSSES_MODELS, results, strict=True):
+        ulysses = _launched(result)
+        one = _steps(tmp_path, f"one-{model}", "method=none", *ULYSSES, f"model={model}")
+        assert len(ulysses) == 3
+        _assert_same_steps(ulysses, one)
 
 
 @pytest.mark.slow

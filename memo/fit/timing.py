@@ -3,7 +3,9 @@ of :class:`memo.config.FitConfig`.
 
 Per micro-batch and pipeline stage, each layer costs:
 
-* forward: the weight GEMMs ``2·b·t·(4h² + 2h·f)/tp`` FLOPs at ``gemm_efficiency`` of the peak, and
+* forward: the weight GEMMs ``2·b·t·W/tp`` FLOPs (``W`` the layer's four weights,
+  :func:`memo.model.gpt.layer_matmul_weights`: ``4h² + 2h·f`` for the GPT, grouped keys and values
+  and SwiGLU's 3h·f for Llama) at ``gemm_efficiency`` of the peak, and
   causal attention ``2·b·t·s·h/tp`` FLOPs (``t = s/cp`` tokens on this rank) at
   ``attention_forward_efficiency``; backward: twice the GEMMs, and 2.5 times the attention FLOPs
   (FlashAttention recomputes the scores) at ``attention_backward_efficiency``;
@@ -11,13 +13,13 @@ Per micro-batch and pipeline stage, each layer costs:
   layer's ``b·t·h`` activations per pass, otherwise two all-reductions, over NVLink, a share
   ``tp_comm_overlap`` hidden;
 * context parallelism: with ``cp_comm_type=all_gather`` every rank gathers the ``cp − 1`` other
-  ranks' key/value blocks before its attention, and in the backward gathers them again and
+  ranks' key/value blocks (``groups·d`` wide) before its attention, and in the backward gathers them again and
   reduce-scatters their gradients, none of it overlapped; with ``p2p`` the same blocks pass
   around a ring, each step's transfer hidden behind the step's attention (exposed: what the
   attention of the pass does not cover), and in the backward their float32 gradients travel with
-  them, one step more; with ``a2a`` (Ulysses) all-to-alls of the rank's ``b·t·h/tp`` elements,
-  four in the forward (q, k, v in, the output back) and eight in the backward (q, k, v, the
-  output and its gradient in, the three gradients back), not overlapped;
+  them, one step more; with ``a2a`` (Ulysses) all-to-alls of the rank's q, k, v and output
+  (``b·t·h/tp`` elements for q and the output, ``groups·d`` wide k and v) in the forward and twice
+  that in the backward, not overlapped;
 * recomputation: a whole extra forward (full recomputation), the attention forward (selective),
   or for MEMO the token-wise layers' GEMMs (QKV, projection, FC1) on the ``1 − α`` dropped tokens;
 * swapping: a layer's copy to the host beyond the next layer's compute (zero when α solves the
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from memo.config import ConfigError, FitConfig, Workload
 from memo.hardware import Hardware
 from memo.metrics import mfu, model_flops_per_sample, tgs
-from memo.model.gpt import padded_vocab_size, parameter_count
+from memo.model.gpt import layer_matmul_weights, model_flops_parameters, padded_vocab_size
 
 ATTENTION_BACKWARD_FLOPS = 2.5  # FlashAttention's backward over its forward
 
@@ -104,7 +106,8 @@ def predict_time(
     b, t = micro_batch_size, seq / cp
     peak = hw.peak_flops
 
-    gemm = 2 * b * t * (4 * h * h + 2 * h * f) / tp / (peak * fit.gemm_efficiency)
+    weights = layer_matmul_weights(model)
+    gemm = 2 * b * t * weights / tp / (peak * fit.gemm_efficiency)
     attention_flops = 2 * b * t * seq * h / tp  # QKᵀ and PV, 4·b·t·s·h/tp, halved by the causal mask
     attention = attention_flops / (peak * fit.attention_forward_efficiency)
     attention_bwd = ATTENTION_BACKWARD_FLOPS * attention_flops / (peak * fit.attention_backward_efficiency)
@@ -114,13 +117,15 @@ def predict_time(
     # Two all-gathers and two reduce-scatters, or two all-reductions (each is both): four rings.
     tp_pass = 4 * _ring_seconds(activation, tp, tp_link) * (1 - fit.tp_comm_overlap)
 
-    kv = b * t * h / tp * element_bytes  # this rank's keys (or values, or q, or the output)
+    groups = model.num_query_groups or model.num_attention_heads
+    kv = b * t * (h // model.num_attention_heads * groups) / tp * element_bytes  # this rank's keys, or values
+    qo = b * t * h / tp * element_bytes  # this rank's queries, or attention's output
     block = 2 * kv  # one key and one value block
     cp_link = _link(tp * cp, hw, fit.link_efficiency)
     if cp == 1:
         cp_fwd = cp_bwd = 0.0
-    elif parallel.cp_comm_type == "a2a":
-        cp_fwd = 4 * (cp - 1) / cp * kv / cp_link
+    elif parallel.cp_comm_type == "a2a":  # q, k, v to heads, the output back
+        cp_fwd = (cp - 1) / cp * (2 * qo + 2 * kv) / cp_link
         cp_bwd = 2 * cp_fwd
     elif parallel.cp_comm_type == "p2p":
         cp_fwd = max(0.0, (cp - 1) * block / cp_link - attention)
@@ -137,7 +142,8 @@ def predict_time(
     elif method.recompute_granularity == "selective":
         recompute = attention
     elif method.layer_activations == "swap":
-        token_wise = 2 * b * t * (4 * h * h + h * f) / tp / (peak * fit.gemm_efficiency)
+        # the dropped tokens run again up to FC2's input: QKV, the projection and FC1
+        token_wise = 2 * b * t * (weights - f * h) / tp / (peak * fit.gemm_efficiency)
         recompute = (1 - alpha) * token_wise
     else:
         recompute = 0.0
@@ -158,7 +164,7 @@ def predict_time(
 
     devices = tp * cp * pp * dp
     global_batch = micro_batch_size * micro_batches * dp
-    flops = global_batch * model_flops_per_sample(seq, parameter_count(model), n, h)
+    flops = global_batch * model_flops_per_sample(seq, model_flops_parameters(model), n, h)
     return TimePrediction(
         layer_forward_s=forward,
         layer_backward_s=backward,

@@ -1,7 +1,7 @@
 """Pack step ``numerics``: every activation method's gradients against keeping everything.
 
-One forward and backward pass of a small multi-layer GPT per method, from the same weights and
-tokens as ``method=none``; per method the largest normwise relative error over the parameters,
+One forward and backward pass of a small multi-layer GPT, and of a small Llama-shaped model,
+per method, from the same weights and tokens as ``method=none``; per method the largest normwise relative error over the parameters,
 ``‖g − g_none‖ / ‖g_none‖``, and the loss's relative error. Tolerances (:data:`TOLERANCE`): fp32 on
 the CPU 1e-5 (the test suite asserts equality there); bf16 on a GPU 2e-2, since recomputing the
 dropped ``S − k`` rows runs cuBLAS kernels chosen for another shape, so the GPU's gradients are not
@@ -126,7 +126,8 @@ def compare_methods(model_overrides: list[str], seq: int, device: torch.device, 
                 loss, grads = gradients(method, alpha, model_overrides, seq, device, dtype, kernel)
                 errors = relative_errors(loss, grads, reference)
                 ok = errors["grad_error"] <= TOLERANCE[dtype] and errors["loss_error"] <= TOLERANCE[dtype]
-                rows.append({"kernel": kernel, "method": method, "alpha": alpha, "seq": seq,
+                rows.append({"model": compose(*model_overrides).model.name, "kernel": kernel, "method": method,
+                             "alpha": alpha, "seq": seq,
                              "dtype": dtype_label(dtype), **errors,
                              "tolerance": TOLERANCE[dtype], "status": "ok" if ok else "failed"})
                 print(f"numerics: {kernel} {method} alpha={alpha}: gradient error {errors['grad_error']:.2e} "
@@ -149,6 +150,12 @@ def main(argv=None) -> int:
     # the CPU rehearses the step with one method of each kind: the suite checks them all there
     rows = compare_methods(overrides, seq, device, dtype,
                            methods=[METHODS[1], METHODS[-1]] if args.cpu else METHODS)
+    # the Llama shape: grouped keys and values, SwiGLU and RMSNorm (CUDA's fused RMSNorm backward)
+    llama = ["model=tiny_llama", "train.loss=tiled"]
+    if not args.cpu:
+        llama += ["model.num_layers=6", "model.hidden_size=1024", "model.ffn_hidden_size=3584"]
+    rows += compare_methods(llama, seq, device, dtype, methods=[METHODS[1]] if args.cpu else
+                            [METHODS[1], METHODS[3], METHODS[4], METHODS[5]])
     common = ["model=tiny", "seq=256", "train.steps=3", "train.warmup_steps=1", "method=memo", "alpha=0.5"]
     if not args.cpu:
         common = ["model=125m", "seq=8k", "train.steps=4", "train.warmup_steps=1", "method=memo",

@@ -5,7 +5,10 @@ Model FLOPs per sample, for a causal GPT with FlashAttention-style attention:
     6·s·P + 6·n·h·s²
 
 with s the sequence length (tokens), P the parameter count of the whole model (all tensor- and
-pipeline-parallel shards, the tied embedding once), n the number of layers and h the hidden size.
+pipeline-parallel shards, the tied embedding once; an untied model's input embedding is a lookup
+and is left out, its output layer counted: :func:`memo.model.gpt.model_flops_parameters`), n the
+number of layers and h the hidden size (the query heads' width: grouped keys and values make the
+same two s×s products).
 6·s·P is forward (2) plus backward (4) of every weight; 6·n·h·s² is the same for the two s×s
 attention matmuls at half density (the causal mask). Recomputation adds no model FLOPs, so a
 method that recomputes more scores a lower MFU for the same work.

@@ -9,15 +9,17 @@ swap runtime attached (``runtime``) writes its output, which FC2 saves, into the
 """
 
 import torch
+from megatron.core.transformer.module import MegatronModule
 
 from memo.model.placement import gelu, swiglu
 
 
-class Activation(torch.nn.Module):
-    """GeLU, or SwiGLU where the config has a gated linear unit (SiLU-gated)."""
+class Activation(MegatronModule):
+    """GeLU, or SwiGLU where the config has a gated linear unit (SiLU-gated). A Megatron module,
+    so that the MLP's ``sharded_state_dict`` (distributed checkpoints) finds nothing to save here."""
 
     def __init__(self, config):
-        super().__init__()
+        super().__init__(config=config)
         self.gated = config.gated_linear_unit
         self.runtime = None  # a SwapRuntime, attached after the model is built
 

@@ -69,8 +69,11 @@ def causal_attention(
 
 
 @functools.lru_cache(maxsize=None)
-def select_backend(device_type: str, dtype: torch.dtype, head_dim: int, wanted: str = "auto") -> str:
-    """Name of the first SDPA kernel (of ``wanted``, or of all when "auto") that runs here.
+def select_backend(device_type: str, dtype: torch.dtype, head_dim: int, wanted: str = "auto",
+                   grouped: bool = False) -> str:
+    """Name of the first SDPA kernel (of ``wanted``, or of all when "auto") that runs here, for
+    attention with one key/value head per query head, or fewer (``grouped``: not every fused
+    kernel takes them).
 
     The probe runs forward and backward on query, key and value cut from one fused tensor, as
     Megatron's QKV projection hands them over, so strides match those of training.
@@ -79,19 +82,23 @@ def select_backend(device_type: str, dtype: torch.dtype, head_dim: int, wanted: 
         ConfigError: if ``wanted`` names a kernel that cannot run on this device and dtype.
     """
     names = list(_CANDIDATES) if wanted == "auto" else [wanted]
+    heads = 2 if grouped else 1  # query heads per key/value head
     # A generator of its own: the probe must not move the global RNG that seeds the weights.
     generator = torch.Generator(device_type).manual_seed(0)
     for name in names:
-        fused = torch.randn(64, 1, 2, 3 * head_dim, device=device_type, dtype=dtype,
+        fused = torch.randn(64, 1, 2, (heads + 2) * head_dim, device=device_type, dtype=dtype,
                             generator=generator, requires_grad=True)
+        q, k, v = fused.split([heads * head_dim, head_dim, head_dim], dim=-1)
         try:
-            causal_attention(*fused.split(head_dim, dim=-1), backend=name).sum().backward()
+            causal_attention(q.unflatten(-1, (heads, head_dim)).flatten(2, 3), k, v, backend=name,
+                             grouped=grouped).sum().backward()
             return name
         except RuntimeError:
             continue
+    shape = " with fewer key/value heads than query heads" if grouped else ""
     raise ConfigError(
         f"train.attention_backend={wanted} cannot run on {device_type} in {dtype} "
-        f"with head size {head_dim}; use train.attention_backend=auto"
+        f"with head size {head_dim}{shape}; use train.attention_backend=auto"
     )
 
 

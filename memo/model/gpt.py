@@ -97,11 +97,8 @@ def parameter_count(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
     split over tp), an output layer as large where untied, and the final norm (the last stage's).
     """
     h, f = model.hidden_size, model.ffn_hidden_size
-    head = h // model.num_attention_heads
-    q = model.num_attention_heads * head
-    qkv = q + 2 * (model.num_query_groups or model.num_attention_heads) * head
-    fc1 = 2 * f if model.activation == "swiglu" else f
-    split = h * qkv + q * h + h * fc1 + f * h
+    q, qkv, fc1 = _widths(model)
+    split = layer_matmul_weights(model)
     if model.add_bias_linear or model.add_qkv_bias:
         split += qkv
     replicated = 2 * (2 * h if model.normalization == "LayerNorm" else h)
@@ -113,6 +110,30 @@ def parameter_count(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
     last_stage = (2 * h if model.normalization == "LayerNorm" else h) + (
         vocab if model.untie_embeddings_and_output_weights else 0)
     return model.num_layers // pp * per_layer + vocab + (last_stage if pp == 1 else 0)
+
+
+def _widths(model: ModelConfig) -> tuple[int, int, int]:
+    """(query width ``heads·d``, QKV output width ``(heads + 2·groups)·d``, FC1 output width)."""
+    head = model.hidden_size // model.num_attention_heads
+    q = model.num_attention_heads * head
+    qkv = q + 2 * (model.num_query_groups or model.num_attention_heads) * head
+    return q, qkv, 2 * model.ffn_hidden_size if model.activation == "swiglu" else model.ffn_hidden_size
+
+
+def layer_matmul_weights(model: ModelConfig) -> int:
+    """Weight elements of one layer's four products, all tensor-parallel shards: QKV ``h·(q + kv)``,
+    projection ``q·h``, FC1 ``h·f`` (``2·h·f`` for SwiGLU) and FC2 ``f·h``."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, qkv, fc1 = _widths(model)
+    return h * qkv + q * h + h * fc1 + f * h
+
+
+def model_flops_parameters(model: ModelConfig) -> int:
+    """P of the MFU formula (:mod:`memo.metrics.flops`): the whole model's parameters, less an
+    untied model's input embedding, which is a lookup (its output layer multiplies, as a tied
+    embedding does)."""
+    lookup = padded_vocab_size(model, 1) * model.hidden_size if model.untie_embeddings_and_output_weights else 0
+    return parameter_count(model) - lookup
 
 
 def count_parameters(module: torch.nn.Module) -> int:
@@ -285,7 +306,8 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
         )
         backend = "te"
     else:
-        backend = select_backend(device_type, dtype, config.kv_channels, attention_backend)
+        grouped = config.num_query_groups not in (None, config.num_attention_heads)
+        backend = select_backend(device_type, dtype, config.kv_channels, attention_backend, grouped)
         rotary = RotaryTable()
         spec = _local_block_spec(config, backend, method, rotary)
         if parallel.cp > 1 and method.cp_attention == "memo":

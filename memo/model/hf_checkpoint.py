@@ -24,12 +24,13 @@ Llama-3's and Qwen2.5's): padded rows would add logits that the checkpoint's mod
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from memo.config import ConfigError, ModelConfig
 from memo.model.gpt import padded_vocab_size
@@ -46,7 +47,9 @@ def _hf_shape(config: dict) -> dict:
     """The fields of a ``transformers`` config.json (version 4 or 5) that decide the model, in
     our names."""
     rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    scaling = config.get("rope_scaling") or rope
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     kind = config.get("model_type")
     if kind not in ("llama", "qwen2"):
@@ -54,9 +57,18 @@ def _hf_shape(config: dict) -> dict:
                           "(model_type llama or qwen2) can be loaded")
     if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias"):
         raise ConfigError("model.init_from: the checkpoint's MLP is not a SwiGLU without biases")
+    if kind == "llama" and config.get("attention_bias"):
+        # transformers' Llama then has a bias on o_proj too, which Megatron's layer would only have
+        # with every linear bias (add_bias_linear)
+        raise ConfigError("model.init_from: a Llama checkpoint with attention_bias=true (biases on q, k, v "
+                          "and o_proj) is not supported")
+    if kind == "qwen2" and config.get("use_sliding_window"):
+        raise ConfigError("model.init_from: the checkpoint's model attends within a sliding window "
+                          "(use_sliding_window=true); our attention is causal over the whole sequence")
     heads = config["num_attention_heads"]
-    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
-        raise ConfigError(f"model.init_from: head_dim={config['head_dim']} times {heads} heads is not "
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if head_dim * heads != config["hidden_size"]:
+        raise ConfigError(f"model.init_from: head_dim={head_dim} times {heads} heads is not "
                           f"hidden_size={config['hidden_size']}; such models are not supported")
     shape = {
         "num_layers": config["num_hidden_layers"],
@@ -68,7 +80,7 @@ def _hf_shape(config: dict) -> dict:
         "normalization": "RMSNorm",
         "norm_epsilon": config["rms_norm_eps"],
         "add_bias_linear": False,
-        "add_qkv_bias": kind == "qwen2" or bool(config.get("attention_bias")),
+        "add_qkv_bias": kind == "qwen2",
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
         "vocab_size": config["vocab_size"],
         "rotary_base": theta,
@@ -179,11 +191,14 @@ def _split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple:
     return tuple(t.flatten(0, 1).clone() for t in (q, k, v))
 
 
-def to_megatron(tensors: dict, model: ModelConfig) -> dict:
-    """Checkpoint tensors (``transformers``' names) as the whole model's tensors in our names."""
+def to_megatron(tensors: dict, model: ModelConfig, only: Optional[str] = None) -> dict:
+    """Checkpoint tensors (``transformers``' names) as the whole model's tensors in our names
+    (with ``only``, that one tensor of ours)."""
     groups = model.num_query_groups or model.num_attention_heads
     out = {}
     for ours, theirs in names(model).items():
+        if only is not None and ours != only:
+            continue
         if isinstance(theirs, str):
             out[ours] = tensors[theirs]
         elif "linear_qkv" in ours:
@@ -256,39 +271,78 @@ def _weight_files(directory: Path) -> list[Path]:
     return [single]
 
 
-def read_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint in ``directory``, file by file, on the host."""
-    for path in _weight_files(Path(directory)):
-        yield from load_file(path).items()
+class _Checkpoint:
+    """The tensors of a checkpoint directory, each read (whole or in part) only when asked for."""
+
+    def __init__(self, directory: Path):
+        self._files = {}  # tensor name -> its open safetensors file
+        for path in _weight_files(directory):
+            handle = safe_open(str(path), framework="pt")
+            self._files.update(dict.fromkeys(handle.keys(), handle))
+        self.used: set = set()
+
+    def names(self) -> set:
+        return set(self._files)
+
+    def rows(self, name: str, dim: int = 0, part: int = 0, parts: int = 1) -> torch.Tensor:
+        """Tensor ``name``, or its ``part``-th of ``parts`` equal pieces along ``dim``."""
+        self.used.add(name)
+        piece = self._files[name].get_slice(name)
+        size = piece.get_shape()[dim] // parts
+        index = [slice(None)] * len(piece.get_shape())
+        index[dim] = slice(part * size, (part + 1) * size)
+        return piece[tuple(index)]
+
+
+def _read_shard(checkpoint: _Checkpoint, ours: str, theirs, param: torch.nn.Parameter, model: ModelConfig,
+                rank: int, tp: int) -> torch.Tensor:
+    """This rank's shard of our tensor ``ours``, read from the checkpoint's ``theirs``: only the
+    rows (or columns) it holds, so no rank ever holds the whole model."""
+    dim, stride = _split(param)
+    if tp == 1 or dim < 0:
+        if isinstance(theirs, str):
+            return checkpoint.rows(theirs)
+        return to_megatron({n: checkpoint.rows(n) for n in theirs}, model, only=ours)[ours]
+    if isinstance(theirs, str):
+        return checkpoint.rows(theirs, dim, rank, tp)
+    if "linear_qkv" in ours:  # this rank's query groups: rows of q, k and v alike
+        groups = (model.num_query_groups or model.num_attention_heads) // tp
+        return _fuse_qkv(*(checkpoint.rows(n, 0, rank, tp) for n in theirs), groups)
+    # FC1 (partition stride 2): this rank's rows of gate, then of up
+    return torch.cat([checkpoint.rows(n, dim, rank, tp) for n in theirs], dim=dim)
 
 
 def load(module: torch.nn.Module, model: ModelConfig, directory) -> int:
     """Copy the checkpoint in ``directory`` into ``module`` (this rank's Megatron ``GPTModel``
-    of ``model``, its tensor-parallel shards); returns the checkpoint's tensors read.
+    of ``model``, its tensor-parallel shards), each rank reading only its part of every tensor;
+    returns the checkpoint's tensors read.
 
     Raises:
-        ConfigError: if the checkpoint is not of this model (one line naming the field).
+        ConfigError: if the checkpoint is not of this model (one line naming the field), lacks one
+            of its tensors, or holds tensors the model has no place for.
     """
     directory = Path(directory)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     check_config(model, directory, tp)
-    tensors = dict(read_tensors(directory))
-    wanted = {n for theirs in names(model).values() for n in ((theirs,) if isinstance(theirs, str) else theirs)}
-    missing = sorted(wanted - tensors.keys())
-    if missing:
-        raise ConfigError(f"model.init_from={directory} lacks {len(missing)} tensors of the model, "
-                          f"{missing[0]} the first; is it a checkpoint of model={model.name}'s shape?")
+    checkpoint = _Checkpoint(directory)
+    table = names(model)
+    wanted = {n for theirs in table.values() for n in ((theirs,) if isinstance(theirs, str) else theirs)}
+    missing, unused = sorted(wanted - checkpoint.names()), sorted(checkpoint.names() - wanted)
+    if missing or unused:
+        what = f"lacks {missing[0]}" if missing else f"holds {unused[0]}, which the model has no place for"
+        raise ConfigError(f"model.init_from={directory} {what} ({len(missing)} missing, {len(unused)} unused); "
+                          f"is it a checkpoint of model={model.name}'s shape?")
     params = dict(module.named_parameters())
-    for ours, full in to_megatron(tensors, model).items():
+    for ours, theirs in table.items():
         param = params[_module_name(ours, params.keys())]
-        part = shard(full, param, rank, tp)
+        part = _read_shard(checkpoint, ours, theirs, param, model, rank, tp)
         if part.shape != param.shape:
             raise ConfigError(f"model.init_from: {ours} is {tuple(part.shape)} on this rank, the model's "
                               f"{tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(part)
-    return len(wanted)
+    return len(checkpoint.used)
 
 
 def gather(module: torch.nn.Module, model: ModelConfig, grads: bool = False) -> dict:
@@ -339,14 +393,14 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
 def save(module: torch.nn.Module, model: ModelConfig, directory) -> None:
     """Write ``module`` (this rank's shard of ``model``) to ``directory`` in ``transformers``'
     format: ``config.json`` and one ``model.safetensors``. A collective over the tensor-parallel
-    group; the first rank writes. An existing ``directory`` with a checkpoint is never
+    group (every rank calls it); the job's first rank writes. An existing ``directory`` with a checkpoint is never
     overwritten; each file appears whole (written beside, then renamed).
 
     Raises:
         FileExistsError: if ``directory`` holds a checkpoint already.
     """
     tensors = gather(module, model)
-    if dist.is_initialized() and parallel_state.get_tensor_model_parallel_rank() != 0:
+    if dist.is_initialized() and dist.get_rank() != 0:  # every replica gathered the same tensors
         return
     directory = Path(directory)
     for name in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE):

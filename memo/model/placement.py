@@ -94,9 +94,13 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         gate, up = torch.chunk(x, 2, dim=-1)
-        # autograd's ops for silu(gate) * up, so gradients are bit-identical to it
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
-        return torch.cat((grad_gate, grad * torch.nn.functional.silu(gate)), dim=-1), None
+        grad_x = torch.empty_like(x)
+        grad_gate, grad_up = torch.chunk(grad_x, 2, dim=-1)
+        # autograd's ops for silu(gate) * up, so gradients are bit-identical to it; each half
+        # written into its place (no concatenated copy)
+        grad_gate.copy_(torch.ops.aten.silu_backward(grad * up, gate))
+        torch.mul(grad, torch.nn.functional.silu(gate), out=grad_up)
+        return grad_x, None
 
 
 def swiglu(x: torch.Tensor, runtime) -> torch.Tensor:

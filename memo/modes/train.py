@@ -33,6 +33,7 @@ from memo.model import (
     build_gpt,
     dtype_label,
     hf_checkpoint,
+    model_flops_parameters,
     torch_dtype,
     unsupported_layout,
     uses_transformer_engine,
@@ -201,8 +202,8 @@ def _train(run: Run, info: distributed.ProcessInfo, row: dict, writer: ResultWri
             parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type),
         )
         global_batch = workload.micro_batch_size * train.micro_batches * dp_size
-        flops_per_iter = global_batch * model_flops_per_sample(seq, built.params, model.num_layers,
-                                                               model.hidden_size)
+        flops_per_iter = global_batch * model_flops_per_sample(seq, model_flops_parameters(model),
+                                                               model.num_layers, model.hidden_size)
         row.update(
             params=built.params,
             global_batch_size=global_batch,

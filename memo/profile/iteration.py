@@ -122,7 +122,9 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
                           "(mode=fit adds the exchange's buffers to one rank's tokens)")
     device = "cuda" if backend == "cuda" else "cpu"
     config = transformer_config(workload, device)
-    attention = select_backend(device, dtype, config.kv_channels)  # a real probe, outside fake mode
+    grouped = config.num_query_groups not in (None, config.num_attention_heads)
+    # a real probe, outside fake mode
+    attention = select_backend(device, dtype, config.kv_channels, "auto", grouped)
     mode = contextlib.nullcontext()
     if backend == "fake":
         from torch._subclasses.fake_tensor import FakeTensorMode
