@@ -4,13 +4,17 @@ import errno
 import io
 import json
 import os
+import signal
 import stat
+import weakref
 
 import pytest
+from omegaconf import OmegaConf
 
 import memo.results
 from analysis.rows import load_results
 from memo.config import ConfigError
+from memo.modes.frame import job_frame
 from memo.results import ResultWriter, RunDirTaken, claim_run_dir, flatten, write_json_atomic
 
 from conftest import file_hashes
@@ -116,3 +120,23 @@ def test_rows_load_into_one_dataframe(tmp_path):
     assert sorted(frame["seq"]) == [1024, 2048]
     assert set(frame["status"]) == {"ok", "oom"}
     assert all(frame["result_path"].str.endswith("result.json"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_lost_in_a_finalizer_still_ends_the_job_at_its_next_step(tmp_path, signum):
+    # Python prints and drops an exception raised inside a finalizer: a signal that lands there
+    # (RoPE's tables are dropped by weakref.finalize every step) must still stop the job
+    class Table:
+        pass
+
+    with pytest.raises(KeyboardInterrupt):
+        with job_frame(OmegaConf.create({"a": 1}), tmp_path / "job") as job:
+            table = Table()
+            weakref.finalize(table, os.kill, os.getpid(), signum)
+            del table  # the handler runs inside the finalizer; its interrupt is dropped there
+            assert job.signals == [signum]
+            job.stop_if_signalled()
+    row = json.loads((tmp_path / "job" / "result.json").read_text())
+    assert row["status"] == "interrupted"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

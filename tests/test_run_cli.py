@@ -87,9 +87,15 @@ def test_a_directory_that_cannot_be_made_fails_with_one_line(tmp_path):
     assert lines[0].endswith("Not a directory; choose a writable hydra.run.dir"), done.stderr
 
 
+def _default_sigint() -> None:
+    # a suite started in the background (`make test &`) hands its processes SIGINT ignored, and
+    # Python then keeps it ignored: the job must see Ctrl-C as a terminal would send it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(*args: str, cwd) -> subprocess.Popen:
     return subprocess.Popen([PYTHON, str(REPO / "run.py"), *args], cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
 
 
 def test_two_runs_started_at_once_into_one_directory_one_runs_and_one_is_refused(tmp_path):

@@ -46,6 +46,19 @@ class Job:
 
     row: dict[str, Any]
     writer: ResultWriter
+    signals: list[int] = dataclasses.field(default_factory=list)  # stop signals received, in order
+
+    def stop_if_signalled(self) -> None:
+        """Raise the interrupt of a stop signal already received. The handler raised it where the
+        job was, but Python drops an exception raised inside a finalizer or ``__del__`` (a weakly
+        referenced table's, say) after printing it; a mode calls this between steps so that such a
+        signal still ends the job.
+
+        Raises:
+            KeyboardInterrupt: (:class:`Interrupted` for SIGTERM) if a stop signal came.
+        """
+        if self.signals:
+            raise Interrupted(self.signals[0]) if self.signals[0] != signal.SIGINT else KeyboardInterrupt()
 
 
 def provenance() -> dict[str, Any]:
@@ -80,22 +93,28 @@ def _is_oom(error: BaseException) -> bool:
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises :class:`Interrupted` in the main thread while the job runs, where nobody
-    else (a scheduler's wrapper, say) has claimed the signal."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+def _stop_signals(received: list[int]) -> Iterator[None]:
+    """While the job runs, SIGTERM raises :class:`Interrupted` and SIGINT ``KeyboardInterrupt`` in
+    the main thread, each also appended to ``received`` (see :meth:`Job.stop_if_signalled`): each
+    where nobody else (a scheduler's wrapper, a shell that started the job in the background) has
+    claimed or ignored it."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum, frame):
-        raise Interrupted(signum)
+        received.append(signum)
+        raise Interrupted(signum) if signum != signal.SIGINT else KeyboardInterrupt()
 
-    signal.signal(signal.SIGTERM, interrupt)
+    ours = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+    taken = {signum: default for signum, default in ours.items() if signal.getsignal(signum) is default}
+    for signum in taken:
+        signal.signal(signum, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum, default in taken.items():
+            signal.signal(signum, default)
 
 
 def _interrupt_name(error: BaseException) -> str:
@@ -145,9 +164,10 @@ def job_frame(
         "start_time": now(),
     }
     stop: Optional[BaseException] = None
+    job = Job(row, writer)
     try:
-        with _sigterm_as_interrupt():
-            yield Job(row, writer)
+        with _stop_signals(job.signals):
+            yield job
         row["status"] = row["status"] or "ok"
     except ConfigError as error:
         row["status"] = "error"

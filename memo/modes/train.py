@@ -40,7 +40,7 @@ from memo.model import (
 )
 from memo.model.context_parallel import sequence_layout
 from memo.model.deepspeed_attention import require_deepspeed
-from memo.modes.frame import job_frame
+from memo.modes.frame import Job, job_frame
 from memo.results import ResultWriter, finite
 
 log = logging.getLogger("memo")
@@ -142,7 +142,7 @@ def run_job(
                    columns=METRIC_FIELDS) as job:
         job.row["world_size"] = info.world_size
         try:
-            _train(resolve(cfg, gpu_visible=torch.cuda.is_available()), info, job.row, job.writer)
+            _train(resolve(cfg, gpu_visible=torch.cuda.is_available()), info, job)
         finally:
             distributed.shutdown()
             # The failed job's model and optimizer are garbage now; give their memory back
@@ -153,8 +153,9 @@ def run_job(
     return job.row
 
 
-def _train(run: Run, info: distributed.ProcessInfo, row: dict, writer: ResultWriter) -> None:
-    """Everything of a job that can fail; fills ``row`` as facts become known."""
+def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
+    """Everything of a job that can fail; fills the job's row as facts become known."""
+    row, writer = job.row, job.writer
     workload, train, device_type = run.workload, run.train, run.device_type
     model, seq = workload.model, workload.seq
     row["seq"] = seq
@@ -230,6 +231,7 @@ def _train(run: Run, info: distributed.ProcessInfo, row: dict, writer: ResultWri
                 record.update(_swap_accounting(swap, record["step"], writer))
             records.append(record)
             writer.append_step(record)
+            job.stop_if_signalled()  # a stop signal whose interrupt a finalizer swallowed
             left_s = progress.step(record["iter_time_s"], record["loss"])
             if info.rank == 0:
                 log.info(
