@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import stat
+import sys
 import weakref
 
 import pytest
@@ -123,18 +124,20 @@ def test_rows_load_into_one_dataframe(tmp_path):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_lost_in_a_finalizer_still_ends_the_job_at_its_next_step(tmp_path, signum):
+def test_a_stop_signal_lost_in_a_finalizer_still_ends_the_job_at_its_next_step(tmp_path, monkeypatch, signum):
     # Python prints and drops an exception raised inside a finalizer: a signal that lands there
     # (RoPE's tables are dropped by weakref.finalize every step) must still stop the job
     class Table:
         pass
 
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(unraisable.exc_type))
     with pytest.raises(KeyboardInterrupt):
         with job_frame(OmegaConf.create({"a": 1}), tmp_path / "job") as job:
             table = Table()
             weakref.finalize(table, os.kill, os.getpid(), signum)
             del table  # the handler runs inside the finalizer; its interrupt is dropped there
-            assert job.signals == [signum]
+            assert job.signals == [signum] and len(dropped) == 1 and issubclass(dropped[0], KeyboardInterrupt)
             job.stop_if_signalled()
     row = json.loads((tmp_path / "job" / "result.json").read_text())
     assert row["status"] == "interrupted"
