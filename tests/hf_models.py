@@ -5,6 +5,7 @@ The configs are the published ones (Llama-3.1-8B's and Qwen2.5-7B's config.json)
 sizes changed to those of ``conf/model/tiny_llama.yaml`` and ``tiny_qwen.yaml``.
 """
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -107,27 +108,35 @@ def compare(ours: dict, theirs: dict) -> int:
     return 2 + len(theirs["grads"])
 
 
-def check_tensor_parallel(info, out, model: str) -> str:
-    """Under torchrun, two ranks: our ``model`` at tp=2 with sequence parallelism, started from a
-    checkpoint that rank 0 makes, equals ``transformers``' on every rank."""
+@contextmanager
+def shared_checkpoint(info, out, model: str, overrides: tuple[str, ...]):
+    """Under torchrun: Megatron's parallel state for ``overrides``, a checkpoint of ``model`` that
+    rank 0 makes under ``out``, and ``transformers``' model of it on every rank:
+    ``(directory, hf)``."""
     import transformers
 
     from memo.execute import distributed
 
     from conftest import compose_config
 
-    overrides = ("parallel.tp=2", "parallel.sequence_parallel=true")
     directory = Path(out) / "checkpoint"
     distributed.initialize(compose_config(*overrides).parallel, "cpu", info)
     try:
         if info.rank == 0:
             make_checkpoint(model, directory)
         dist.barrier()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-        ids = tokens(hf.config.vocab_size)
-        compared = compare(our_figures(model, directory, ids, *overrides), hf_figures(hf, ids))
+        yield directory, transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     finally:
         distributed.shutdown()
+
+
+def check_tensor_parallel(info, out, model: str) -> str:
+    """Under torchrun, two ranks: our ``model`` at tp=2 with sequence parallelism, started from a
+    checkpoint that rank 0 makes, equals ``transformers``' on every rank."""
+    overrides = ("parallel.tp=2", "parallel.sequence_parallel=true")
+    with shared_checkpoint(info, out, model, overrides) as (directory, hf):
+        ids = tokens(hf.config.vocab_size)
+        compared = compare(our_figures(model, directory, ids, *overrides), hf_figures(hf, ids))
     return f"{model}: logits, loss and {compared - 2} gradients equal transformers' at tp=2 with SP"
 
 
@@ -135,21 +144,10 @@ def check_context_parallel(info, out, model: str, comm: str) -> str:
     """Under torchrun, two ranks: our ``model`` at cp=2 exchanging keys and values by ``comm``
     (grouped: fewer key/value heads than query heads), each rank its two load-balanced chunks of
     the sequence: loss and gradients equal ``transformers``' on the whole sequence."""
-    import transformers
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from memo.execute import distributed
-
-    from conftest import compose_config
-
     overrides = ("parallel.cp=2", f"parallel.cp_comm_type={comm}")
-    directory = Path(out) / "checkpoint"
-    distributed.initialize(compose_config(*overrides).parallel, "cpu", info)
-    try:
-        if info.rank == 0:
-            make_checkpoint(model, directory)
-        dist.barrier()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with shared_checkpoint(info, out, model, overrides) as (directory, hf):
         ids = tokens(hf.config.vocab_size)
         theirs = hf_figures(hf, ids)
         run = resolve_config(f"model={model}", f"model.init_from={directory}", f"seq={SEQ}", *overrides)
@@ -168,6 +166,4 @@ def check_context_parallel(info, out, model: str, comm: str) -> str:
         grads = hf_checkpoint.gather(gpt, run.workload.model, grads=True)
         for name, grad in theirs["grads"].items():
             torch.testing.assert_close(grads[name], grad, msg=lambda m, n=name: f"{n}: {m}")
-    finally:
-        distributed.shutdown()
     return f"{model}: loss and {len(grads)} gradients equal transformers' at cp=2 ({comm})"

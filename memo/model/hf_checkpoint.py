@@ -24,7 +24,6 @@ Llama-3's and Qwen2.5's): padded rows would add logits that the checkpoint's mod
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -191,26 +190,9 @@ def _split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple:
     return tuple(t.flatten(0, 1).clone() for t in (q, k, v))
 
 
-def to_megatron(tensors: dict, model: ModelConfig, only: Optional[str] = None) -> dict:
-    """Checkpoint tensors (``transformers``' names) as the whole model's tensors in our names
-    (with ``only``, that one tensor of ours)."""
-    groups = model.num_query_groups or model.num_attention_heads
-    out = {}
-    for ours, theirs in names(model).items():
-        if only is not None and ours != only:
-            continue
-        if isinstance(theirs, str):
-            out[ours] = tensors[theirs]
-        elif "linear_qkv" in ours:
-            out[ours] = _fuse_qkv(*(tensors[n] for n in theirs), groups)
-        else:  # FC1: [gate; up]
-            out[ours] = torch.cat([tensors[n] for n in theirs], dim=0)
-    return out
-
-
 def from_megatron(tensors: dict, model: ModelConfig) -> dict:
-    """The whole model's tensors in our names as ``transformers``' tensors (the inverse of
-    :func:`to_megatron`)."""
+    """The whole model's tensors in our names as ``transformers``' tensors (the inverse of what
+    :func:`load` reads)."""
     out = {}
     for ours, theirs in names(model).items():
         t = tensors[ours]
@@ -298,11 +280,9 @@ def _read_shard(checkpoint: _Checkpoint, ours: str, theirs, param: torch.nn.Para
                 rank: int, tp: int) -> torch.Tensor:
     """This rank's shard of our tensor ``ours``, read from the checkpoint's ``theirs``: only the
     rows (or columns) it holds, so no rank ever holds the whole model."""
-    dim, stride = _split(param)
-    if tp == 1 or dim < 0:
-        if isinstance(theirs, str):
-            return checkpoint.rows(theirs)
-        return to_megatron({n: checkpoint.rows(n) for n in theirs}, model, only=ours)[ours]
+    dim, _ = _split(param)
+    if dim < 0:  # replicated (the norms)
+        return checkpoint.rows(theirs)
     if isinstance(theirs, str):
         return checkpoint.rows(theirs, dim, rank, tp)
     if "linear_qkv" in ours:  # this rank's query groups: rows of q, k and v alike

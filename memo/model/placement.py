@@ -113,24 +113,29 @@ def swiglu(x: torch.Tensor, runtime) -> torch.Tensor:
     return _SwiGLU.apply(x, runtime)
 
 
+def _tiled_into(runtime, x: torch.Tensor, kernel) -> tuple[torch.Tensor, ...]:
+    """``kernel``'s token-major outputs on all of ``x``, made by running it on an eighth of the
+    tokens at a time and copying each tile into memory ``runtime`` places: PyTorch's norm kernels
+    make their own output (their out= variants copy from it), so only one tile exists twice. The
+    outputs take the dtypes the kernel gives them (a norm's statistics: the input's on the CPU,
+    float32 for 16-bit input on CUDA, as its backward reads them)."""
+    tiles = spans(x.shape[0], eighth_tile_tokens(x.shape[0]))
+    start, end = next(tiles)
+    first = kernel(x[start:end])
+    outs = tuple(new_output(runtime, (x.shape[0], *t.shape[1:]), t.dtype, x.device) for t in first)
+    for target, value in zip(outs, first, strict=True):
+        target[start:end].copy_(value)
+    for start, end in tiles:
+        for target, value in zip(outs, kernel(x[start:end]), strict=True):
+            target[start:end].copy_(value)
+    return outs
+
+
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, runtime):
         shape = x.shape[-1:]
-        # PyTorch's layer-norm kernel makes its own output (its out= variant copies from it), so
-        # it runs on a tile of tokens at a time: only one tile's output exists twice
-        tiles = spans(x.shape[0], eighth_tile_tokens(x.shape[0]))
-        start, end = next(tiles)
-        first = torch.native_layer_norm(x[start:end], shape, weight, bias, eps)
-        # the statistics in the dtype the kernel keeps them in, which its backward reads: the
-        # input's on the CPU, float32 for 16-bit input on CUDA
-        out, mean, rstd = (new_output(runtime, (x.shape[0], *t.shape[1:]), t.dtype, x.device) for t in first)
-        for target, value in zip((out, mean, rstd), first, strict=True):
-            target[start:end].copy_(value)
-        for start, end in tiles:
-            tile = torch.native_layer_norm(x[start:end], shape, weight, bias, eps)
-            for target, value in zip((out, mean, rstd), tile, strict=True):
-                target[start:end].copy_(value)
+        out, mean, rstd = _tiled_into(runtime, x, lambda t: torch.native_layer_norm(t, shape, weight, bias, eps))
         # autograd's native_layer_norm saves these, in this order
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return out
@@ -160,17 +165,8 @@ class _RMSNorm(torch.autograd.Function):
         shape = x.shape[-1:]
         if runtime is None:
             out, rstd = torch.ops.aten._fused_rms_norm(x, shape, weight, eps)
-        else:  # as _LayerNorm: a tile at a time, the statistic in the kernel's dtype (float32)
-            tiles = spans(x.shape[0], eighth_tile_tokens(x.shape[0]))
-            start, end = next(tiles)
-            first = torch.ops.aten._fused_rms_norm(x[start:end], shape, weight, eps)
-            out, rstd = (new_output(runtime, (x.shape[0], *t.shape[1:]), t.dtype, x.device) for t in first)
-            for target, value in zip((out, rstd), first, strict=True):
-                target[start:end].copy_(value)
-            for start, end in tiles:
-                tile = torch.ops.aten._fused_rms_norm(x[start:end], shape, weight, eps)
-                for target, value in zip((out, rstd), tile, strict=True):
-                    target[start:end].copy_(value)
+        else:
+            out, rstd = _tiled_into(runtime, x, lambda t: torch.ops.aten._fused_rms_norm(t, shape, weight, eps))
         ctx.save_for_backward(x, weight, rstd)
         return out
 
