@@ -56,7 +56,10 @@ def test_a_step_of_this_code_is_kept_and_one_of_other_code_is_set_aside_then_run
 
     assert pack.main(["--cpu", "--out", str(tmp_path), "--only", "probe", "calibration"]) == 0
     assert fake.ran[4:] == ["calibration"]  # probe's result is this code's
-    assert list(pd.read_csv(tmp_path / "steps.csv")["status"]) == ["done before", "ok"]
+    index = pd.read_csv(tmp_path / "steps.csv")  # every step the folder holds, this call's two as they went
+    assert list(index["step"]) == ["smoke", "cp_kernels", "numerics", "probe", "calibration"]
+    assert list(index["status"]) == ["ok", "ok", "ok", "done before", "ok"]
+    assert "## smoke" in (tmp_path / "summary.md").read_text()
 
     monkeypatch.setattr(pack, "source_digest", lambda: "bbbbbbbbbbbb")  # the code changed
     assert pack.main(["--cpu", "--out", str(tmp_path), "--only", "probe"]) == 0

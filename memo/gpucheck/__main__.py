@@ -122,6 +122,9 @@ def _step_files(out: Path, step: str) -> list[Path]:
     return sorted(p for p in out.iterdir() if p.is_file() and re.match(rf"{re.escape(step)}[._]", p.name))
 
 
+_INDEX_KEYS = ("step", "status", "seconds", "detail", "command", "source_digest")
+
+
 def _record(out: Path, step: str) -> dict:
     path = out / f"{step}.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -202,10 +205,14 @@ def main(argv=None) -> int:
             record = run_step(step, out, args.cpu) | {"source_digest": digest}
             (out / f"{step.name}.json").unlink(missing_ok=True)
             create_file_atomic(out / f"{step.name}.json", json.dumps(record, indent=1) + "\n")
-        records.append({key: record.get(key) for key in ("step", "status", "seconds", "detail", "command",
-                                                          "source_digest")})
+        records.append({key: record.get(key) for key in _INDEX_KEYS})
         print(f"gpucheck: {step.name}: {records[-1]['status']} {records[-1]['detail']}", flush=True)
-    steps = pd.DataFrame(records)
+    # The index lists every step whose result the folder holds, so a pack run over several calls
+    # (one step each) ends with one summary of them all.
+    this_run = {r["step"]: r for r in records}
+    held = [this_run.get(s.name) or {key: _record(out, s.name).get(key) for key in _INDEX_KEYS}
+            for s in STEPS if s.name in this_run or (out / f"{s.name}.json").exists()]
+    steps = pd.DataFrame(held)
     index = {"steps.csv": steps.to_csv(index=False), "summary.md": summary(out, steps, args.cpu, argv)}
     for name, text in index.items():
         (out / name).unlink(missing_ok=True)  # the pack's own index, rewritten on every run
