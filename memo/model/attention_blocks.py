@@ -158,6 +158,17 @@ def backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
     return dq, dk, dv
 
 
+def expand_kv(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head of ``[b, heads, tokens, dim]`` repeated for
+    the ``groups`` query heads it serves (a copy; ``kv`` itself when ``groups`` is 1)."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def fold_kv(dkv: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`expand_kv`: each group's query heads' gradients summed."""
+    return dkv if groups == 1 else dkv.unflatten(1, (-1, groups)).sum(2)
+
+
 def wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype blocks are merged and gradients summed in: float32, or the input's if wider."""
     return torch.promote_types(dtype, torch.float32)

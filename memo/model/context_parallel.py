@@ -142,16 +142,6 @@ def _to_tokens(y: torch.Tensor, group) -> torch.Tensor:
     return _heads_first(_all_to_all(by_rank, group, scatter=0, gather=2))
 
 
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped-query attention: each key/value head repeated for the ``groups`` query heads of it."""
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
-
-
-def _fold(dkv: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`_expand`."""
-    return dkv if groups == 1 else dkv.unflatten(1, (-1, groups)).sum(2)
-
-
 def _token_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` (``[b, n, s, d]``) laid out ``[s, b, n, d]`` in memory, as the output it is the
     gradient of: itself if so already, else a copy. A chunk of its tokens is then laid out as the
@@ -232,7 +222,7 @@ def _ring_forward(ctx, q, k, v):
         owner = (rank - step) % cp
         if step < cp - 1:
             incoming, works = ring.start(held, tag=1)
-        keys, values = (_expand(_heads_first(t), ctx.groups) for t in held)
+        keys, values = (blocks.expand_kv(_heads_first(t), ctx.groups) for t in held)
         for qh, kh, causal in _blocks(rank, cp, rank_chunks(owner, cp)):
             block = blocks.forward(ctx.kernel, _chunk(q, qh, c), _chunk(keys, kh, c), _chunk(values, kh, c),
                                    causal, ctx.scale)
@@ -253,7 +243,7 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
         owner = (rank - step) % cp
         if step < cp - 1:
             incoming, works = ring.start(held, tag=1)
-        keys, values = (_expand(_heads_first(t), ctx.groups) for t in held)
+        keys, values = (blocks.expand_kv(_heads_first(t), ctx.groups) for t in held)
         # the gradient of the held keys and values
         grads = torch.zeros(held.shape, dtype=blocks.wide(k.dtype), device=q.device)
         for qh, kh, causal in _blocks(rank, cp, rank_chunks(owner, cp)):
@@ -262,7 +252,7 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
                 _chunk(values, kh, c), _chunk(out, qh, c), lse.narrow(2, qh * c, c), causal, ctx.scale)
             _chunk(dq, qh, c).add_(dqb)
             for i, d in enumerate((dkb, dvb)):
-                _chunk(_heads_first(grads[i]), kh, c).add_(_fold(d, ctx.groups))
+                _chunk(_heads_first(grads[i]), kh, c).add_(blocks.fold_kv(d, ctx.groups))
         if passing is not None:  # what the ranks before added to these keys' and values' gradient
             _wait(passing[1])
             grads += passing[0]
@@ -280,7 +270,7 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
 def _gather_forward(ctx, q, k, v):
     cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
     c = q.shape[2] // 2
-    keys, values = (_expand(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
+    keys, values = (blocks.expand_kv(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
     merged: list[Optional[tuple]] = [None, None]
     for qh, p, causal in _blocks(rank, cp, _rank_order(cp)):
         block = blocks.forward(ctx.kernel, _chunk(q, qh, c), _chunk(keys, p, c), _chunk(values, p, c), causal,
@@ -301,7 +291,7 @@ def _joined(q, merged: list[tuple], c: int):
 def _gather_backward(ctx, dout, q, k, v, out, lse):
     cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
     c = q.shape[2] // 2
-    keys, values = (_expand(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
+    keys, values = (blocks.expand_kv(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
     dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
     # in the keys' dtype: each key's gradient sums at most two blocks here, then cp ranks'
     dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
@@ -313,7 +303,7 @@ def _gather_backward(ctx, dout, q, k, v, out, lse):
         _chunk(dkeys, p, c).add_(dkb)
         _chunk(dvalues, p, c).add_(dvb)
     del keys, values
-    dk, dv = (_reduce_scatter_tokens(_fold(d, ctx.groups), ctx.group) for d in (dkeys, dvalues))
+    dk, dv = (_reduce_scatter_tokens(blocks.fold_kv(d, ctx.groups), ctx.group) for d in (dkeys, dvalues))
     return dq.to(q.dtype), dk, dv
 
 
@@ -323,16 +313,16 @@ def _ulysses_forward(ctx, q, k, v):
         raise ValueError(f"Ulysses splits the heads over cp={cp} ranks: {q.shape[1]} query and "
                          f"{k.shape[1]} key heads per rank do not divide")
     qh, kh, vh = (_to_heads(t, ctx.group) for t in (q, k, v))
-    o, lse = blocks.forward(ctx.kernel, qh, _expand(kh, ctx.groups), _expand(vh, ctx.groups), True, ctx.scale)
+    o, lse = blocks.forward(ctx.kernel, qh, blocks.expand_kv(kh, ctx.groups), blocks.expand_kv(vh, ctx.groups), True, ctx.scale)
     return _to_tokens(o, ctx.group), _to_tokens(lse.unsqueeze(-1), ctx.group).squeeze(-1)
 
 
 def _ulysses_backward(ctx, dout, q, k, v, out, lse):
     qh, kh, vh, oh, dh = (_to_heads(t, ctx.group) for t in (q, k, v, out, dout))
     lh = _to_heads(lse.unsqueeze(-1), ctx.group).squeeze(-1)
-    dq, dk, dv = blocks.backward(ctx.kernel, dh, qh, _expand(kh, ctx.groups), _expand(vh, ctx.groups), oh, lh,
+    dq, dk, dv = blocks.backward(ctx.kernel, dh, qh, blocks.expand_kv(kh, ctx.groups), blocks.expand_kv(vh, ctx.groups), oh, lh,
                                  True, ctx.scale)
-    return (_to_tokens(d, ctx.group) for d in (dq, _fold(dk, ctx.groups), _fold(dv, ctx.groups)))
+    return (_to_tokens(d, ctx.group) for d in (dq, blocks.fold_kv(dk, ctx.groups), blocks.fold_kv(dv, ctx.groups)))
 
 
 _FORWARD = {"all_gather": _gather_forward, "p2p": _ring_forward, "a2a": _ulysses_forward}

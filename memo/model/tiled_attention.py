@@ -1,0 +1,64 @@
+"""Causal attention of one tile of queries over a store of the whole sequence's keys and values.
+
+A layer walked in tiles of ``c`` tokens makes tile ``t``'s keys and values after those of every
+earlier tile and writes them into a *store* (``[tokens, b, groups, dim]``, token-major, as the
+QKV projection lays them out). Tile ``t``'s queries attend to the store's blocks ``0 .. t``: the
+earlier ones in full, their own causally (a square block, so every kernel puts its diagonal in
+the same place), merged by log-sum-exp (:mod:`memo.model.attention_blocks`, the block entry
+points context parallelism uses). No ``[tokens, tokens]`` and no whole-sequence query or output
+exists: a tile's work holds its queries, one block (expanded to every query head where keys and
+values are grouped) and the running merge in float32.
+
+The backward pass of tile ``t`` is given the tile's merged output and log-sum-exp; every block's
+key and value gradients are added into float32 accumulators of the store's shape. Tiles taken in
+descending order finish block ``t``'s gradients with tile ``t`` (only tiles ``≥ t`` see it).
+"""
+
+import torch
+
+from memo.model import attention_blocks as blocks
+
+
+def block(store: torch.Tensor, index: int, tokens: int) -> torch.Tensor:
+    """Rows ``index·tokens .. (index + 1)·tokens`` of ``store`` (``[s, b, n, d]``) as the kernels
+    take them, ``[b, n, tokens, d]`` (a view)."""
+    return store[index * tokens:(index + 1) * tokens].permute(1, 2, 0, 3)
+
+
+def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of tile ``tile``'s queries ``q`` (``[b, heads, c, d]``) over the store's first
+    ``tile + 1`` blocks of ``c`` tokens.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``[b, heads, c, d]`` in ``q``'s dtype, laid out ``[c, b, heads, d]``
+        in memory as Megatron's attention output is, rounded once from the float32 merge;
+        ``lse`` ``[b, heads, c]`` in float32 (float64 for float64 input).
+    """
+    c, groups = q.shape[2], q.shape[1] // keys.shape[2]
+    merged = None
+    for j in range(tile + 1):
+        k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
+        part = blocks.forward(kernel, q, k, v, j == tile, scale)
+        merged = part if merged is None else blocks.merge(*merged, *part)
+    out, lse = merged
+    token_major = torch.empty((c, q.shape[0], q.shape[1], q.shape[3]), dtype=q.dtype, device=q.device)
+    token_major.permute(1, 2, 0, 3).copy_(out)
+    return token_major.permute(1, 2, 0, 3), lse.to(blocks.wide(q.dtype))
+
+
+def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, tile: int, scale: float, key_grads: torch.Tensor,
+                  value_grads: torch.Tensor) -> torch.Tensor:
+    """The backward pass of :func:`tile_forward`: returns ``dq`` (``q``'s dtype) and adds every
+    block's key and value gradients into ``key_grads`` and ``value_grads`` (float32 or wider,
+    the store's shape)."""
+    c, groups = q.shape[2], q.shape[1] // keys.shape[2]
+    dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
+    for j in range(tile + 1):
+        k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
+        dqb, dkb, dvb = blocks.backward(kernel, dout, q, k, v, out, lse, j == tile, scale)
+        dq.add_(dqb)
+        block(key_grads, j, c).add_(blocks.fold_kv(dkb, groups))
+        block(value_grads, j, c).add_(blocks.fold_kv(dvb, groups))
+    return dq.to(q.dtype)
