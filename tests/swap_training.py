@@ -14,6 +14,7 @@ from memo.execute.streams import InlineStreams
 from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import prepare_swap
 from memo.model import build_gpt
+from memo.swap.tiled_layer import TiledLayers
 
 from conftest import resolve_config
 
@@ -48,6 +49,8 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
                               chunks, segments)
         group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
         prepare_swap(runtime, model, workload, run.alpha, 2**40, group)
+    elif workload.tile_tokens is not None:
+        runtime = TiledLayers.for_model(model, workload)
     optimizer = HostOptimizer(model, run.train)
     source = SyntheticTokens(workload.model.vocab_size, 0)
     batches = micro_batches(source, seq, 1, 1, 0, 1, torch.device("cpu"))
@@ -59,7 +62,7 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
         optimizer.zero_grad()
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
         loss.backward()
-        if runtime is not None:
+        if isinstance(runtime, SwapRuntime):
             runtime.streams.synchronize()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})

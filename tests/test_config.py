@@ -96,7 +96,7 @@ def test_seq_sweep_values_compose_as_strings():
         (["parallel.cp=2", "seq=1026"], "seq=1026"),
         (["train.warmup_steps=10"], "train.warmup_steps=10"),
         (["train.steps=0"], "train.steps=0"),
-        (["train.dtype=fp64"], "train.dtype=fp64"),
+        (["train.dtype=fp8"], "train.dtype=fp8"),
         (["train.lr=0"], "train.lr=0"),
         (["train.attention_backend=fast"], "train.attention_backend=fast"),
         (["train.data=/no/such/file.txt"], "train.data=/no/such/file.txt"),
@@ -237,8 +237,10 @@ def test_seq_max_searches_between_the_fit_bounds():
     (["hardware=a800"], "hardware=a800 trains on a GPU and none is visible here"),
     (["hardware=cpu", "train.dtype=fp16"], "train.dtype=fp16 needs a GPU"),
     (["seq=1k0"], "seq=1k0 is not a sequence length"),
+    (["train.dtype=fp64"], "train.dtype=fp64 is for numerical checks on the CPU"),
 ])
 def test_what_cannot_run_here_is_refused_when_resolving(overrides, message):
+    gpu = "fp64" in overrides[0]  # float64 is refused where a GPU would train
     with pytest.raises(ConfigError, match=message) as error:
-        resolve(compose_config(*overrides), gpu_visible=False)
+        resolve(compose_config(*overrides), gpu_visible=gpu)
     assert "\n" not in str(error.value)

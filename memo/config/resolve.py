@@ -23,10 +23,10 @@ from memo.config.schema import (
     PlannerConfig,
     TrainConfig,
 )
-from memo.config.validate import ConfigError, parse_alpha, parse_seq, validate
+from memo.config.validate import ConfigError, parse_alpha, parse_seq, tile_tokens, validate
 
 # Bytes per element of each ``train.dtype`` a workload can have.
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,9 @@ class Workload:
     parallel: ParallelConfig
     seq: int  # tokens per sequence, all ranks together
     micro_batch_size: int = 1  # sequences per micro-batch
-    dtype: str = "fp32"  # "fp32", "bf16" or "fp16" (never "auto")
+    dtype: str = "fp32"  # "fp32", "bf16", "fp16" or "fp64" (never "auto")
     loss_tile_tokens: Optional[int] = None  # the tiled loss's tokens per tile; None: its default
+    tile_tokens: Optional[int] = None  # the layers' tiles (method.tile_tokens); None: whole layers
 
     @property
     def dtype_bytes(self) -> int:
@@ -82,7 +83,7 @@ class Run:
     @property
     def swaps(self) -> bool:
         """Whether the method swaps activations to the host (MEMO, full swap)."""
-        return self.workload.method.layer_activations == "swap"
+        return self.workload.method.layer_activations == "swap" and self.workload.tile_tokens is None
 
 
 def resolve(cfg, gpu_visible: bool) -> Run:
@@ -105,6 +106,8 @@ def resolve(cfg, gpu_visible: bool) -> Run:
                               "use hardware=auto or hardware=cpu")
         if device_type == "cpu" and cfg.train.dtype == "fp16":
             raise ConfigError("train.dtype=fp16 needs a GPU (loss scaling); use fp32 or bf16 on the CPU")
+        if device_type == "cuda" and cfg.train.dtype == "fp64":
+            raise ConfigError("train.dtype=fp64 is for numerical checks on the CPU; use bf16 or fp32 on a GPU")
     method: MethodConfig = OmegaConf.to_object(cfg.method)
     loss = method.loss if cfg.train.loss == "auto" else cfg.train.loss
     search = None
@@ -121,8 +124,9 @@ def resolve(cfg, gpu_visible: bool) -> Run:
         micro_batch_size=cfg.train.micro_batch_size,
         dtype=dtype,
         loss_tile_tokens=cfg.train.loss_tile_tokens,
+        tile_tokens=tile_tokens(method),
     )
-    swaps = method.layer_activations == "swap"
+    swaps = method.layer_activations == "swap" and workload.tile_tokens is None
     return Run(
         mode=cfg.mode,
         workload=workload,

@@ -72,6 +72,10 @@ class MethodConfig:
     # load-balanced layout, parallel.cp_comm_type) or "deepspeed" (DeepSpeed-Ulysses'
     # DistributedAttention, each rank one contiguous part of the sequence; cp_comm_type=a2a).
     cp_attention: str = "memo"
+    # memo and full_recompute: walk each layer in tiles of this many tokens of the sequence (4k,
+    # 16384; under sequence parallelism a tile is gathered over tp), holding one tile's work and a
+    # few whole-sequence stores (memo.swap.tiled_layer); "whole" runs each layer on all its tokens.
+    tile_tokens: str = "whole"
 
 
 @dataclass
@@ -133,7 +137,7 @@ class TrainConfig:
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
     seed: int = 1234
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), fp32, bf16 or fp16
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16 or fp64 (CPU checks)
     data: str = "synthetic"  # "synthetic" or the path of a text file read as byte tokens
     attention_backend: str = "auto"  # auto, te, cudnn, flash, efficient or math
     # Megatron's distributed optimizer: Adam's states and the fp32 main weights sharded over the

@@ -15,8 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 
 MODES = ("train", "profile", "plan", "fit")
 SEARCH_SEQ = "max"  # seq=max: mode=fit searches the longest sequence that fits
+WHOLE_LAYERS = "whole"  # method.tile_tokens=whole: each layer runs on all its tokens at once
 PROFILE_BACKENDS = ("auto", "fake", "cpu", "cuda")
-DTYPES = ("auto", "fp32", "bf16", "fp16")
+DTYPES = ("auto", "fp32", "bf16", "fp16", "fp64")
 ATTENTION_BACKENDS = ("auto", "te", "cudnn", "flash", "efficient", "math")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -94,6 +95,7 @@ def validate(cfg) -> Optional[int]:
     _check_hardware(cfg.hardware)
     _check_parallel(cfg.parallel, m, seq)
     _check_cp_attention(cfg.method, cfg.parallel)
+    _check_tiles(cfg, seq)
     _check_cluster(cfg)
     t = cfg.train
     if cfg.plan and cfg.mode == "train":
@@ -262,6 +264,36 @@ def _check_method(method) -> None:
                 f"method.recompute_num_layers={method.recompute_num_layers} must be at least 1 "
                 "with method.recompute_granularity=full"
             )
+
+
+def tile_tokens(method) -> Optional[int]:
+    """Tokens per tile of ``method.tile_tokens``, ``None`` for ``whole``."""
+    value = str(method.tile_tokens).strip()
+    return None if value == WHOLE_LAYERS else parse_seq(value, "method.tile_tokens")
+
+
+def _check_tiles(cfg, seq: Optional[int]) -> None:
+    m, p = cfg.method, cfg.parallel
+    tile = tile_tokens(m)
+    if tile is None:
+        return
+    keep = f"or use method.tile_tokens={WHOLE_LAYERS}"
+    if m.layer_activations not in ("swap", "recompute") or m.alpha is not None:
+        raise ConfigError(f"method.tile_tokens={m.tile_tokens} walks the layers of method=memo or "
+                          f"method=full_recompute, not method={m.name}; choose one of them {keep}")
+    if cfg.mode in ("fit", "plan") or cfg.plan:
+        what = "plan=true" if cfg.plan and cfg.mode == "train" else f"mode={cfg.mode}"
+        raise ConfigError(f"{what} does not model layers walked in tiles yet; use "
+                          f"method.tile_tokens={WHOLE_LAYERS}")
+    if parse_alpha(cfg.alpha) is not None:
+        raise ConfigError(f"alpha={cfg.alpha}: layers walked in tiles keep what they save on the device "
+                          f"(nothing is swapped yet); drop alpha {keep}")
+    if p.cp > 1 or p.sequence_parallel:
+        raise ConfigError(f"method.tile_tokens={m.tile_tokens} runs without context or sequence "
+                          f"parallelism so far; set parallel.cp=1 and parallel.sequence_parallel=false {keep}")
+    if seq is not None and seq % tile:
+        raise ConfigError(f"method.tile_tokens={m.tile_tokens} does not divide seq={seq}; choose a tile "
+                          f"that divides the sequence {keep}")
 
 
 def _check_cp_attention(method, p) -> None:

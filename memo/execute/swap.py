@@ -467,9 +467,11 @@ class SwapRuntime:
 
     # --------------------------------------------------------------- attention
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute: Callable):
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute: Callable,
+                  scale: Optional[float] = None, backend: Optional[str] = None):
         """Core attention under swapping: ``q, k, v`` as the kernel takes them
-        (``[b, heads, s, dim]``), ``compute()`` runs the kernel and returns its output."""
+        (``[b, heads, s, dim]``), ``compute()`` runs the kernel (of ``backend``, softmax scale
+        ``scale``) and returns its output."""
         capture = self._capture
         if capture is None:
             return compute()

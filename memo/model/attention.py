@@ -63,7 +63,7 @@ def causal_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
             )
 
-    out = kernel() if runtime is None else runtime.attention(q, k, v, kernel)
+    out = kernel() if runtime is None else runtime.attention(q, k, v, kernel, scale, backend)
     b, n, s, d = out.shape
     return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 

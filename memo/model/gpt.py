@@ -48,7 +48,7 @@ try:
 except ImportError:
     HAVE_TE = False
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 @dataclass
@@ -70,7 +70,7 @@ def torch_dtype(workload: Workload) -> torch.dtype:
 
 
 def dtype_setting(dtype: torch.dtype) -> str:
-    """The ``train.dtype`` that names ``dtype``: "fp32", "bf16" or "fp16"."""
+    """The ``train.dtype`` that names ``dtype``: "fp32", "bf16", "fp16" or "fp64"."""
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 

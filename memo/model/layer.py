@@ -41,9 +41,9 @@ class MemoTransformerLayer(TransformerLayer):
             raise TypeError("MemoTransformerLayer takes keyword arguments only")
         if not torch.is_grad_enabled() or self.activations == "keep":
             return self.run(**kwargs)
+        if self.runtime is not None:  # swapping, or a walk in tiles
+            return self.runtime.forward(self, kwargs)
         if self.activations == "recompute":
             # No dropout in our models, so there is no random state to replay.
             return checkpoint(self.run, use_reentrant=False, preserve_rng_state=False, **kwargs)
-        if self.runtime is None:
-            raise RuntimeError("attach a SwapRuntime to the model before training with swapping")
-        return self.runtime.forward(self, kwargs)
+        raise RuntimeError("attach a SwapRuntime to the model before training with swapping")

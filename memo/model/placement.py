@@ -182,14 +182,16 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def _rms_norm_backward_host(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor):
-    """RMSNorm's input and weight gradients in float32, an eighth of the tokens at a time:
-    with ``x̂ = x·rstd``, ``dx = rstd·(g·w − x̂·mean(g·w·x̂))`` and ``dw = Σ g·x̂``."""
+    """RMSNorm's input and weight gradients in float32 (float64 for float64 input), an eighth of
+    the tokens at a time: with ``x̂ = x·rstd``, ``dx = rstd·(g·w − x̂·mean(g·w·x̂))`` and
+    ``dw = Σ g·x̂``."""
+    acc = torch.promote_types(x.dtype, torch.float32)
     grad_x = torch.empty_like(x)
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    w = weight.float()
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    w = weight.to(acc)
     for start, end in spans(x.shape[0], eighth_tile_tokens(x.shape[0])):
-        normed = x[start:end].float() * rstd[start:end]
-        g = grad[start:end].float()
+        normed = x[start:end].to(acc) * rstd[start:end]
+        g = grad[start:end].to(acc)
         grad_w += (g * normed).flatten(0, -2).sum(dim=0)
         gw = g * w
         grad_x[start:end] = rstd[start:end] * (gw - normed * (gw * normed).mean(dim=-1, keepdim=True))

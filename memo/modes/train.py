@@ -22,6 +22,7 @@ from memo.execute import distributed
 from memo.execute.streams import streams_for
 from memo.execute.swap import SwapRuntime
 from memo.execute.swap_setup import SwapReport, prepare_swap
+from memo.swap.tiled_layer import TiledLayers
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
 from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
@@ -180,7 +181,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     memory = PeakMemory(device_type, arena)
     memory.reset()
-    swap = None
+    swap = tiles = None
     try:
         built = build_gpt(workload, device_type, train.attention_backend)
         if model.init_from is not None:
@@ -196,6 +197,9 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                 report.keep_tokens, report.tokens, report.layer_time_s,
                 report.host_bandwidth_bytes_per_s / 1e9, report.host_bytes / 2**30,
             )
+        elif workload.tile_tokens is not None:
+            tiles = TiledLayers.for_model(built.module, workload)
+            log.info("layers walked in tiles of %d tokens", workload.tile_tokens)
         dp_size = parallel_state.get_data_parallel_world_size()
         source = token_source(train.data, model.vocab_size, train.seed, seq)
         batches = micro_batches(
@@ -257,6 +261,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             # job of a sweep in this process can register a slab at the same address
             swap.streams.synchronize()
             swap.release()
+        if tiles is not None:
+            tiles.release()
     row.update(_max_over_ranks(memory.read(), device_type))
     if device_type == "cuda":
         row.update(measured_allocator_row(row, arena is not None))

@@ -1,0 +1,272 @@
+"""MEMO in sequence tiles: each transformer layer walked in tiles of tokens, its device memory one
+tile's work plus a few declared stores of the whole sequence.
+
+Everything in a layer but core attention is token-local, so Megatron's own layer forward runs on
+one tile of ``c`` tokens at a time (its norms, QKV, RoPE at the tile's positions, projection,
+residuals and MLP, with their tensor-parallel collectives). Core attention is the one exception:
+the tile's keys and values are written into the **key/value store** and its queries attend over
+the store's blocks ``0 .. t`` (:mod:`memo.model.tiled_attention`).
+
+Forward of a layer (no graph is kept): for ``t = 0 .. T − 1`` run the layer on tile ``t``; the
+output rows go to the layer's output, the next layer's input. What the layer keeps for its
+backward pass is its input (as the next layer's input, the residual stream) and, for ``memo``,
+attention's output and log-sum-exp (MEMO's rule: attention is never recomputed); ``full_recompute``
+keeps the input alone.
+
+Backward of a layer, given the gradient of its output:
+
+1. *Rebuild*: each tile runs up to core attention (norm, QKV, RoPE) without a graph, writing its
+   keys and values into the store; the float32 **key/value gradient accumulators** are zeroed.
+2. For ``t = T − 1 .. 0``: the tile is run again with a graph; core attention hands back the kept
+   output (``memo``) or computes it from the store (``full_recompute``), and its backward runs
+   the blocks with the merged output and log-sum-exp, adding every block's key and value
+   gradients into the accumulators. Only tiles ``≥ t`` see block ``t``, so after them block
+   ``t``'s gradients are final and go back through RoPE and QKV with the rest of the tile: one
+   ``torch.autograd.backward`` per tile gives the tile's input gradient and adds its share to
+   every weight's gradient.
+
+The stores live as long as the walk: keys and values ``2·s·h_kv/tp`` elements in the activation
+dtype, their gradient accumulators as many in float32. Per layer, the residual stream (input and
+output, ``s·h/tp`` each) and ``memo``'s attention output and float32 log-sum-exp are kept until the
+layer's backward; the gradient of a layer's input is a new ``s·h/tp`` tensor, the one of its output
+freed when the layer's backward returns. Nothing is swapped (α = 0).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from memo.model import attention_blocks as blocks
+from memo.model.tiled_attention import block, tile_backward, tile_forward
+
+FORWARD, REBUILD, REPLAY = "forward", "rebuild", "replay"
+
+
+@dataclass
+class TileStores:
+    """The layer-wide stores every layer's walk shares: ``[tokens, b, groups, dim]`` each."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_grads: torch.Tensor  # float32 (or wider)
+    value_grads: torch.Tensor
+
+    @classmethod
+    def like(cls, k: torch.Tensor, tokens: int) -> "TileStores":
+        """Stores for ``tokens`` tokens of keys and values shaped as tile ``k`` (``[c, b, n, d]``)."""
+        shape, wide = (tokens, *k.shape[1:]), blocks.wide(k.dtype)
+        return cls(*(torch.empty(shape, dtype=k.dtype, device=k.device) for _ in range(2)),
+                   *(torch.empty(shape, dtype=wide, device=k.device) for _ in range(2)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.key_grads, self.value_grads))
+
+
+@dataclass
+class _Tile:
+    """The tile a layer's attention is run for, and how."""
+
+    mode: str  # FORWARD, REBUILD or REPLAY
+    layer: int
+    index: int  # t
+
+
+@dataclass
+class _Kept:
+    """What ``memo`` keeps of one layer's attention: output ``[s, b, heads, d]`` (token-major, as
+    the kernels' block outputs are merged into) and float32 log-sum-exp ``[b, heads, s]``."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+class _Rebuilt(Exception):
+    """Raised by core attention in a rebuild, once the tile's keys and values are in the store."""
+
+
+class TiledLayers:
+    """The per-tile walk of every layer of one model replica (see the module docstring).
+
+    Args:
+        tile_tokens: ``c``, tokens per tile of this rank's layer input; it must divide them.
+        keep_attention: keep attention's output and log-sum-exp (``memo``) rather than
+            recompute it in the backward pass (``full_recompute``).
+    """
+
+    def __init__(self, tile_tokens: int, keep_attention: bool):
+        if tile_tokens <= 0:
+            raise ValueError(f"tile_tokens={tile_tokens} must be positive")
+        self.tile_tokens = tile_tokens
+        self.keep_attention = keep_attention
+        self.stores: Optional[TileStores] = None
+        self._index: dict[int, int] = {}
+        self._kept: dict[int, _Kept] = {}
+        self._tile: Optional[_Tile] = None
+        self._tokens = 0  # of the layer input being walked
+
+    @classmethod
+    def for_model(cls, model, workload) -> "TiledLayers":
+        """The walk of ``workload``'s tiles, attached to every layer of ``model`` (a GPT)."""
+        walk = cls(workload.tile_tokens, keep_attention=workload.method.layer_activations == "swap")
+        walk.attach(list(model.decoder.layers))
+        return walk
+
+    def attach(self, layers: list) -> None:
+        """Let ``layers`` (:class:`memo.model.layer.MemoTransformerLayer`, in order) run in tiles."""
+        self._index = {id(layer): i for i, layer in enumerate(layers)}
+        for layer in layers:
+            layer.runtime = self
+            layer.self_attention.core_attention.runtime = self
+
+    def release(self) -> None:
+        """Give back the stores and anything kept (idempotent)."""
+        self.stores, self._kept = None, {}
+
+    # ----------------------------------------------------------------- the walk
+
+    def forward(self, layer, kwargs: dict):
+        """``layer``'s forward pass over its tiles (keyword arguments as Megatron passes them):
+        ``(output, None)``."""
+        for key in ("context", "packed_seq_params", "sequence_len_offset", "inference_context",
+                    "attention_bias", "rotary_pos_cos", "rotary_pos_sin", "padding_mask"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"memo's tiles do not support the layer argument {key}")
+        hidden = kwargs["hidden_states"]
+        if hidden.shape[0] % self.tile_tokens:
+            raise ValueError(f"{hidden.shape[0]} tokens cannot be cut into tiles of {self.tile_tokens}")
+        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        return _TiledLayer.apply(hidden, self, layer, self._index[id(layer)], rest), None
+
+    def _tiles(self, tokens: int):
+        c = self.tile_tokens
+        return [(t, slice(t * c, (t + 1) * c)) for t in range(tokens // c)]
+
+    def _run(self, layer, kwargs: dict, hidden: torch.Tensor, rows: slice, tile: _Tile):
+        rope = kwargs.get("rotary_pos_emb")
+        tiled = dict(kwargs, hidden_states=hidden,
+                     rotary_pos_emb=None if rope is None else rope[rows])
+        self._tile = tile
+        try:
+            return layer.run(**tiled)[0]
+        finally:
+            self._tile = None
+
+    def run_forward(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The layer's output, tile by tile, without a graph."""
+        self._tokens = x.shape[0]
+        out = torch.empty_like(x)
+        for t, rows in self._tiles(x.shape[0]):
+            out[rows] = self._run(layer, kwargs, x[rows], rows, _Tile(FORWARD, index, t))
+        return out
+
+    def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of the layer's input from that of its output, adding the layer's weight
+        gradients tile by tile."""
+        self._tokens = x.shape[0]
+        tiles = self._tiles(x.shape[0])
+        with torch.no_grad():
+            for t, rows in tiles:
+                try:
+                    self._run(layer, kwargs, x[rows], rows, _Tile(REBUILD, index, t))
+                except _Rebuilt:
+                    pass
+        self.stores.key_grads.zero_()
+        self.stores.value_grads.zero_()
+        grad_x = torch.empty_like(x)
+        for t, rows in reversed(tiles):
+            tile_x = x[rows].detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = self._run(layer, kwargs, tile_x, rows, _Tile(REPLAY, index, t))
+            torch.autograd.backward(y, grad[rows])
+            grad_x[rows] = tile_x.grad
+        self._kept.pop(index, None)
+        return grad_x
+
+    # ---------------------------------------------------------- core attention
+
+    def output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """New memory for an op's output: a tiled layer places nothing."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute, scale: float, backend: str):
+        """Core attention of the tile being walked: ``q, k, v`` as the kernels take them
+        (``[b, heads, c, dim]``); ``compute`` (whole attention of the tile alone) is not used."""
+        tile = self._tile
+        if tile is None:
+            raise RuntimeError("a tiled layer's attention ran outside its walk")
+        c = q.shape[2]
+        if self.stores is None or self.stores.keys.shape[0] != self._tokens * c // self.tile_tokens:
+            self.stores = TileStores.like(k.permute(2, 0, 1, 3), self._tokens * c // self.tile_tokens)
+        kernel = blocks.kernel_for(backend, q)
+        if tile.mode != REPLAY:
+            # tokens of this tile's block: as many as the tile's queries (all of the tile's
+            # tokens gathered over sequence parallelism)
+            block(self.stores.keys, tile.index, c).copy_(k)
+            block(self.stores.values, tile.index, c).copy_(v)
+            if tile.mode == REBUILD:
+                raise _Rebuilt
+            out, lse = tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.index, scale)
+            if self.keep_attention:
+                self._keep(tile, out, lse)
+            return out
+        return _TileAttention.apply(q, k, v, self, tile, kernel, scale)
+
+    def _keep(self, tile: _Tile, out: torch.Tensor, lse: torch.Tensor) -> None:
+        c = out.shape[2]
+        if tile.index == 0:
+            tokens = self.stores.keys.shape[0]
+            b, heads, _, d = out.shape
+            self._kept[tile.layer] = _Kept(
+                torch.empty((tokens, b, heads, d), dtype=out.dtype, device=out.device),
+                torch.empty((b, heads, tokens), dtype=lse.dtype, device=lse.device))
+        kept = self._kept[tile.layer]
+        block(kept.out, tile.index, c).copy_(out)
+        kept.lse[..., tile.index * c:(tile.index + 1) * c].copy_(lse)
+
+    def _attention_of(self, tile: _Tile, q: torch.Tensor, kernel: str, scale: float):
+        """The tile's merged output and log-sum-exp: kept (memo) or computed from the store."""
+        if not self.keep_attention:
+            return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.index, scale)
+        kept, c = self._kept[tile.layer], q.shape[2]
+        return block(kept.out, tile.index, c), kept.lse[..., tile.index * c:(tile.index + 1) * c]
+
+
+class _TileAttention(torch.autograd.Function):
+    """A tile's core attention in the backward walk: its output as :meth:`TiledLayers._attention_of`
+    gives it; its backward runs the tile's blocks and returns the tile's query gradient and its
+    own block's (then final) key and value gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, walk: TiledLayers, tile: _Tile, kernel: str, scale: float):
+        out, lse = walk._attention_of(tile, q, kernel, scale)
+        ctx.walk, ctx.tile, ctx.kernel, ctx.scale = walk, tile, kernel, scale
+        ctx.q, ctx.out, ctx.lse = q, out, lse
+        ctx.kv_dtype = k.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        walk, t, c = ctx.walk, ctx.tile.index, ctx.q.shape[2]
+        stores = walk.stores
+        dq = tile_backward(ctx.kernel, dout, ctx.q, stores.keys, stores.values, ctx.out, ctx.lse, t, ctx.scale,
+                           stores.key_grads, stores.value_grads)
+        dk, dv = (block(g, t, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
+        return dq, dk, dv, None, None, None, None
+
+
+class _TiledLayer(torch.autograd.Function):
+    """One layer walked in tiles: the autograd node between its input and output."""
+
+    @staticmethod
+    def forward(ctx, hidden, walk: TiledLayers, layer, index: int, kwargs: dict):
+        ctx.walk, ctx.layer, ctx.index, ctx.kwargs = walk, layer, index, kwargs
+        ctx.save_for_backward(hidden)
+        return walk.run_forward(layer, index, hidden, kwargs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (hidden,) = ctx.saved_tensors
+        grad_x = ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous())
+        return grad_x, None, None, None, None

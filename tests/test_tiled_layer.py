@@ -1,0 +1,93 @@
+"""Layers walked in sequence tiles (memo.swap.tiled_layer): losses and every gradient over three
+steps equal keeping everything, for both layer types and several tile sizes."""
+
+import pytest
+import torch
+
+from memo.config import ConfigError
+from memo.execute import distributed
+from memo.execute.distributed import ProcessInfo
+from memo.swap.tiled_layer import TiledLayers
+
+from conftest import compose_config, resolve_config
+from swap_training import train_gradients
+
+SEQ = 256
+SHAPES = {
+    "tiny": ("model.num_layers=4", "model.vocab_size=1000"),
+    "tiny_llama": ("model=tiny_llama", "model.num_layers=4", "model.vocab_size=1000"),
+}
+
+
+@pytest.fixture(scope="module")
+def parallel_state():
+    distributed.initialize(compose_config().parallel, "cpu", ProcessInfo(rank=0, world_size=1, local_rank=0))
+    yield
+    distributed.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(parallel_state):
+    cache = {}
+
+    def get(model: str, dtype: str):
+        if (model, dtype) not in cache:
+            cache[model, dtype] = train_gradients("none", *SHAPES[model], "train.loss=tiled",
+                                                  f"train.dtype={dtype}", seq=SEQ)
+        return cache[model, dtype]
+
+    return get
+
+
+def _assert_close(got, expected, steps: int):
+    for step, (g, e) in enumerate(zip(got[:steps], expected[:steps], strict=True)):
+        assert g.keys() == e.keys()
+        for name in e:
+            torch.testing.assert_close(g[name], e[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, s=step, n=name: f"step {s + 1}: {n}: {m}")
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("method", ["memo", "full_recompute"])
+@pytest.mark.parametrize("tile", [SEQ, SEQ // 4, SEQ // 8])
+def test_tiled_gradients_of_three_steps_equal_keeping_everything(reference, model, method, tile):
+    # In float64: Adam's first step turns a gradient's float32 rounding into a step of up to lr
+    # where the gradient is near its epsilon (1e-8), so the blocks' merge and the per-tile sums,
+    # which round in another order than whole attention and one GEMM over all tokens, move the
+    # third step's float32 gradients by a few 1e-6 (measured); float64 keeps them within 1e-8.
+    expected_losses, expected, _ = reference(model, "fp64")
+    losses, grads, walk = train_gradients(method, *SHAPES[model], f"method.tile_tokens={tile}",
+                                          "train.dtype=fp64", seq=SEQ)
+    assert isinstance(walk, TiledLayers) and walk.tile_tokens == tile
+    assert next(iter(grads[0].values())).dtype == torch.float64
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-6)
+    _assert_close(grads, expected, steps=3)
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_tiled_float32_gradients_equal_keeping_everything_to_rounding(reference, model):
+    expected_losses, expected, _ = reference(model, "fp32")
+    losses, grads, _ = train_gradients("memo", *SHAPES[model], f"method.tile_tokens={SEQ // 8}", seq=SEQ)
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-6)
+    _assert_close(grads, expected, steps=1)  # the same weights: float32 rounding apart
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["method=memo", "method.tile_tokens=100"], "does not divide seq=256"),
+    (["method=full_swap", "method.tile_tokens=64"], "not method=full_swap"),
+    (["method=none", "method.tile_tokens=64"], "not method=none"),
+    (["method=memo", "method.tile_tokens=64", "alpha=0.5"], "nothing is swapped yet"),
+    (["method=memo", "method.tile_tokens=64", "mode=fit"], "mode=fit does not model"),
+    (["method=memo", "method.tile_tokens=64", "plan=true"], "plan=true does not model"),
+    (["method=memo", "method.tile_tokens=six"], "method.tile_tokens=six is not a sequence length"),
+])
+def test_a_tiled_run_it_cannot_do_is_refused_in_one_line(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment) as error:
+        resolve_config(*overrides, f"seq={SEQ}")
+    assert "\n" not in str(error.value)
+
+
+def test_whole_layers_are_the_default():
+    assert resolve_config("method=memo").workload.tile_tokens is None
+    run = resolve_config("method=memo", "method.tile_tokens=4k", "seq=8k")
+    assert run.workload.tile_tokens == 4096 and not run.swaps
