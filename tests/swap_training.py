@@ -27,10 +27,13 @@ def _resolved(overrides: tuple[str, ...]):
 
 
 def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256, streams=None,
-                    alpha=None, segments=None):
+                    alpha=None, segments=None, whole_sequence_grads: bool = False):
     """(losses, per-step gradients by parameter name, runtime) of ``steps`` steps of ``method``
     (with the loss ``train.loss`` in ``overrides`` picks, else the method's). ``segments``: the
     swap runtime's, else as training takes them (2 for a context-parallel input of both chunks).
+    ``whole_sequence_grads``: under sequence parallelism, the gradients of weights every rank
+    applies to its own tokens (norms, row-parallel biases) summed over the tensor-parallel group,
+    as the optimizer sums them.
 
     Megatron's parallel state must be initialized to match ``overrides``.
     """
@@ -59,12 +62,21 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
         (batch,) = next(batches)
         if parallel.cp > 1:  # this rank's two chunks of the sequence, as training takes them
             batch = get_batch_on_this_cp_rank(dict(batch))
+        if isinstance(runtime, TiledLayers):
+            batch = runtime.token_order(batch)
         optimizer.zero_grad()
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
         loss.backward()
         if isinstance(runtime, SwapRuntime):
             runtime.streams.synchronize()
         losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        step_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if whole_sequence_grads and parallel.sequence_parallel:
+            # a norm's or row-parallel bias's gradient on one rank sums over that rank's tokens,
+            # which depend on the order they are in; over the tensor-parallel group they do not
+            for n, p in model.named_parameters():
+                if getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(step_grads[n], group=parallel_state.get_tensor_model_parallel_group())
+        grads.append(step_grads)
         optimizer.step(run.train.lr)
     return losses, grads, runtime

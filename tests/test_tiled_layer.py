@@ -7,6 +7,7 @@ import torch
 from memo.config import ConfigError
 from memo.execute import distributed
 from memo.execute.distributed import ProcessInfo
+from memo.model.tiles import tile_order
 from memo.swap.tiled_layer import TiledLayers
 
 from conftest import compose_config, resolve_config
@@ -91,3 +92,22 @@ def test_whole_layers_are_the_default():
     assert resolve_config("method=memo").workload.tile_tokens is None
     run = resolve_config("method=memo", "method.tile_tokens=4k", "seq=8k")
     assert run.workload.tile_tokens == 4096 and not run.swaps
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun(2, "tiles_worker.check_tiles tp2", "tiles_worker.check_tiles tp2-sp")
+def test_tiled_gradients_match_keeping_everything_with_tensor_and_sequence_parallelism(torchrun_results):
+    """Two processes: heads split over tp, and under sequence parallelism each tile gathered from
+    both ranks' rows (the tokens in tile order)."""
+    split, sequence = torchrun_results
+    assert split.passed() == ("2 tiled runs match over 3 steps (tp2)",) * 2
+    assert sequence.passed() == ("4 tiled runs match over 3 steps (tp2-sp)",) * 2
+
+
+def test_tile_order_gives_each_rank_its_rows_of_every_tile():
+    tokens = torch.arange(16).unsqueeze(0)  # one sequence, tiles of 8 tokens over 2 ranks
+    ordered = tile_order(tokens, 1, 8, 2)
+    shards = ordered.chunk(2, dim=1)  # sequence parallelism's split
+    assert shards[0].tolist() == [[0, 1, 2, 3, 8, 9, 10, 11]] and shards[1].tolist() == [[4, 5, 6, 7, 12, 13, 14, 15]]
+    gathered_tile_1 = torch.cat([shard[:, 4:8] for shard in shards], dim=1)
+    assert gathered_tile_1.tolist() == [list(range(8, 16))]

@@ -43,6 +43,7 @@ def run_steps(
     on_step: Callable[[dict], None],
     step_scope: Optional[Callable[[int], ContextManager[Optional[PhaseMarker]]]] = None,
     sequence_layout: str = "load_balanced",
+    token_order: Callable[[dict], dict] = lambda micro_batch: micro_batch,
 ) -> None:
     """Train for ``train.steps`` steps, calling ``on_step`` with each step's record.
 
@@ -51,7 +52,9 @@ def run_steps(
     ``step_scope(step)`` (0-based), whose phase marker, if it yields one, is told when the
     backward pass and the optimizer step begin; what it does on leaving is not timed. Under
     context parallelism each rank trains on its tokens of every micro-batch in
-    ``sequence_layout`` (:func:`memo.model.context_parallel.sequence_layout`).
+    ``sequence_layout`` (:func:`memo.model.context_parallel.sequence_layout`), put in
+    ``token_order`` (layers walked in tiles under sequence parallelism need their tile order,
+    :func:`memo.model.tiles.batch_in_tile_order`).
     """
     model = optimizer.model
     model.train()
@@ -66,7 +69,7 @@ def run_steps(
             optimizer.zero_grad()
             loss_sum = torch.zeros((), device=device_type, dtype=torch.float32)
             for micro_batch in batch:
-                mb = _this_ranks_tokens(micro_batch, sequence_layout)
+                mb = token_order(_this_ranks_tokens(micro_batch, sequence_layout))
                 per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
                 loss = per_token.float().mean() / len(batch)
                 if marker is not None:

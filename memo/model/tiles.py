@@ -88,3 +88,22 @@ def read_tile(t: torch.Tensor, start: int, end: int, chunks: int) -> torch.Tenso
 def write_tile(t: torch.Tensor, start: int, end: int, chunks: int, value: torch.Tensor) -> None:
     """Write a gathered tile's ``value`` into its rows of ``t`` (a flattened view would copy)."""
     tile_rows(t, start, end, chunks).copy_(value.unflatten(0, (chunks, -1)))
+
+
+def tile_order(t: torch.Tensor, dim: int, tile_tokens: int, chunks: int) -> torch.Tensor:
+    """The tokens of ``t`` (a sequence along ``dim``) reordered so that sequence parallelism's
+    split into ``chunks`` equal shards gives rank ``r``, for every tile ``τ``, the tokens
+    ``τ·c + r·c/chunks .. τ·c + (r + 1)·c/chunks`` (``c = tile_tokens``): gathering rows
+    ``τ·c/chunks ..`` of every shard then yields the tile's ``c`` consecutive tokens, in order.
+    Every token-local computation, and a loss summed over tokens, is unchanged by the order."""
+    s = t.shape[dim]
+    if s % tile_tokens or tile_tokens % chunks:
+        raise ValueError(f"{s} tokens cannot be cut into tiles of {tile_tokens} split over {chunks} ranks")
+    tiles = t.unflatten(dim, (s // tile_tokens, chunks, tile_tokens // chunks))
+    return tiles.transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def batch_in_tile_order(batch: dict, tile_tokens: int, chunks: int) -> dict:
+    """:func:`tile_order` of every ``[b, s]`` tensor of a micro-batch (tokens, labels, positions)."""
+    return {key: tile_order(value, 1, tile_tokens, chunks) if isinstance(value, torch.Tensor) else value
+            for key, value in batch.items()}

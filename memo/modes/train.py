@@ -250,7 +250,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             arena.phase = runtime.phase
         with step_progress(train.steps, show_bar=info.rank == 0) as progress:
             run_steps(optimizer, batches, train, device_type, on_step, runtime.step,
-                      sequence_layout=sequence_layout(run.workload.method.cp_attention))
+                      sequence_layout=sequence_layout(run.workload.method.cp_attention),
+                      token_order=tiles.token_order if tiles is not None else lambda mb: mb)
         row.update(runtime.finish())
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone

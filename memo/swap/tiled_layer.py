@@ -39,6 +39,7 @@ import torch
 
 from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
+from memo.model.tiles import batch_in_tile_order
 
 FORWARD, REBUILD, REPLAY = "forward", "rebuild", "replay"
 
@@ -90,28 +91,42 @@ class TiledLayers:
     """The per-tile walk of every layer of one model replica (see the module docstring).
 
     Args:
-        tile_tokens: ``c``, tokens per tile of this rank's layer input; it must divide them.
+        tile_tokens: ``c``, tokens per tile as attention sees them: gathered over the
+            ``sequence_chunks`` ranks of sequence parallelism, of which each holds ``c /
+            sequence_chunks`` rows of the layer input (rows that must divide its own).
         keep_attention: keep attention's output and log-sum-exp (``memo``) rather than
             recompute it in the backward pass (``full_recompute``).
+        sequence_chunks: tp under sequence parallelism, else 1. The tokens must be in tile order
+            (:func:`memo.model.tiles.tile_order`), so that a tile gathered over the ranks is
+            ``c`` consecutive tokens of the sequence.
     """
 
-    def __init__(self, tile_tokens: int, keep_attention: bool):
-        if tile_tokens <= 0:
-            raise ValueError(f"tile_tokens={tile_tokens} must be positive")
+    def __init__(self, tile_tokens: int, keep_attention: bool, sequence_chunks: int = 1):
+        if tile_tokens <= 0 or tile_tokens % sequence_chunks:
+            raise ValueError(f"tile_tokens={tile_tokens} must be a positive multiple of {sequence_chunks}")
         self.tile_tokens = tile_tokens
+        self.tile_rows = tile_tokens // sequence_chunks
         self.keep_attention = keep_attention
         self.stores: Optional[TileStores] = None
         self._index: dict[int, int] = {}
         self._kept: dict[int, _Kept] = {}
         self._tile: Optional[_Tile] = None
-        self._tokens = 0  # of the layer input being walked
+        self._tokens = 0  # of the sequence the layer being walked sees (gathered)
 
     @classmethod
     def for_model(cls, model, workload) -> "TiledLayers":
         """The walk of ``workload``'s tiles, attached to every layer of ``model`` (a GPT)."""
-        walk = cls(workload.tile_tokens, keep_attention=workload.method.layer_activations == "swap")
+        parallel = workload.parallel
+        walk = cls(workload.tile_tokens, keep_attention=workload.method.layer_activations == "swap",
+                   sequence_chunks=parallel.tp if parallel.sequence_parallel else 1)
         walk.attach(list(model.decoder.layers))
         return walk
+
+    def token_order(self, micro_batch: dict) -> dict:
+        """A micro-batch's tokens (``[b, s]`` tensors) in the order the walk needs them."""
+        if self.tile_rows == self.tile_tokens:
+            return micro_batch
+        return batch_in_tile_order(micro_batch, self.tile_tokens, self.tile_tokens // self.tile_rows)
 
     def attach(self, layers: list) -> None:
         """Let ``layers`` (:class:`memo.model.layer.MemoTransformerLayer`, in order) run in tiles."""
@@ -134,19 +149,21 @@ class TiledLayers:
             if kwargs.get(key) is not None:
                 raise ValueError(f"memo's tiles do not support the layer argument {key}")
         hidden = kwargs["hidden_states"]
-        if hidden.shape[0] % self.tile_tokens:
-            raise ValueError(f"{hidden.shape[0]} tokens cannot be cut into tiles of {self.tile_tokens}")
+        if hidden.shape[0] % self.tile_rows:
+            raise ValueError(f"{hidden.shape[0]} rows cannot be cut into tiles of {self.tile_rows}")
         rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
         return _TiledLayer.apply(hidden, self, layer, self._index[id(layer)], rest), None
 
-    def _tiles(self, tokens: int):
-        c = self.tile_tokens
-        return [(t, slice(t * c, (t + 1) * c)) for t in range(tokens // c)]
+    def _tiles(self, rows: int) -> list[tuple[int, slice]]:
+        """``(t, this rank's rows of tile t)`` for a layer input of ``rows`` rows."""
+        r = self.tile_rows
+        return [(t, slice(t * r, (t + 1) * r)) for t in range(rows // r)]
 
-    def _run(self, layer, kwargs: dict, hidden: torch.Tensor, rows: slice, tile: _Tile):
-        rope = kwargs.get("rotary_pos_emb")
+    def _run(self, layer, kwargs: dict, hidden: torch.Tensor, tile: "_Tile"):
+        rope, c = kwargs.get("rotary_pos_emb"), self.tile_tokens
+        # the angles of the tile's gathered tokens, positions t·c .. (t + 1)·c
         tiled = dict(kwargs, hidden_states=hidden,
-                     rotary_pos_emb=None if rope is None else rope[rows])
+                     rotary_pos_emb=None if rope is None else rope[tile.index * c:(tile.index + 1) * c])
         self._tile = tile
         try:
             return layer.run(**tiled)[0]
@@ -155,21 +172,21 @@ class TiledLayers:
 
     def run_forward(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """The layer's output, tile by tile, without a graph."""
-        self._tokens = x.shape[0]
+        self._tokens = x.shape[0] // self.tile_rows * self.tile_tokens
         out = torch.empty_like(x)
         for t, rows in self._tiles(x.shape[0]):
-            out[rows] = self._run(layer, kwargs, x[rows], rows, _Tile(FORWARD, index, t))
+            out[rows] = self._run(layer, kwargs, x[rows], _Tile(FORWARD, index, t))
         return out
 
     def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of the layer's input from that of its output, adding the layer's weight
         gradients tile by tile."""
-        self._tokens = x.shape[0]
+        self._tokens = x.shape[0] // self.tile_rows * self.tile_tokens
         tiles = self._tiles(x.shape[0])
         with torch.no_grad():
             for t, rows in tiles:
                 try:
-                    self._run(layer, kwargs, x[rows], rows, _Tile(REBUILD, index, t))
+                    self._run(layer, kwargs, x[rows], _Tile(REBUILD, index, t))
                 except _Rebuilt:
                     pass
         self.stores.key_grads.zero_()
@@ -178,7 +195,7 @@ class TiledLayers:
         for t, rows in reversed(tiles):
             tile_x = x[rows].detach().requires_grad_(True)
             with torch.enable_grad():
-                y = self._run(layer, kwargs, tile_x, rows, _Tile(REPLAY, index, t))
+                y = self._run(layer, kwargs, tile_x, _Tile(REPLAY, index, t))
             torch.autograd.backward(y, grad[rows])
             grad_x[rows] = tile_x.grad
         self._kept.pop(index, None)
@@ -196,13 +213,12 @@ class TiledLayers:
         tile = self._tile
         if tile is None:
             raise RuntimeError("a tiled layer's attention ran outside its walk")
-        c = q.shape[2]
-        if self.stores is None or self.stores.keys.shape[0] != self._tokens * c // self.tile_tokens:
-            self.stores = TileStores.like(k.permute(2, 0, 1, 3), self._tokens * c // self.tile_tokens)
-        kernel = blocks.kernel_for(backend, q)
+        if q.shape[2] != self.tile_tokens:
+            raise RuntimeError(f"a tile's attention got {q.shape[2]} tokens, not {self.tile_tokens}")
+        if self.stores is None or self.stores.keys.shape[0] != self._tokens:
+            self.stores = TileStores.like(k.permute(2, 0, 1, 3), self._tokens)
+        kernel, c = blocks.kernel_for(backend, q), self.tile_tokens
         if tile.mode != REPLAY:
-            # tokens of this tile's block: as many as the tile's queries (all of the tile's
-            # tokens gathered over sequence parallelism)
             block(self.stores.keys, tile.index, c).copy_(k)
             block(self.stores.values, tile.index, c).copy_(v)
             if tile.mode == REBUILD:
