@@ -1,22 +1,26 @@
 """Device memory of one training step, from the allocation trace of a real CPU run.
 
-For each method and depth it builds the model as a job does, runs one step unrecorded, then
-records the next step's forward and backward pass with the allocation recorder (real CPU
-tensors, every storage a request) and prints, at the instant of most bytes in use:
+For each length, depth and method it builds the model as a job does, runs one step unrecorded
+(timed, as the next), then records the next step's forward and backward pass with the allocation
+recorder (real CPU tensors, every storage a request) and prints, at the instant of most bytes in use:
 
 * skeletal bytes held on the device: requests kept for a layer's backward, plus MEMO's two
   rounding buffers (allocated before the step, so not requests), against two layers' worth;
-* peak live bytes: all requests then alive, plus the rounding buffers.
+* peak live bytes: all requests then alive, plus the rounding buffers;
+* the step's time (forward and backward, unrecorded) over ``none``'s.
 
-Weights, gradients (Megatron keeps them in one buffer made before training) and optimizer
-states are the same for every method and are not counted. A
-benchmark, not a test: it takes minutes at the paper's depth.
+The methods are ``none``, ``megatron_full_recompute``, ``full_recompute``, ``memo`` (whole layers,
+``--alpha``) and ``memo`` walking its layers in tiles of ``--tile`` tokens (``memo tiles``, nothing
+swapped). Weights, gradients (Megatron keeps them in one buffer made before training) and
+optimizer states are the same for every method and are not counted. A benchmark, not a test: it
+takes minutes at the paper's depth.
 
-    python benchmarks/activation_memory.py --layers 4,8,32 --seq 8k
+    python benchmarks/activation_memory.py --layers 4 --seq 8k,16k,32k --tile 1k
 """
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,8 +40,15 @@ from memo.fit.memory import split_peak  # noqa: E402
 from memo.model import build_gpt  # noqa: E402
 from memo.profile.recorder import record  # noqa: E402
 from memo.profile.trace import Trace  # noqa: E402
+from memo.swap.tiled_layer import TiledLayers  # noqa: E402
 
-METHODS = ("memo", "full_recompute", "megatron_full_recompute")
+METHODS = {  # the rows: name -> overrides
+    "none": ["method=none"],
+    "megatron_full_recompute": ["method=megatron_full_recompute"],
+    "full_recompute": ["method=full_recompute"],
+    "memo": ["method=memo"],
+    "memo tiles": ["method=memo"],
+}
 
 
 def recorded_step(overrides: list[str]) -> dict:
@@ -51,18 +62,25 @@ def recorded_step(overrides: list[str]) -> dict:
     if run.swaps:
         runtime = SwapRuntime(workload.model.num_layers, InlineStreams(), torch.device("cpu"))
         prepare_swap(runtime, model, workload, run.alpha, 2**50)
+    walk = TiledLayers.for_model(model, workload) if workload.tile_tokens is not None else None
     seq = workload.seq
     batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1,
                             torch.device("cpu"))
 
     def step(marker=None):
         (batch,) = next(batches)
+        if walk is not None:
+            batch = walk.token_order(batch)
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
         if marker is not None:
             marker.backward()
         loss.backward()
 
+    step()  # the first: allocations and kernels chosen
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
     step()
+    seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     recorder = record(model, step)
     # Gradients live in a buffer made before training on a GPU (Megatron's DDP), as the fit
@@ -75,40 +93,44 @@ def recorded_step(overrides: list[str]) -> dict:
         "two_layers": 2 * runtime.layout.bytes_kept if runtime else None,
         "peak": peak + buffers,
         "phase": phase,
+        "seconds": seconds,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="4,8,32", help="comma-separated depths (default 4,8,32)")
-    parser.add_argument("--seq", default="8k", help="tokens (default 8k)")
+    parser.add_argument("--seq", default="8k", help="comma-separated lengths in tokens (default 8k)")
+    parser.add_argument("--tile", default="1k", help="tokens per tile of the 'memo tiles' row (default 1k)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--alpha", type=float, default=0.5, help="memo's swapped fraction (default 0.5)")
     parser.add_argument("--loss", default="tiled", choices=("tiled", "megatron"), help="for every method")
     args = parser.parse_args()
-    seq = parse_seq(args.seq)
+    lengths = [parse_seq(n) for n in args.seq.split(",")]
+    tile = parse_seq(args.tile, "--tile")
 
     register_configs()
     mib = 2**20
-    print(f"{args.model}, {seq} tokens, fp32, train.loss={args.loss}, memo alpha={args.alpha}; MiB")
-    print(f"{'layers':>6} {'method':<24} {'skeletal held':>14} {'2 layers':>9} {'peak live':>10} "
-          f"{'vs megatron':>11}  peak in", flush=True)
+    print(f"{args.model}, fp32, train.loss={args.loss}, memo alpha={args.alpha}, memo tiles of {tile} tokens; MiB")
+    print(f"{'seq':>7} {'layers':>6} {'method':<24} {'skeletal held':>14} {'2 layers':>9} {'peak live':>10} "
+          f"{'vs megatron':>11} {'time vs none':>12}  peak in", flush=True)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         distributed.initialize(compose(config_name="config").parallel, "cpu", ProcessInfo(0, 1, 0))
         try:
-            for layers in (int(n) for n in args.layers.split(",")):
-                results = {}
-                for method in METHODS:
-                    overrides = [f"model={args.model}", f"model.num_layers={layers}", f"method={method}",
-                                 f"train.loss={args.loss}", f"seq={seq}",
-                                 *([f"alpha={args.alpha}"] if method == "memo" else [])]
-                    results[method] = recorded_step(overrides)
-                reference = results["megatron_full_recompute"]["peak"]
-                for method, r in results.items():
-                    two = f"{r['two_layers'] / mib:9.1f}" if r["two_layers"] else f"{'-':>9}"
-                    print(f"{layers:>6} {method:<24} {r['skeletal'] / mib:14.1f} {two} "
-                          f"{r['peak'] / mib:10.1f} {r['peak'] / reference:11.3f}  {r['phase']}",
-                          flush=True)
+            for seq in lengths:
+                for layers in (int(n) for n in args.layers.split(",")):
+                    results = {}
+                    for name, method in METHODS.items():
+                        extra = {"memo": [f"alpha={args.alpha}"], "memo tiles": [f"method.tile_tokens={tile}"]}
+                        overrides = [f"model={args.model}", f"model.num_layers={layers}", *method,
+                                     f"train.loss={args.loss}", f"seq={seq}", *extra.get(name, [])]
+                        results[name] = recorded_step(overrides)
+                    reference, none = results["megatron_full_recompute"]["peak"], results["none"]["seconds"]
+                    for name, r in results.items():
+                        two = f"{r['two_layers'] / mib:9.1f}" if r["two_layers"] else f"{'-':>9}"
+                        print(f"{seq:>7} {layers:>6} {name:<24} {r['skeletal'] / mib:14.1f} {two} "
+                              f"{r['peak'] / mib:10.1f} {r['peak'] / reference:11.3f} "
+                              f"{r['seconds'] / none:12.2f}  {r['phase']}", flush=True)
         finally:
             distributed.shutdown()
 

@@ -314,7 +314,8 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
             capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
             block_kernel = attention_blocks.choose(backend, device_type, capability, dtype,
                                                    config.kv_channels)
-        if method.layer_activations == "swap" and backend == "math" and block_kernel == "none":
+        if method.layer_activations == "swap" and workload.tile_tokens is None and backend == "math" \
+                and block_kernel == "none":
             # SDPA's math kernel saves the s×s probabilities for its backward, which no token-wise
             # slot can hold (context-parallel blocks save only O(s) tensors, whatever the kernel)
             raise ConfigError(

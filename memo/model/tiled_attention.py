@@ -59,6 +59,7 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
         dqb, dkb, dvb = blocks.backward(kernel, dout, q, k, v, out, lse, j == tile, scale)
         dq.add_(dqb)
-        block(key_grads, j, c).add_(blocks.fold_kv(dkb, groups))
-        block(value_grads, j, c).add_(blocks.fold_kv(dvb, groups))
+        # grouped heads' gradients summed in the accumulators' precision
+        block(key_grads, j, c).add_(blocks.fold_kv(dkb.to(key_grads.dtype), groups))
+        block(value_grads, j, c).add_(blocks.fold_kv(dvb.to(value_grads.dtype), groups))
     return dq.to(q.dtype)

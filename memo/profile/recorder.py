@@ -111,7 +111,13 @@ class PhaseMarker:
         self._forward("loss.fwd")
         hidden = inputs[0]
         if hidden.requires_grad:  # its gradient is ready once the loss's backward is done
-            hidden.register_hook(lambda grad: self._set("head.bwd"))
+            hidden.register_hook(self._head_backward)
+
+    def _head_backward(self, _grad) -> None:
+        # unless the loss's input is the last layer's output (the final norm inside the loss's
+        # tiles), whose hook, registered first, has named that layer's backward already
+        if self.phase == "loss.bwd":
+            self._set("head.bwd")
 
     def _hook_block(self, module, forward: Optional[str], backward: str, after: Optional[str] = None):
         if forward is not None:
@@ -136,6 +142,12 @@ class PhaseMarker:
             self.phase = phase
             if self._on_change is not None:
                 self._on_change(phase)
+
+    def enter_layer(self, layer: int, part: str) -> None:
+        """Name the phase from here on ``layer.<layer>.<part>``, forward or backward: a part of a
+        layer's pass (a layer walked in tiles names each tile's,
+        :class:`memo.swap.tiled_layer.TiledLayers`)."""
+        self._set(layer_phase(layer, part))
 
     def backward(self) -> None:
         """Call right before ``loss.backward()``."""

@@ -33,7 +33,7 @@ freed when the layer's backward returns. Nothing is swapped (α = 0).
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -41,7 +41,9 @@ from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
 from memo.model.tiles import batch_in_tile_order
 
-FORWARD, REBUILD, REPLAY = "forward", "rebuild", "replay"
+# the walk's modes, named as its phases are: a tile's forward, the keys and values made again
+# before the backward tiles, and a tile's forward again with a graph for its backward
+FORWARD, REBUILD, BACKWARD = "fwd", "rebuild", "bwd"
 
 
 @dataclass
@@ -54,11 +56,11 @@ class TileStores:
     value_grads: torch.Tensor
 
     @classmethod
-    def like(cls, k: torch.Tensor, tokens: int) -> "TileStores":
-        """Stores for ``tokens`` tokens of keys and values shaped as tile ``k`` (``[c, b, n, d]``)."""
-        shape, wide = (tokens, *k.shape[1:]), blocks.wide(k.dtype)
-        return cls(*(torch.empty(shape, dtype=k.dtype, device=k.device) for _ in range(2)),
-                   *(torch.empty(shape, dtype=wide, device=k.device) for _ in range(2)))
+    def empty(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> "TileStores":
+        """Stores of keys and values ``shape`` (``[tokens, b, groups, dim]``) in ``dtype``."""
+        wide = blocks.wide(dtype)
+        return cls(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(2)),
+                   *(torch.empty(shape, dtype=wide, device=device) for _ in range(2)))
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +71,7 @@ class TileStores:
 class _Tile:
     """The tile a layer's attention is run for, and how."""
 
-    mode: str  # FORWARD, REBUILD or REPLAY
+    mode: str  # FORWARD, REBUILD or BACKWARD
     layer: int
     index: int  # t
 
@@ -109,9 +111,12 @@ class TiledLayers:
         self.keep_attention = keep_attention
         self.stores: Optional[TileStores] = None
         self._index: dict[int, int] = {}
-        self._kept: dict[int, _Kept] = {}
         self._tile: Optional[_Tile] = None
-        self._tokens = 0  # of the sequence the layer being walked sees (gathered)
+        self._kept: Optional[_Kept] = None  # memo's kept attention of the layer being walked
+        # called with (layer, part of its pass) as the walk goes: "fwd.t<t>", "rebuild",
+        # "bwd.t<t>", and the layer's own "fwd" or "bwd" when its tiles are done (the profiler
+        # names its phases so)
+        self.on_phase: Callable[[int, str], None] = lambda layer, part: None
 
     @classmethod
     def for_model(cls, model, workload) -> "TiledLayers":
@@ -136,8 +141,8 @@ class TiledLayers:
             layer.self_attention.core_attention.runtime = self
 
     def release(self) -> None:
-        """Give back the stores and anything kept (idempotent)."""
-        self.stores, self._kept = None, {}
+        """Give back the stores (idempotent)."""
+        self.stores = None
 
     # ----------------------------------------------------------------- the walk
 
@@ -149,6 +154,10 @@ class TiledLayers:
             if kwargs.get(key) is not None:
                 raise ValueError(f"memo's tiles do not support the layer argument {key}")
         hidden = kwargs["hidden_states"]
+        if not hidden.requires_grad:
+            # the weights are not the walk's inputs: without a graph to the input no backward
+            # would run, and their gradients would be lost silently
+            raise ValueError("a layer walked in tiles needs an input that requires grad")
         if hidden.shape[0] % self.tile_rows:
             raise ValueError(f"{hidden.shape[0]} rows cannot be cut into tiles of {self.tile_rows}")
         rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
@@ -165,24 +174,47 @@ class TiledLayers:
         tiled = dict(kwargs, hidden_states=hidden,
                      rotary_pos_emb=None if rope is None else rope[tile.index * c:(tile.index + 1) * c])
         self._tile = tile
+        self.on_phase(tile.layer, REBUILD if tile.mode == REBUILD else f"{tile.mode}.t{tile.index}")
         try:
             return layer.run(**tiled)[0]
         finally:
             self._tile = None
 
-    def run_forward(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """The layer's output, tile by tile, without a graph."""
-        self._tokens = x.shape[0] // self.tile_rows * self.tile_tokens
-        out = torch.empty_like(x)
-        for t, rows in self._tiles(x.shape[0]):
-            out[rows] = self._run(layer, kwargs, x[rows], _Tile(FORWARD, index, t))
-        return out
+    def _allocate(self, layer, x: torch.Tensor) -> Optional[_Kept]:
+        """The stores (once, or again for another length) and ``memo``'s kept attention of the
+        layer, before its tiles: ``[tokens, b, heads, dim]`` from the layer's attention."""
+        attention = layer.self_attention
+        tokens = x.shape[0] // self.tile_rows * self.tile_tokens
+        d, b = attention.hidden_size_per_attention_head, x.shape[1]
+        shape = (tokens, b, attention.num_query_groups_per_partition, d)
+        if self.stores is None or tuple(self.stores.keys.shape) != shape or self.stores.keys.dtype != x.dtype:
+            self.stores = None  # the old ones go first
+            self.stores = TileStores.empty(shape, x.dtype, x.device)
+        if not self.keep_attention:
+            return None
+        heads = attention.num_attention_heads_per_partition
+        return _Kept(torch.empty((tokens, b, heads, d), dtype=x.dtype, device=x.device),
+                     torch.empty((b, heads, tokens), dtype=blocks.wide(x.dtype), device=x.device))
 
-    def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient of the layer's input from that of its output, adding the layer's weight
-        gradients tile by tile."""
-        self._tokens = x.shape[0] // self.tile_rows * self.tile_tokens
+    def run_forward(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, Optional[_Kept]]:
+        """The layer's output, tile by tile, without a graph, and what ``memo`` keeps of its
+        attention for its backward pass."""
+        kept = self._kept = self._allocate(layer, x)
+        try:
+            out = torch.empty_like(x)
+            for t, rows in self._tiles(x.shape[0]):
+                out[rows] = self._run(layer, kwargs, x[rows], _Tile(FORWARD, index, t))
+        finally:
+            self._kept = None
+        self.on_phase(index, FORWARD)
+        return out, kept
+
+    def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor,
+                     kept: Optional[_Kept]) -> torch.Tensor:
+        """The gradient of the layer's input from that of its output (and ``kept``, what its
+        forward kept), adding the layer's weight gradients tile by tile."""
         tiles = self._tiles(x.shape[0])
+        grad_x = torch.empty_like(x)  # the gradient stream below this layer
         with torch.no_grad():
             for t, rows in tiles:
                 try:
@@ -191,14 +223,18 @@ class TiledLayers:
                     pass
         self.stores.key_grads.zero_()
         self.stores.value_grads.zero_()
-        grad_x = torch.empty_like(x)
-        for t, rows in reversed(tiles):
-            tile_x = x[rows].detach().requires_grad_(True)
-            with torch.enable_grad():
-                y = self._run(layer, kwargs, tile_x, _Tile(REPLAY, index, t))
-            torch.autograd.backward(y, grad[rows])
-            grad_x[rows] = tile_x.grad
-        self._kept.pop(index, None)
+        self._kept = kept
+        try:
+            for t, rows in reversed(tiles):
+                tile_x = x[rows].detach().requires_grad_(True)
+                with torch.enable_grad():
+                    y = self._run(layer, kwargs, tile_x, _Tile(BACKWARD, index, t))
+                torch.autograd.backward(y, grad[rows])
+                grad_x[rows] = tile_x.grad
+                del y, tile_x  # the tile's graph, before the next one's
+        finally:
+            self._kept = None
+        self.on_phase(index, BACKWARD)
         return grad_x
 
     # ---------------------------------------------------------- core attention
@@ -211,14 +247,12 @@ class TiledLayers:
         """Core attention of the tile being walked: ``q, k, v`` as the kernels take them
         (``[b, heads, c, dim]``); ``compute`` (whole attention of the tile alone) is not used."""
         tile = self._tile
-        if tile is None:
-            raise RuntimeError("a tiled layer's attention ran outside its walk")
+        if tile is None:  # the layer run whole, without a graph (evaluation)
+            return compute()
         if q.shape[2] != self.tile_tokens:
             raise RuntimeError(f"a tile's attention got {q.shape[2]} tokens, not {self.tile_tokens}")
-        if self.stores is None or self.stores.keys.shape[0] != self._tokens:
-            self.stores = TileStores.like(k.permute(2, 0, 1, 3), self._tokens)
         kernel, c = blocks.kernel_for(backend, q), self.tile_tokens
-        if tile.mode != REPLAY:
+        if tile.mode != BACKWARD:
             block(self.stores.keys, tile.index, c).copy_(k)
             block(self.stores.values, tile.index, c).copy_(v)
             if tile.mode == REBUILD:
@@ -230,14 +264,7 @@ class TiledLayers:
         return _TileAttention.apply(q, k, v, self, tile, kernel, scale)
 
     def _keep(self, tile: _Tile, out: torch.Tensor, lse: torch.Tensor) -> None:
-        c = out.shape[2]
-        if tile.index == 0:
-            tokens = self.stores.keys.shape[0]
-            b, heads, _, d = out.shape
-            self._kept[tile.layer] = _Kept(
-                torch.empty((tokens, b, heads, d), dtype=out.dtype, device=out.device),
-                torch.empty((b, heads, tokens), dtype=lse.dtype, device=lse.device))
-        kept = self._kept[tile.layer]
+        c, kept = out.shape[2], self._kept
         block(kept.out, tile.index, c).copy_(out)
         kept.lse[..., tile.index * c:(tile.index + 1) * c].copy_(lse)
 
@@ -245,7 +272,7 @@ class TiledLayers:
         """The tile's merged output and log-sum-exp: kept (memo) or computed from the store."""
         if not self.keep_attention:
             return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.index, scale)
-        kept, c = self._kept[tile.layer], q.shape[2]
+        kept, c = self._kept, q.shape[2]
         return block(kept.out, tile.index, c), kept.lse[..., tile.index * c:(tile.index + 1) * c]
 
 
@@ -269,6 +296,7 @@ class _TileAttention(torch.autograd.Function):
         dq = tile_backward(ctx.kernel, dout, ctx.q, stores.keys, stores.values, ctx.out, ctx.lse, t, ctx.scale,
                            stores.key_grads, stores.value_grads)
         dk, dv = (block(g, t, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
+        ctx.q = ctx.out = ctx.lse = None  # attributes, which autograd does not free with the node
         return dq, dk, dv, None, None, None, None
 
 
@@ -279,10 +307,12 @@ class _TiledLayer(torch.autograd.Function):
     def forward(ctx, hidden, walk: TiledLayers, layer, index: int, kwargs: dict):
         ctx.walk, ctx.layer, ctx.index, ctx.kwargs = walk, layer, index, kwargs
         ctx.save_for_backward(hidden)
-        return walk.run_forward(layer, index, hidden, kwargs)
+        out, ctx.kept = walk.run_forward(layer, index, hidden, kwargs)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         (hidden,) = ctx.saved_tensors
-        grad_x = ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous())
+        kept, ctx.kept = ctx.kept, None  # freed once the layer's backward is done
+        grad_x = ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous(), kept)
         return grad_x, None, None, None, None
