@@ -128,8 +128,10 @@ def test_tiled_trace_has_the_phases_of_megatrons():
                                        dtype="fp32"), "fake").phases
         for loss in ("megatron", "tiled")
     }
-    assert phases["tiled"] == phases["megatron"]
-    assert phases["tiled"][3:7] == ["head.fwd", "loss.fwd", "loss.bwd", "head.bwd"]
+    # the tiled loss normalizes and multiplies inside its own tiles: the head asks for nothing
+    assert phases["tiled"] == [p for p in phases["megatron"] if not p.startswith("head.")]
+    assert phases["megatron"][3:7] == ["head.fwd", "loss.fwd", "loss.bwd", "head.bwd"]
+    assert phases["tiled"][3:5] == ["loss.fwd", "loss.bwd"]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,10 @@ them over the tensor-parallel group, as Transformer Engine's norms are treated.
 
 With a swap runtime attached (``runtime``), the output and statistics are written into the
 rounding buffer that keeps them (:mod:`memo.model.placement`).
+
+The model's final norm can be left to the tiled loss (``in_loss``), which normalizes one tile at a
+time (:mod:`memo.model.loss`): its forward then hands its input on unchanged, and
+:meth:`normalize` is the norm. The weights keep their place and names in the model.
 """
 
 import torch
@@ -23,9 +27,13 @@ class LayerNorm(torch.nn.LayerNorm):
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
         self.runtime = None  # a SwapRuntime, attached after the model is built
+        self.in_loss = False
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps, self.runtime)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps, self.runtime)
+        return x if self.in_loss else self.normalize(x)
 
 
 class RMSNorm(torch.nn.Module):
@@ -38,9 +46,13 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
         self.runtime = None  # a SwapRuntime, attached after the model is built
+        self.in_loss = False
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.runtime)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.runtime)
+        return x if self.in_loss else self.normalize(x)
 
 
 def norm_class(normalization: str) -> type:

@@ -3,7 +3,7 @@
 An event's position in the trace is its instant; a request lives over ``[malloc, free)``, so a
 trace is also a DSA instance (:meth:`Trace.buffers`). Every event carries the phase of the
 iteration it happened in: ``embedding.fwd``, ``layer.<i>.fwd``, ``head.fwd`` (final norm and
-output layer), ``loss.fwd``, then
+output layer; empty under the tiled loss, which does both in its tiles), ``loss.fwd``, then
 ``loss.bwd``, ``head.bwd``, ``layer.<i>.bwd`` from the last layer to the first, ``embedding.bwd``
 and ``optimizer``. A layer walked in tiles (:mod:`memo.swap.tiled_layer`) names its parts:
 ``layer.<i>.fwd.t<t>`` per tile, then in the backward pass ``layer.<i>.rebuild`` and
