@@ -22,7 +22,7 @@ Kernels (:func:`choose`), and what their entry points need in PyTorch 2.11 (the 
   attention, the fastest on Hopper (a block of one key, which it does not take, runs ``flash``).
   Its log-sum-exp is ``[b, heads, tokens, 1]``. Its backward
   graphs are cached by the layouts of q, k and v only, so the output and its gradient are always
-  handed over token-major within the block (:func:`_token_major`) and the log-sum-exp packed;
+  handed over token-major within the block (:func:`token_major`) and the log-sum-exp packed;
   undefined (``None``) sequence offsets select its dense path.
 * ``flash`` on the CPU: ATen's fused CPU kernel; on CUDA (sm80 and newer, fp16/bf16, head size a
   multiple of 8 up to 256): FlashAttention-2 as PyTorch ships it. Its backward takes the dense
@@ -100,7 +100,7 @@ def _check_block(kernel: str, q: torch.Tensor, k: torch.Tensor, causal: bool) ->
         raise ValueError(f"the {kernel} kernel does not run on the CPU")
 
 
-def _token_major(t: torch.Tensor) -> torch.Tensor:
+def token_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` (``[b, heads, tokens, dim]``) with its tokens outermost but for the batch, as the
     CUDA kernels write their outputs: itself if so already, else a copy."""
     if t.transpose(1, 2).is_contiguous():
@@ -142,7 +142,7 @@ def backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
     s_q, s_k = q.shape[2], k.shape[2]
     if kernel == "cudnn" and s_k > 1:
         return _aten._scaled_dot_product_cudnn_attention_backward(
-            _token_major(dout), q, k, v, _token_major(out), lse.float().contiguous().unsqueeze(-1),
+            token_major(dout), q, k, v, token_major(out), lse.float().contiguous().unsqueeze(-1),
             philox_seed=None, philox_offset=None, attn_bias=None, cum_seq_q=None, cum_seq_k=None,
             max_q=s_q, max_k=s_k, dropout_p=0.0, is_causal=causal, scale=scale)
     if kernel in ("cudnn", "flash"):
@@ -153,7 +153,7 @@ def backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
     padded = -(-s_q // 32) * 32
     lse = torch.nn.functional.pad(lse.float(), (0, padded - s_q)).contiguous()
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, _token_major(out), lse, None, None, dropout_p=0.0,
+        dout, q, k, v, None, token_major(out), lse, None, None, dropout_p=0.0,
         grad_input_mask=[True, True, True, False], is_causal=causal, scale=scale)
     return dq, dk, dv
 

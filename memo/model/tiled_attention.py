@@ -54,6 +54,9 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
     block's key and value gradients into ``key_grads`` and ``value_grads`` (float32 or wider,
     the store's shape)."""
     c, groups = q.shape[2], q.shape[1] // keys.shape[2]
+    # in the layouts the kernels take, once for all the tile's blocks rather than per block
+    dout, out = blocks.token_major(dout), blocks.token_major(out)
+    lse = lse.to(blocks.wide(q.dtype)).contiguous()
     dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
     for j in range(tile + 1):
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
