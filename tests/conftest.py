@@ -90,13 +90,16 @@ def resolve_config(*overrides: str) -> Run:
     return resolve(compose_config(*overrides), gpu_visible=False)
 
 
-@pytest.fixture
-def single_process():
-    """Megatron's parallel state for one CPU process (tp = cp = pp = dp = 1)."""
-    cfg = compose_config()
-    distributed.initialize(cfg.parallel, "cpu", ProcessInfo(rank=0, world_size=1, local_rank=0))
+def _one_process():
+    """Megatron's parallel state for one CPU process (tp = cp = pp = dp = 1), until the end."""
+    distributed.initialize(compose_config().parallel, "cpu", ProcessInfo(rank=0, world_size=1, local_rank=0))
     yield
     distributed.shutdown()
+
+
+single_process = pytest.fixture(name="single_process")(_one_process)
+# the same for every test of a module (the tests that train in-process, several runs each)
+parallel_state = pytest.fixture(scope="module", name="parallel_state")(_one_process)
 
 
 def run_in_process(output_dir: Path, *overrides: str) -> dict:

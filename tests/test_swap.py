@@ -4,8 +4,6 @@ import pytest
 import torch
 
 from memo.config import ConfigError
-from memo.execute import distributed
-from memo.execute.distributed import ProcessInfo
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.streams import CudaStreams, DeferredStreams, InlineStreams
 from memo.execute.swap import SwapRuntime
@@ -16,20 +14,13 @@ from memo.profile.layers import layer_bytes
 from memo.profile.recorder import record
 from memo.profile.trace import Trace
 
-from conftest import compose_config, resolve_config
+from conftest import resolve_config
 from swap_training import train_gradients
 
 # The layers' tensors are what is swapped and recomputed; a vocabulary of 1000 (padded to 1024)
 # keeps the output layer, which took most of each step with GPT-2's 50304, small.
 VOCAB = "model.vocab_size=1000"
 SIX = ["model.num_layers=6", VOCAB]  # four swapped layers: both rounding buffers are reused
-
-
-@pytest.fixture(scope="module")
-def parallel_state():
-    distributed.initialize(compose_config().parallel, "cpu", ProcessInfo(rank=0, world_size=1, local_rank=0))
-    yield
-    distributed.shutdown()
 
 
 @pytest.fixture(scope="module")

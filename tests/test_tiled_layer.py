@@ -5,12 +5,10 @@ import pytest
 import torch
 
 from memo.config import ConfigError
-from memo.execute import distributed
-from memo.execute.distributed import ProcessInfo
 from memo.model.tiles import tile_order
 from memo.swap.tiled_layer import TiledLayers
 
-from conftest import compose_config, resolve_config
+from conftest import resolve_config
 from swap_training import train_gradients
 
 SEQ = 256
@@ -18,13 +16,6 @@ SHAPES = {
     "tiny": ("model.num_layers=4", "model.vocab_size=1000"),
     "tiny_llama": ("model=tiny_llama", "model.num_layers=4", "model.vocab_size=1000"),
 }
-
-
-@pytest.fixture(scope="module")
-def parallel_state():
-    distributed.initialize(compose_config().parallel, "cpu", ProcessInfo(rank=0, world_size=1, local_rank=0))
-    yield
-    distributed.shutdown()
 
 
 @pytest.fixture(scope="module")

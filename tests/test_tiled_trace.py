@@ -10,12 +10,7 @@ import pytest
 from memo.profile.iteration import trace_iteration
 
 from conftest import resolve_config
-
-SEQ = 256
-SHAPES = {
-    "tiny": ("model.num_layers=4", "model.vocab_size=1000"),
-    "tiny_llama": ("model=tiny_llama", "model.num_layers=4", "model.vocab_size=1000"),
-}
+from test_tiled_layer import SEQ, SHAPES
 
 
 TILE_PHASE = re.compile(r"layer\.\d+\.(fwd\.t\d+|bwd\.t\d+|rebuild)")

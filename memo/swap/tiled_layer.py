@@ -62,9 +62,6 @@ class TileStores:
         return cls(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(2)),
                    *(torch.empty(shape, dtype=wide, device=device) for _ in range(2)))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.key_grads, self.value_grads))
 
 
 @dataclass
@@ -238,10 +235,6 @@ class TiledLayers:
         return grad_x
 
     # ---------------------------------------------------------- core attention
-
-    def output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """New memory for an op's output: a tiled layer places nothing."""
-        return torch.empty(shape, dtype=dtype, device=device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute, scale: float, backend: str):
         """Core attention of the tile being walked: ``q, k, v`` as the kernels take them
