@@ -66,7 +66,7 @@ def problem_of_row(row: pd.Series) -> tuple[Problem, ParallelConfig, int]:
     loss = _value(row.get("train.loss"))  # the loss the run used (the method's, or train.loss)
     method = dataclasses.replace(method, loss=loss or method.loss)
     alpha = None
-    if method.layer_activations == "swap":
+    if method.swaps:
         alpha = method.alpha if method.alpha is not None else parse_alpha(row.get("alpha", "auto"))
     train = _section(row, "train.", _Train)
     parallel, seq = _section(row, "parallel.", ParallelConfig), int(row["seq"])

@@ -33,14 +33,11 @@ from memo.config import parse_seq, register_configs, resolve  # noqa: E402
 from memo.execute import distributed  # noqa: E402
 from memo.execute.data import SyntheticTokens, micro_batches  # noqa: E402
 from memo.execute.distributed import ProcessInfo  # noqa: E402
-from memo.execute.streams import InlineStreams  # noqa: E402
-from memo.execute.swap import SwapRuntime  # noqa: E402
-from memo.execute.swap_setup import prepare_swap  # noqa: E402
 from memo.fit.memory import split_peak  # noqa: E402
 from memo.model import build_gpt  # noqa: E402
 from memo.profile.recorder import record  # noqa: E402
 from memo.profile.trace import Trace  # noqa: E402
-from memo.swap.tiled_layer import TiledLayers  # noqa: E402
+from memo.swap import SwapRuntime, prepare_swap  # noqa: E402
 
 METHODS = {  # the rows: name -> overrides
     "none": ["method=none"],
@@ -58,19 +55,16 @@ def recorded_step(overrides: list[str]) -> dict:
     workload = run.workload
     torch.manual_seed(run.train.seed)
     model = build_gpt(workload, "cpu").module
-    runtime = None
-    if run.swaps:
-        runtime = SwapRuntime(workload.model.num_layers, InlineStreams(), torch.device("cpu"))
-        prepare_swap(runtime, model, workload, run.alpha, 2**50)
-    walk = TiledLayers.for_model(model, workload) if workload.tile_tokens is not None else None
+    placement, _ = prepare_swap(model, workload, torch.device("cpu"), 2**50, run.alpha)
+    runtime = placement if isinstance(placement, SwapRuntime) else None
     seq = workload.seq
     batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1,
                             torch.device("cpu"))
 
     def step(marker=None):
         (batch,) = next(batches)
-        if walk is not None:
-            batch = walk.token_order(batch)
+        if placement is not None:
+            batch = placement.token_order(batch)
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
         if marker is not None:
             marker.backward()

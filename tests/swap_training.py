@@ -10,11 +10,10 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.optimizer import HostOptimizer
-from memo.execute.streams import InlineStreams
-from memo.execute.swap import SwapRuntime
-from memo.execute.swap_setup import prepare_swap
 from memo.model import build_gpt
-from memo.swap.tiled_layer import TiledLayers
+from memo.swap import SwapRuntime, prepare_swap
+from memo.swap.prepare import ready_runtime, sequence_chunks
+from memo.swap.streams import InlineStreams
 
 from conftest import resolve_config
 
@@ -42,18 +41,15 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
     workload = run.workload
     torch.manual_seed(run.train.seed)
     model = build_gpt(workload, "cpu").module
-    runtime = None
     parallel = workload.parallel
-    if run.swaps:
-        chunks = parallel.tp if parallel.sequence_parallel else 1
-        if segments is None:
-            segments = 2 if parallel.cp > 1 and chunks == 1 else 1
-        runtime = SwapRuntime(workload.model.num_layers, streams or InlineStreams(), torch.device("cpu"),
-                              chunks, segments)
-        group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
-        prepare_swap(runtime, model, workload, run.alpha, 2**40, group)
-    elif workload.tile_tokens is not None:
-        runtime = TiledLayers.for_model(model, workload)
+    group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
+    cpu = torch.device("cpu")
+    if segments is not None:
+        runtime = SwapRuntime(workload.model.num_layers, streams or InlineStreams(), cpu,
+                              sequence_chunks(parallel), segments)
+        ready_runtime(runtime, model, workload, run.alpha, 2**40, group)
+    else:
+        runtime, _ = prepare_swap(model, workload, cpu, 2**40, run.alpha, streams or InlineStreams(), group)
     optimizer = HostOptimizer(model, run.train)
     source = SyntheticTokens(workload.model.vocab_size, 0)
     batches = micro_batches(source, seq, 1, 1, 0, 1, torch.device("cpu"))
@@ -62,7 +58,7 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
         (batch,) = next(batches)
         if parallel.cp > 1:  # this rank's two chunks of the sequence, as training takes them
             batch = get_batch_on_this_cp_rank(dict(batch))
-        if isinstance(runtime, TiledLayers):
+        if runtime is not None:
             batch = runtime.token_order(batch)
         optimizer.zero_grad()
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()

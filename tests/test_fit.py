@@ -22,7 +22,7 @@ from memo.fit.template import iteration_template
 from memo.fit.timing import predict_time
 from memo.hardware import HARDWARE, GiB
 from memo.model.gpt import layer_matmul_weights, model_flops_parameters, padded_vocab_size, parameter_count
-from memo.plan.alpha import HostMemoryError
+from memo.swap.alpha import HostMemoryError
 from memo.dsa.buffers import max_load
 from memo.profile.iteration import trace_iteration
 from memo.profile.trace import Trace

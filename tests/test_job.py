@@ -97,7 +97,7 @@ def test_training_on_a_text_file(tmp_path):
 
 
 def test_a_failed_swap_job_releases_its_slab(tmp_path, monkeypatch):
-    from memo.execute.swap import SwapRuntime
+    from memo.swap import SwapRuntime
 
     released = []
     original = SwapRuntime.release

@@ -133,7 +133,7 @@ def test_context_parallel_two_processes_match_one_with_every_exchange(tmp_path, 
     """MEMO (α solved per rank) with the sequence split over two ranks (keys and values
     gathered, passed around a ring, or Ulysses' all-to-all): the losses and gradient norms of the
     one-process run. Megatron's layers under the same split give MEMO's gradients
-    (tests/test_swap_runs.py), and the four-process test below runs them against one process."""
+    (tests/swap/test_swap_runs.py), and the four-process test below runs them against one process."""
     method = "memo"
     one = {loss: _steps(tmp_path, f"cp1-{loss}", f"method={method}", *SMALL, f"train.loss={loss}")
            for loss in ("megatron", "tiled")}

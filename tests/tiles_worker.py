@@ -1,7 +1,7 @@
 """Under torchrun: layers walked in tiles against keeping everything, with tensor parallelism
 (``tp2``) or tensor and sequence parallelism (``tp2-sp``, the tokens in tile order), for both layer
 types, both tiled methods and three tile sizes: losses and every gradient over three steps in
-float64 (:mod:`tests.test_tiled_layer` says why). Under sequence parallelism a rank's tokens are
+float64 (tests/swap/test_tiled_layer.py says why). Under sequence parallelism a rank's tokens are
 others than keeping everything's, so the gradients of weights applied per token are compared summed
 over both ranks. A check of ``tests/checks_worker.py``."""
 

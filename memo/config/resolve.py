@@ -48,6 +48,16 @@ class Workload:
         """Bytes per element of the workload's dtype."""
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def tiled(self) -> bool:
+        """Whether the layers are walked in sequence tiles."""
+        return self.tile_tokens is not None
+
+    @property
+    def swaps(self) -> bool:
+        """Whether whole layers swap what they save (MEMO, full swap, without tiles)."""
+        return self.method.swaps and not self.tiled
+
     def at(self, parallel: ParallelConfig, seq: int) -> "Workload":
         """The same work under another layout and length (``seq`` tokens)."""
         return dataclasses.replace(self, parallel=parallel, seq=seq)
@@ -82,8 +92,8 @@ class Run:
 
     @property
     def swaps(self) -> bool:
-        """Whether the method swaps activations to the host (MEMO, full swap)."""
-        return self.workload.method.layer_activations == "swap" and self.workload.tile_tokens is None
+        """Whether whole layers swap activations to the host (MEMO, full swap, without tiles)."""
+        return self.workload.swaps
 
 
 def resolve(cfg, gpu_visible: bool) -> Run:
@@ -126,7 +136,7 @@ def resolve(cfg, gpu_visible: bool) -> Run:
         loss_tile_tokens=cfg.train.loss_tile_tokens,
         tile_tokens=tile_tokens(method),
     )
-    swaps = method.layer_activations == "swap" and workload.tile_tokens is None
+    swaps = workload.swaps
     return Run(
         mode=cfg.mode,
         workload=workload,

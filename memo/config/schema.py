@@ -77,6 +77,22 @@ class MethodConfig:
     # few whole-sequence stores (memo.swap.tiled_layer); "whole" runs each layer on all its tokens.
     tile_tokens: str = "whole"
 
+    # What the method does, for the code that must know (the names above stay the configuration).
+    @property
+    def ours(self) -> bool:
+        """Runs memo's own transformer layer (the others are Megatron's, with its recomputation)."""
+        return self.layer_activations != "megatron"
+
+    @property
+    def swaps(self) -> bool:
+        """Sends what its layers save to the host and brings it back (memo, full_swap)."""
+        return self.layer_activations == "swap"
+
+    @property
+    def walks_tiles(self) -> bool:
+        """Can walk its layers in sequence tiles (``tile_tokens``): memo and full_recompute."""
+        return self.layer_activations in ("swap", "recompute") and self.alpha is None
+
 
 @dataclass
 class ParallelConfig:

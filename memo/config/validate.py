@@ -91,11 +91,12 @@ def validate(cfg) -> Optional[int]:
 
     _check_model_shape(m)
     _check_method(cfg.method)
-    _check_alpha(cfg)
+    method = OmegaConf.to_object(cfg.method)  # a MethodConfig: what the method does, as properties
+    _check_alpha(cfg, method)
     _check_hardware(cfg.hardware)
     _check_parallel(cfg.parallel, m, seq)
-    _check_cp_attention(cfg.method, cfg.parallel)
-    _check_tiles(cfg, seq)
+    _check_cp_attention(method, cfg.parallel)
+    _check_tiles(cfg, method, seq)
     _check_cluster(cfg)
     t = cfg.train
     if cfg.plan and cfg.mode == "train":
@@ -233,17 +234,16 @@ def parse_alpha(value: object) -> Optional[float]:
     return alpha
 
 
-def _check_alpha(cfg) -> None:
+def _check_alpha(cfg, m) -> None:
     alpha = parse_alpha(cfg.alpha)
-    m = cfg.method
-    if m.layer_activations == "swap" and m.alpha is not None:
+    if m.swaps and m.alpha is not None:
         parse_alpha(m.alpha)
         if alpha is not None:
             raise ConfigError(
                 f"alpha={cfg.alpha} has no effect with method={m.name}, which swaps "
                 f"alpha={m.alpha:g} of the tokens; drop alpha or use method=memo"
             )
-    elif m.layer_activations != "swap" and alpha is not None:
+    elif not m.swaps and alpha is not None:
         raise ConfigError(f"alpha={cfg.alpha} applies to method=memo only; drop it or use method=memo")
 
 
@@ -272,13 +272,13 @@ def tile_tokens(method) -> Optional[int]:
     return None if value == WHOLE_LAYERS else parse_seq(value, "method.tile_tokens")
 
 
-def _check_tiles(cfg, seq: Optional[int]) -> None:
-    m, p = cfg.method, cfg.parallel
+def _check_tiles(cfg, m, seq: Optional[int]) -> None:
+    p = cfg.parallel
     tile = tile_tokens(m)
     if tile is None:
         return
     keep = f"or use method.tile_tokens={WHOLE_LAYERS}"
-    if m.layer_activations not in ("swap", "recompute") or m.alpha is not None:
+    if not m.walks_tiles:
         raise ConfigError(f"method.tile_tokens={m.tile_tokens} walks the layers of method=memo or "
                           f"method=full_recompute, not method={m.name}; choose one of them {keep}")
     if cfg.mode in ("fit", "plan") or cfg.plan:
@@ -303,7 +303,7 @@ def _check_cp_attention(method, p) -> None:
     _choice("method.cp_attention", method.cp_attention, CP_ATTENTIONS)
     if method.cp_attention != "deepspeed":
         return
-    if method.layer_activations != "megatron":
+    if method.ours:
         raise ConfigError(f"method.cp_attention=deepspeed runs on Megatron's layers, not "
                           f"method.layer_activations={method.layer_activations}; "
                           "set method.layer_activations=megatron")

@@ -28,7 +28,7 @@ from typing import Optional
 from memo.config import Workload, shards_optimizer
 from memo.fit.template import INNER_LAYERS, IterationTemplate
 from memo.model.gpt import parameter_count
-from memo.plan.alpha import AlphaSolution, SkeletalBytes, choose_alpha
+from memo.swap.alpha import AlphaSolution, SkeletalBytes, choose_alpha
 from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.dsa.caching_allocator import OutOfMemoryError, simulate
 from memo.profile.trace import Trace

@@ -10,7 +10,7 @@ from memo.fit import memory
 from memo.fit.template import iteration_template
 from memo.fit.timing import TimePrediction, predict_time
 from memo.hardware import GiB, Hardware
-from memo.plan.alpha import HostMemoryError
+from memo.swap import HostMemoryError, host_share
 from memo.results import finite
 
 
@@ -113,7 +113,7 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
     devices = parallel.tp * parallel.cp * parallel.pp * parallel.dp
     local = min(devices, hw.devices_per_node or 1)  # the job's devices on one node
     host_capacity = int(hw.host_memory_bytes * fit.host_usable_fraction)
-    swap = method.layer_activations == "swap"
+    swap = workload.swaps
 
     def timed(alpha: float = 1.0, swapped: float = 0.0) -> TimePrediction:
         return predict_time(workload, problem.micro_batches, hw, fit, alpha, swapped, states.params)
@@ -140,7 +140,7 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
                 fixed,
                 timed().layer_forward_s,
                 hw.host_link_bytes_per_s,
-                host_capacity / (hw.devices_per_node or 1),
+                host_share(host_capacity, hw.devices_per_node),
             )
         except HostMemoryError as error:
             need = max(layers - 2, 0) * math.ceil(sizes.swapped(fixed or 0.0))

@@ -223,7 +223,7 @@ def iteration_template(workload: Workload, num_layers: int) -> IterationTemplate
     """
     method = workload.method
     traced_method = MethodConfig(name=method.name, layer_activations="keep", loss=method.loss) \
-        if method.layer_activations == "swap" else method
+        if method.swaps else method
     return _template(
         _frozen(workload.model),
         _frozen(traced_method),

@@ -141,14 +141,14 @@ def predict_time(
         recompute = forward
     elif method.recompute_granularity == "selective":
         recompute = attention
-    elif method.layer_activations == "swap":
+    elif method.swaps:
         # the dropped tokens run again up to FC2's input: QKV, the projection and FC1
         token_wise = 2 * b * t * (weights - f * h) / tp / (peak * fit.gemm_efficiency)
         recompute = (1 - alpha) * token_wise
     else:
         recompute = 0.0
     swap = 0.0
-    if method.layer_activations == "swap" and swapped_bytes_per_layer:
+    if method.swaps and swapped_bytes_per_layer:
         copy = swapped_bytes_per_layer / hw.host_link_bytes_per_s
         swap = max(0.0, copy - forward) + max(0.0, copy - backward)
         swap *= max(n // pp - 2, 0) / (n // pp)

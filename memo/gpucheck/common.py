@@ -30,6 +30,19 @@ def source_digest(root: Path = REPO) -> str:
     return digest.hexdigest()[:12]
 
 
+def placed_model(workload, device, alpha: Optional[float] = None, attention_backend: str = "auto",
+                 host_budget: float = 2**50):
+    """``workload``'s GPT on ``device`` with its layers placed as training places them
+    (:func:`memo.swap.prepare_swap`): ``(model, placement or None, swap report or None)``. The
+    host budget (bytes) defaults to more than any step here swaps."""
+    from memo.model import build_gpt
+    from memo.swap import prepare_swap
+
+    model = build_gpt(workload, device.type, attention_backend).module
+    placement, report = prepare_swap(model, workload, device, host_budget, alpha)
+    return model, placement, report
+
+
 def runs_dir(out: Path) -> Path:
     """Where a step's training jobs write, under the pack's directory: one folder per code
     (:func:`source_digest`), so a job of other code is never taken for this code's."""

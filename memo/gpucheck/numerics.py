@@ -20,11 +20,8 @@ from memo.config import resolve
 from memo.execute import distributed
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.distributed import ProcessInfo
-from memo.execute.streams import streams_for
-from memo.execute.swap import SwapRuntime
-from memo.execute.swap_setup import prepare_swap
-from memo.gpucheck.common import arguments, compose, run_job, runs_dir, write_rows
-from memo.model import build_gpt, dtype_label, dtype_setting
+from memo.gpucheck.common import arguments, compose, placed_model, run_job, runs_dir, write_rows
+from memo.model import dtype_label, dtype_setting
 from memo.model.attention import select_backend
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -43,17 +40,12 @@ def gradients(method: str, alpha, model_overrides: list[str], seq: int, device: 
     run = resolve(compose(f"method={method}", *given, *model_overrides, f"seq={seq}",
                           f"train.dtype={dtype_setting(dtype)}"), gpu_visible=device.type == "cuda")
     torch.manual_seed(run.train.seed)
-    model = build_gpt(run.workload, device.type, kernel).module
-    runtime = None
-    if run.swaps:
-        runtime = SwapRuntime(run.workload.model.num_layers, streams_for(device), device)
-        prepare_swap(runtime, model, run.workload, run.alpha, 2**50)
+    model, placement, _ = placed_model(run.workload, device, run.alpha, kernel)
     (batch,) = next(micro_batches(SyntheticTokens(run.workload.model.vocab_size, 0), seq, 1, 1, 0, 1, device))
     loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float().mean()
     loss.backward()
-    if runtime is not None:
-        runtime.streams.synchronize()
-        runtime.release()
+    if placement is not None:
+        placement.release()
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.item(), grads
 

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from memo.gpucheck.common import arguments, skip, write_rows
+from memo.gpucheck.common import arguments, placed_model, skip, write_rows
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -56,10 +56,6 @@ def main(argv=None) -> int:
     from memo.execute import distributed
     from memo.execute.distributed import ProcessInfo
     from memo.execute.data import SyntheticTokens, micro_batches
-    from memo.execute.streams import streams_for
-    from memo.execute.swap import SwapRuntime
-    from memo.execute.swap_setup import prepare_swap
-    from memo.model import build_gpt
 
     torch.cuda.set_device(0)
     device, seq = torch.device("cuda", 0), 32 * 1024
@@ -69,9 +65,7 @@ def main(argv=None) -> int:
     distributed.initialize(workload.parallel, "cuda", ProcessInfo(0, 1, 0))
     try:
         torch.manual_seed(0)
-        model = build_gpt(workload, "cuda").module
-        runtime = SwapRuntime(workload.model.num_layers, streams_for(device), device)
-        report = prepare_swap(runtime, model, workload, None, 64 * 2**30)
+        model, runtime, report = placed_model(workload, device, host_budget=64 * 2**30)
         batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1, device)
 
         def step():

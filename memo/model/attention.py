@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memo.config import ConfigError
 from memo.model.context_parallel import CP_COMM_TYPES, context_parallel_attention
+from memo.model.placement import Placed, Placement
 
 # Fastest first on Hopper: cuDNN's fused attention, then FlashAttention-2, then the rest.
 _CANDIDATES = {
@@ -42,13 +43,13 @@ def causal_attention(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
     grouped: bool = False,
-    runtime=None,
+    placement: Optional[Placement] = None,
     cp_group=None,
     cp_comm_type: str = "all_gather",
 ) -> torch.Tensor:
     """Causal attention with one SDPA kernel: ``[s, b, heads, dim]`` in, ``[s, b, heads·dim]`` out.
 
-    ``runtime`` (a :class:`memo.execute.swap.SwapRuntime`) sees the kernel's inputs and may
+    ``placement`` (:class:`memo.model.placement.Placement`) sees the kernel's inputs and may
     replay its output instead of running it. With ``cp_group`` the tokens are this rank's part of
     a sequence split over that context-parallel group, exchanged by ``cp_comm_type``.
     """
@@ -63,7 +64,7 @@ def causal_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
             )
 
-    out = kernel() if runtime is None else runtime.attention(q, k, v, kernel, scale, backend)
+    out = kernel() if placement is None else placement.attention(q, k, v, kernel, scale, backend)
     b, n, s, d = out.shape
     return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
@@ -102,7 +103,7 @@ def select_backend(device_type: str, dtype: torch.dtype, head_dim: int, wanted: 
     )
 
 
-class SdpaAttention(MegatronModule):
+class SdpaAttention(Placed, MegatronModule):
     """Causal self-attention for Megatron's ``[s, b, heads, head_dim]`` layout.
 
     Construction follows Megatron-core's ``CoreAttentionBuilder`` protocol, with ``backend``
@@ -123,7 +124,6 @@ class SdpaAttention(MegatronModule):
     ):
         super().__init__(config=config)
         self.backend = backend
-        self.runtime = None  # a SwapRuntime, attached after the model is built
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SdpaAttention supports causal masks only, not {attn_mask_type}")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -162,7 +162,7 @@ class SdpaAttention(MegatronModule):
             scale=self.softmax_scale,
             dropout_p=self.dropout if self.training else 0.0,
             grouped=self.grouped,
-            runtime=self.runtime,
+            placement=self.placement,
             cp_group=self.cp_group,
             cp_comm_type=self.cp_comm_type,
         )

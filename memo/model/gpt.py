@@ -249,7 +249,7 @@ def uses_transformer_engine(
         ConfigError: if the run needs Transformer Engine (``attention_backend=te``) and it cannot
             be used here.
     """
-    local = method.layer_activations != "megatron" or method.cp_attention != "memo"
+    local = method.ours or method.cp_attention != "memo"
     if local and attention_backend == "te":
         raise ConfigError(
             f"method={method.name} runs on Megatron's local layers, so train.attention_backend=te "
@@ -314,7 +314,7 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
             capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
             block_kernel = attention_blocks.choose(backend, device_type, capability, dtype,
                                                    config.kv_channels)
-        if method.layer_activations == "swap" and workload.tile_tokens is None and backend == "math" \
+        if workload.swaps and backend == "math" \
                 and block_kernel == "none":
             # SDPA's math kernel saves the s×s probabilities for its backward, which no token-wise
             # slot can hold (context-parallel blocks save only O(s) tensors, whatever the kernel)

@@ -1,16 +1,18 @@
 """The transformer layer of MEMO's methods: Megatron-core's ``TransformerLayer``, put in the
 layer spec, with control over what its forward pass keeps for the backward pass.
 
-* ``activations="swap"``: the layer hands its forward to a
-  :class:`~memo.execute.swap.SwapRuntime` (attached after the model is built), which swaps and
-  recomputes its skeletal activations token-wise (methods ``memo`` and ``full_swap``).
+* ``activations="swap"``: the layer hands its forward to its placement
+  (:class:`memo.model.placement.Placement`, given after the model is built): a
+  :class:`memo.swap.runtime.SwapRuntime` swaps and recomputes its skeletal activations
+  token-wise (methods ``memo`` and ``full_swap``), a :class:`memo.swap.tiled_layer.TiledLayers`
+  walks it in tiles of tokens.
 * ``activations="recompute"``: the layer keeps only its input and runs its forward again in
   the backward pass, attention included (method ``full_recompute``, the paper's ablation).
 * ``activations="keep"``: the layer keeps everything, as Megatron's would: the trace from which
   the fit planner takes a swapping method's activations (:mod:`memo.fit.template`).
 
 The computation itself is Megatron's, unchanged; without grad (evaluation) both run plainly.
-Under swapping the layer's own modules write the tensors it saves straight into the runtime's
+Under swapping the layer's own modules write the tensors it saves straight into the placement's
 rounding buffer (:mod:`memo.model.placement`).
 """
 
@@ -18,10 +20,12 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.utils.checkpoint import checkpoint
 
+from memo.model.placement import Placed
+
 ACTIVATIONS = ("swap", "recompute", "keep")
 
 
-class MemoTransformerLayer(TransformerLayer):
+class MemoTransformerLayer(Placed, TransformerLayer):
     """Megatron's transformer layer with MEMO's activation management (see module docstring)."""
 
     def __init__(self, *args, activations: str = "swap", **kwargs):
@@ -29,7 +33,6 @@ class MemoTransformerLayer(TransformerLayer):
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations={activations} is not one of {ACTIVATIONS}")
         self.activations = activations
-        self.runtime = None
 
     def run(self, **kwargs):
         """Megatron's forward pass, as is: ``(hidden_states, context)``."""
@@ -41,9 +44,9 @@ class MemoTransformerLayer(TransformerLayer):
             raise TypeError("MemoTransformerLayer takes keyword arguments only")
         if not torch.is_grad_enabled() or self.activations == "keep":
             return self.run(**kwargs)
-        if self.runtime is not None:  # swapping, or a walk in tiles
-            return self.runtime.forward(self, kwargs)
+        if self.placement is not None:  # swapping, or a walk in tiles
+            return self.placement.forward(self, kwargs)
         if self.activations == "recompute":
             # No dropout in our models, so there is no random state to replay.
             return checkpoint(self.run, use_reentrant=False, preserve_rng_state=False, **kwargs)
-        raise RuntimeError("attach a SwapRuntime to the model before training with swapping")
+        raise RuntimeError("place the layers (memo.swap.prepare_swap) before training with swapping")

@@ -14,7 +14,7 @@ gathered input and input gradient at a time besides the layer's output (or its g
 the fp32 ``[o/tp, h]`` weight-gradient accumulator. What the backward pass saves is Megatron's:
 the input shard and the weight.
 
-With a swap runtime attached (``runtime``), the output is written where the runtime places it
+Under a swap placement (``placement``), the output is written where the placement puts it
 (FC1's output is saved by GeLU, so it is made in its rounding buffer), with or without sequence
 parallelism.
 
@@ -33,16 +33,16 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from memo.model.placement import new_output
+from memo.model.placement import Placed, Placement, new_output
 from memo.model.tiles import accumulate_product, eighth_tile_tokens, gather, spans, tile_rows, write_tile
 
 
 class _SequenceTiledLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, tile, runtime):
+    def forward(ctx, x, weight, bias, group, tile, placement):
         size = dist.get_world_size(group)
         tokens = x.shape[0]
-        out = new_output(runtime, (size * tokens, *x.shape[1:-1], weight.shape[0]), x.dtype, x.device)
+        out = new_output(placement, (size * tokens, *x.shape[1:-1], weight.shape[0]), x.dtype, x.device)
         rows = tile_rows(out, 0, tokens, size)  # [size, tokens, ...]: each rank's rows of out
         for start, end in spans(tokens, tile):
             gathered = gather(x[start:end], group, size).unflatten(0, (size, -1))
@@ -108,12 +108,12 @@ class _SequenceTiledRowLinear(torch.autograd.Function):
 
 class _PlacedLinear(torch.autograd.Function):
     """Megatron's column-parallel product without sequence parallelism, its output written where
-    a swap runtime places it; the input gradient all-reduced over ``group`` when asked
+    a swap placement puts it; the input gradient all-reduced over ``group`` when asked
     (Megatron's ``allreduce_dgrad``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, allreduce_dgrad, runtime):
-        out = new_output(runtime, (*x.shape[:-1], weight.shape[0]), x.dtype, x.device)
+    def forward(ctx, x, weight, bias, group, allreduce_dgrad, placement):
+        out = new_output(placement, (*x.shape[:-1], weight.shape[0]), x.dtype, x.device)
         _linear_into(out, x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.allreduce_dgrad, ctx.has_bias = group, allreduce_dgrad, bias is not None
@@ -132,10 +132,10 @@ class _PlacedLinear(torch.autograd.Function):
 
 
 def column_parallel_tiled(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                          tile: int, runtime=None) -> torch.Tensor:
+                          tile: int, placement: Optional[Placement] = None) -> torch.Tensor:
     """``x`` (``[S, b, h]``, this rank's tokens) gathered over ``group`` and multiplied by
     ``weightᵀ`` (plus ``bias``), ``tile`` tokens of each rank at a time: ``[tp·S, b, o/tp]``."""
-    return _SequenceTiledLinear.apply(x, weight, bias, group, tile, runtime)
+    return _SequenceTiledLinear.apply(x, weight, bias, group, tile, placement)
 
 
 def row_parallel_tiled(x: torch.Tensor, weight: torch.Tensor, group, tile: int) -> torch.Tensor:
@@ -152,9 +152,9 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias)
         out.add_(bias)
 
 
-class TiledColumnParallelLinear(ColumnParallelLinear):
+class TiledColumnParallelLinear(Placed, ColumnParallelLinear):
     """Megatron's ``ColumnParallelLinear`` whose sequence-parallel product runs in tiles (see the
-    module docstring) and whose output, under swapping, is made where the runtime places it; every
+    module docstring) and whose output, under swapping, is made where the placement puts it; every
     other case (a frozen weight, Megatron's fused or deferred weight gradients) is Megatron's own.
     The bias is always added in the product: it is never returned apart.
 
@@ -171,7 +171,6 @@ class TiledColumnParallelLinear(ColumnParallelLinear):
         if tile_tokens is not None and tile_tokens < 1:
             raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
         self.tile_tokens = tile_tokens
-        self.runtime = None  # a SwapRuntime, attached after the model is built
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         ours = (
@@ -181,10 +180,10 @@ class TiledColumnParallelLinear(ColumnParallelLinear):
         bias, group = kwargs.get("bias"), kwargs.get("tp_group")
         if ours and kwargs.get("sequence_parallel"):
             tile = self.tile_tokens or eighth_tile_tokens(input.shape[0])
-            return column_parallel_tiled(input, weight, bias, group, tile, self.runtime)
-        if ours and self.runtime is not None:
+            return column_parallel_tiled(input, weight, bias, group, tile, self.placement)
+        if ours and self.placement is not None:
             return _PlacedLinear.apply(input, weight, bias, group, bool(kwargs.get("allreduce_dgrad")),
-                                       self.runtime)
+                                       self.placement)
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 

@@ -6,7 +6,7 @@ rank normalizes its own slice of the sequence, so the norm's weight gradients ar
 marking the weights ``sequence_parallel`` makes Megatron's ``finalize_model_grads`` all-reduce
 them over the tensor-parallel group, as Transformer Engine's norms are treated.
 
-With a swap runtime attached (``runtime``), the output and statistics are written into the
+Under a swap placement (``placement``), the output and statistics are written into the
 rounding buffer that keeps them (:mod:`memo.model.placement`).
 
 The model's final norm can be left to the tiled loss (``in_loss``), which normalizes one tile at a
@@ -16,27 +16,26 @@ time (:mod:`memo.model.loss`): its forward then hands its input on unchanged, an
 
 import torch
 
-from memo.model.placement import layer_norm, rms_norm
+from memo.model.placement import Placed, layer_norm, rms_norm
 
 
-class LayerNorm(torch.nn.LayerNorm):
+class LayerNorm(Placed, torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` with Megatron's norm constructor and sequence-parallel marking."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_options):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
-        self.runtime = None  # a SwapRuntime, attached after the model is built
         self.in_loss = False
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps, self.runtime)
+        return layer_norm(x, self.weight, self.bias, self.eps, self.placement)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.in_loss else self.normalize(x)
 
 
-class RMSNorm(torch.nn.Module):
+class RMSNorm(Placed, torch.nn.Module):
     """RMSNorm (a weight, no bias, no mean) with Megatron's norm constructor and sequence-parallel
     marking, on PyTorch's fused kernel (:func:`memo.model.placement.rms_norm`)."""
 
@@ -45,11 +44,10 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
-        self.runtime = None  # a SwapRuntime, attached after the model is built
         self.in_loss = False
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.runtime)
+        return rms_norm(x, self.weight, self.eps, self.placement)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.in_loss else self.normalize(x)

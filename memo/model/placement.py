@@ -1,13 +1,18 @@
-"""Saved tensors made where MEMO keeps them: the layer's ops that write their output in place.
+"""Saved tensors made where MEMO keeps them: the contract between a layer and what runs it.
 
-Under MEMO's swapping (:class:`memo.execute.swap.SwapRuntime`) every tensor a layer saves for its
-backward pass lives in a rounding buffer. A module that makes such a tensor asks the runtime
-attached to it (its ``runtime`` attribute, ``None`` without swapping) for its output's memory with
-:func:`new_output`: the runtime hands out the tensor's range of the buffer when the layer's layout
-says the output is saved there, else new memory. The op then writes its rows straight into the
-buffer, and the runtime has nothing to copy. Without a runtime every function here computes
+A :class:`Placement` takes over a layer's work: the layer's forward (a walk in tiles, or a
+forward whose saved tensors are swapped), the memory of every tensor the layer's ops make and
+save, and core attention. The modules that make such tensors are :class:`Placed`: the layer
+itself, its norms, rotary embedding, FC1 and activation, and core attention. A placement is given
+to them once the model is built (``place``); without one (``None``) every function here computes
 exactly what the op it replaces computes (same kernels, same saved tensors, bit-identical
-results), so the layout the runtime discovers is the same either way.
+results), so the layout a swap placement discovers is the same either way.
+
+Under MEMO's swapping (:class:`memo.swap.runtime.SwapRuntime`) every tensor a layer saves for its
+backward pass lives in a rounding buffer. An op asks the placement for its output's memory with
+:func:`new_output`: the placement hands out the tensor's range of the buffer when the layer's
+layout says the output is saved there, else new memory. The op then writes its rows straight
+into the buffer, and nothing is copied.
 
 Which tensors are born where (the README repeats it):
 
@@ -18,32 +23,67 @@ Which tensors are born where (the README repeats it):
   squares; PyTorch's kernels make their own output, so one tile of it exists twice);
 * copied into the buffer by the op that first makes them whole: v, cut from the fused QKV output
   (:func:`copy_into` instead of ``.contiguous()``);
-* copied by the runtime from the kernel's memory: attention's output and log-sum-exp (the fused
+* copied by the placement from the kernel's memory: attention's output and log-sum-exp (the fused
   attention kernels take no output tensor); the layer continues from the buffer's copy, so the
   kernel's output is freed at once;
 * copied and kept alive by Megatron's layer as its residual stream: the layer input and the
   residual between attention and the MLP, which every method holds while the layer runs.
 """
 
-from typing import Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
 from memo.model.tiles import eighth_tile_tokens, spans
 
 
-def new_output(runtime, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Memory for an op's token-major output of ``shape``: ``runtime``'s (a rounding-buffer range
+# layer arguments Megatron may pass that no placement handles (a layer refuses them in one line)
+UNSUPPORTED_LAYER_ARGUMENTS = ("context", "packed_seq_params", "sequence_len_offset", "inference_context",
+                               "attention_bias", "rotary_pos_cos", "rotary_pos_sin", "padding_mask")
+
+
+class Placement(Protocol):
+    """What runs a layer's work in place of the layer itself (swapping, a walk in tiles)."""
+
+    def forward(self, layer, kwargs: dict) -> tuple:
+        """``layer``'s forward pass on Megatron's keyword arguments: ``(hidden_states, context)``.
+        ``layer.run(**kwargs)`` is Megatron's own."""
+        ...
+
+    def output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Memory for a token-major tensor ``shape`` an op of the layer is about to make and
+        save; its content is undefined."""
+        ...
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute: Callable[[], torch.Tensor],
+                  scale: Optional[float], backend: str) -> torch.Tensor:
+        """Core attention on ``q, k, v`` (``[b, heads, s, dim]``, softmax ``scale``, kernels of
+        ``backend``); ``compute()`` runs it as the layer would."""
+        ...
+
+
+class Placed:
+    """A module whose work a :class:`Placement` may take over (see the module docstring)."""
+
+    placement: Optional[Placement] = None
+
+    def place(self, placement: Optional[Placement]) -> None:
+        """Run under ``placement`` from now on (``None``: as Megatron's module would)."""
+        self.placement = placement
+
+
+def new_output(placement: Optional[Placement], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Memory for an op's token-major output of ``shape``: ``placement``'s (a rounding-buffer range
     or new memory) while it runs a layer, else new memory. Its content is undefined."""
-    if runtime is None:
+    if placement is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    return runtime.output(tuple(shape), dtype, device)
+    return placement.output(tuple(shape), dtype, device)
 
 
 class _CopyInto(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, runtime):
-        out = new_output(runtime, x.shape, x.dtype, x.device)
+    def forward(ctx, x, placement):
+        out = new_output(placement, x.shape, x.dtype, x.device)
         out.copy_(x)
         return out
 
@@ -52,17 +92,17 @@ class _CopyInto(torch.autograd.Function):
         return grad, None
 
 
-def copy_into(x: torch.Tensor, runtime) -> torch.Tensor:
-    """A contiguous copy of ``x`` (as ``x.contiguous()`` makes) in memory ``runtime`` places."""
-    if runtime is None:
+def copy_into(x: torch.Tensor, placement: Optional[Placement]) -> torch.Tensor:
+    """A contiguous copy of ``x`` (as ``x.contiguous()`` makes) in memory ``placement`` places."""
+    if placement is None:
         return x.contiguous()
-    return _CopyInto.apply(x, runtime)
+    return _CopyInto.apply(x, placement)
 
 
 class _Gelu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, runtime):
-        out = new_output(runtime, x.shape, x.dtype, x.device)
+    def forward(ctx, x, placement):
+        out = new_output(placement, x.shape, x.dtype, x.device)
         torch.ops.aten.gelu.out(x, approximate="none", out=out)
         ctx.save_for_backward(x)
         return out
@@ -73,19 +113,19 @@ class _Gelu(torch.autograd.Function):
         return torch.ops.aten.gelu_backward(grad, x, approximate="none"), None
 
 
-def gelu(x: torch.Tensor, runtime) -> torch.Tensor:
-    """``torch.nn.functional.gelu(x)`` written where ``runtime`` places it; saves its input, as
+def gelu(x: torch.Tensor, placement: Optional[Placement]) -> torch.Tensor:
+    """``torch.nn.functional.gelu(x)`` written where ``placement`` places it; saves its input, as
     autograd's GeLU does."""
-    if runtime is None or not torch.is_grad_enabled():
+    if placement is None or not torch.is_grad_enabled():
         return torch.nn.functional.gelu(x)
-    return _Gelu.apply(x, runtime)
+    return _Gelu.apply(x, placement)
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, runtime):
+    def forward(ctx, x, placement):
         gate, up = torch.chunk(x, 2, dim=-1)
-        out = new_output(runtime, up.shape, x.dtype, x.device)
+        out = new_output(placement, up.shape, x.dtype, x.device)
         torch.mul(torch.nn.functional.silu(gate), up, out=out)
         ctx.save_for_backward(x)
         return out
@@ -103,26 +143,26 @@ class _SwiGLU(torch.autograd.Function):
         return grad_x, None
 
 
-def swiglu(x: torch.Tensor, runtime) -> torch.Tensor:
+def swiglu(x: torch.Tensor, placement: Optional[Placement]) -> torch.Tensor:
     """``silu(gate) · up`` of ``x = [gate, up]`` (last dimension, halves), written where
-    ``runtime`` places it. Saves ``x`` only and makes SiLU again in the backward pass: autograd's
+    ``placement`` places it. Saves ``x`` only and makes SiLU again in the backward pass: autograd's
     composition would also keep ``silu(gate)`` (half of ``x`` again)."""
     if not torch.is_grad_enabled():
         gate, up = torch.chunk(x, 2, dim=-1)
         return torch.nn.functional.silu(gate) * up
-    return _SwiGLU.apply(x, runtime)
+    return _SwiGLU.apply(x, placement)
 
 
-def _tiled_into(runtime, x: torch.Tensor, kernel) -> tuple[torch.Tensor, ...]:
+def _tiled_into(placement: Optional[Placement], x: torch.Tensor, kernel) -> tuple[torch.Tensor, ...]:
     """``kernel``'s token-major outputs on all of ``x``, made by running it on an eighth of the
-    tokens at a time and copying each tile into memory ``runtime`` places: PyTorch's norm kernels
+    tokens at a time and copying each tile into memory ``placement`` places: PyTorch's norm kernels
     make their own output (their out= variants copy from it), so only one tile exists twice. The
     outputs take the dtypes the kernel gives them (a norm's statistics: the input's on the CPU,
     float32 for 16-bit input on CUDA, as its backward reads them)."""
     tiles = spans(x.shape[0], eighth_tile_tokens(x.shape[0]))
     start, end = next(tiles)
     first = kernel(x[start:end])
-    outs = tuple(new_output(runtime, (x.shape[0], *t.shape[1:]), t.dtype, x.device) for t in first)
+    outs = tuple(new_output(placement, (x.shape[0], *t.shape[1:]), t.dtype, x.device) for t in first)
     for target, value in zip(outs, first, strict=True):
         target[start:end].copy_(value)
     for start, end in tiles:
@@ -133,9 +173,9 @@ def _tiled_into(runtime, x: torch.Tensor, kernel) -> tuple[torch.Tensor, ...]:
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, runtime):
+    def forward(ctx, x, weight, bias, eps, placement):
         shape = x.shape[-1:]
-        out, mean, rstd = _tiled_into(runtime, x, lambda t: torch.native_layer_norm(t, shape, weight, bias, eps))
+        out, mean, rstd = _tiled_into(placement, x, lambda t: torch.native_layer_norm(t, shape, weight, bias, eps))
         # autograd's native_layer_norm saves these, in this order
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return out
@@ -151,22 +191,22 @@ class _LayerNorm(torch.autograd.Function):
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-               runtime) -> torch.Tensor:
+               placement: Optional[Placement]) -> torch.Tensor:
     """LayerNorm over the last dimension of ``x`` (tokens first), its output and statistics written
-    where ``runtime`` places them, an eighth of the tokens at a time."""
-    if runtime is None or not torch.is_grad_enabled():
+    where ``placement`` places them, an eighth of the tokens at a time."""
+    if placement is None or not torch.is_grad_enabled():
         return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
-    return _LayerNorm.apply(x, weight, bias, eps, runtime)
+    return _LayerNorm.apply(x, weight, bias, eps, placement)
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, runtime):
+    def forward(ctx, x, weight, eps, placement):
         shape = x.shape[-1:]
-        if runtime is None:
+        if placement is None:
             out, rstd = torch.ops.aten._fused_rms_norm(x, shape, weight, eps)
         else:
-            out, rstd = _tiled_into(runtime, x, lambda t: torch.ops.aten._fused_rms_norm(t, shape, weight, eps))
+            out, rstd = _tiled_into(placement, x, lambda t: torch.ops.aten._fused_rms_norm(t, shape, weight, eps))
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -198,11 +238,12 @@ def _rms_norm_backward_host(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Ten
     return grad_x, grad_w.to(weight.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, runtime) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             placement: Optional[Placement]) -> torch.Tensor:
     """RMSNorm over the last dimension of ``x`` (tokens first) with PyTorch's fused kernel, its
-    output and reciprocal root mean square written where ``runtime`` places them, an eighth of
+    output and reciprocal root mean square written where ``placement`` places them, an eighth of
     the tokens at a time. Saves ``x``, the weight and that statistic (``[tokens, ..., 1]``, float32):
     autograd's ``rms_norm`` on the CPU is a composition that would keep four tensors of ``x``'s size."""
     if not torch.is_grad_enabled():
         return torch.ops.aten._fused_rms_norm(x, x.shape[-1:], weight, eps)[0]
-    return _RMSNorm.apply(x, weight, eps, runtime)
+    return _RMSNorm.apply(x, weight, eps, placement)

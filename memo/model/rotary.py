@@ -13,11 +13,12 @@ activation dtype, non-interleaved halves), so losses and gradients are bit-ident
 """
 
 import weakref
+from typing import Optional
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
-from memo.model.placement import copy_into, new_output
+from memo.model.placement import Placed, Placement, copy_into, new_output
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -49,9 +50,9 @@ class _Rotate(torch.autograd.Function):
     """``t·cos + rotate_half(t)·sin``; the table is held by reference, not saved per call."""
 
     @staticmethod
-    def forward(ctx, t, cos, sin, runtime):
+    def forward(ctx, t, cos, sin, placement):
         ctx.table = (cos, sin)  # not save_for_backward: saved-tensor hooks must not copy it
-        out = new_output(runtime, t.shape, t.dtype, t.device)
+        out = new_output(placement, t.shape, t.dtype, t.device)
         return torch.add(t * cos, _rotate_half(t) * sin, out=out)
 
     @staticmethod
@@ -61,17 +62,17 @@ class _Rotate(torch.autograd.Function):
         return grad * cos - _rotate_half(grad * sin), None, None, None
 
 
-def rotate(t: torch.Tensor, freqs: torch.Tensor, table: RotaryTable, runtime=None) -> torch.Tensor:
+def rotate(t: torch.Tensor, freqs: torch.Tensor, table: RotaryTable, placement: Optional[Placement] = None) -> torch.Tensor:
     """``t`` (``[s, b, heads, d]``) rotated by the angles ``freqs`` (``[s, 1, 1, d]``), written
-    where ``runtime`` (a swap runtime or ``None``) places it."""
+    where ``placement`` (a swap placement or ``None``) puts it."""
     cos, sin = table(freqs, t.dtype)
-    return _Rotate.apply(t, cos, sin, runtime)
+    return _Rotate.apply(t, cos, sin, placement)
 
 
-class RotarySelfAttention(SelfAttention):
+class RotarySelfAttention(Placed, SelfAttention):
     """Megatron's ``SelfAttention`` rotating q and k with a shared :class:`RotaryTable`, and
     giving v its own storage so that the fused QKV output is not kept alive behind it. With a
-    swap runtime attached (``runtime``) q, k and v are made in the rounding buffer that keeps them.
+    swap placement (``placement``) q, k and v are made in the rounding buffer that keeps them.
 
     ``rotary_table`` is bound in the layer spec. Inference, packed sequences and interleaved or
     partial rotations are left to Megatron's own path.
@@ -80,7 +81,6 @@ class RotarySelfAttention(SelfAttention):
     def __init__(self, *args, rotary_table: RotaryTable, **kwargs):
         super().__init__(*args, **kwargs)
         self.rotary_table = rotary_table
-        self.runtime = None  # a SwapRuntime, attached after the model is built
         self._freqs = None
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
@@ -111,6 +111,6 @@ class RotarySelfAttention(SelfAttention):
         freqs = self._freqs
         if freqs.shape[-1] != query.shape[-1]:
             raise ValueError("RotarySelfAttention rotates whole heads only (rotary_percent=1)")
-        table, runtime = self.rotary_table, self.runtime
-        return rotate(query, freqs, table, runtime), rotate(key, freqs, table, runtime), \
-            copy_into(value, runtime)
+        table, placement = self.rotary_table, self.placement
+        return rotate(query, freqs, table, placement), rotate(key, freqs, table, placement), \
+            copy_into(value, placement)

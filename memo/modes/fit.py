@@ -261,7 +261,7 @@ def report(p: Prediction, problem: Problem) -> str:
         f"  total                      {_gib(p.device_total)} of {_gib(p.device_capacity)}"
         + (f"  (activations peak in {a.peak_phase})" if a else ""),
     ]
-    if method.layer_activations == "swap":
+    if method.swaps:
         lines += [
             "per node:",
             f"  swapped activations        {_gib(p.host_per_node)} of {_gib(p.host_capacity_per_node)}",

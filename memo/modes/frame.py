@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from memo.config import ConfigError
-from memo.plan.alpha import HostMemoryError
+from memo.swap.alpha import HostMemoryError
 from memo.results import ResultWriter, claim_run_dir, flatten, git_revision, now
 
 log = logging.getLogger("memo")

@@ -19,10 +19,6 @@ from omegaconf import DictConfig
 from memo import hardware
 from memo.config import ConfigError, Run, resolve
 from memo.execute import distributed
-from memo.execute.streams import streams_for
-from memo.execute.swap import SwapRuntime
-from memo.execute.swap_setup import SwapReport, prepare_swap
-from memo.swap.tiled_layer import TiledLayers
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
 from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
@@ -43,6 +39,7 @@ from memo.model.context_parallel import sequence_layout
 from memo.model.deepspeed_attention import require_deepspeed
 from memo.modes.frame import Job, job_frame
 from memo.results import ResultWriter, finite
+from memo.swap import SwapReport, SwapRuntime, host_budget, prepare_swap
 
 log = logging.getLogger("memo")
 
@@ -65,30 +62,6 @@ def _check_runtime_support(run: Run) -> None:
         require_deepspeed()
     if w.model.init_from is not None:
         hf_checkpoint.check_config(w.model, Path(w.model.init_from), w.parallel.tp)
-
-
-def _prepare_swap(run: Run, model, hw: hardware.Hardware):
-    """A swap runtime attached to ``model`` and ready to train, and its report."""
-    device = torch.device(hw.device_type, torch.cuda.current_device()) if hw.device_type == "cuda" \
-        else torch.device("cpu")
-    parallel = run.workload.parallel
-    chunks = parallel.tp if parallel.sequence_parallel else 1
-    # the prefix of each of a context-parallel rank's two chunks where one input holds both
-    segments = 2 if parallel.cp > 1 and chunks == 1 else 1
-    runtime = SwapRuntime(run.workload.model.num_layers, streams_for(device), device, chunks, segments)
-    budget = (hw.host_memory_bytes or hardware.host_memory_bytes()) / (hw.devices_per_node or 1)
-    if device.type == "cuda":
-        # Swapped activations live in page-locked memory: what can be pinned here now bounds
-        # them, shared by the GPUs this node's processes see (a one-GPU box: all of it).
-        budget = min(budget, hardware.pinnable_memory_bytes() / max(torch.cuda.device_count(), 1))
-        memlock = hardware.memlock_limit_bytes()
-        if memlock is not None and memlock < budget:
-            log.warning("ulimit -l is %.2f GiB, below the %.2f GiB of swapped activations this GPU may "
-                        "pin; where the container enforces it, raise it (ulimit -l unlimited)",
-                        memlock / 2**30, budget / 2**30)
-    group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
-    report = prepare_swap(runtime, model, run.workload, run.alpha, budget, group)
-    return runtime, report
 
 
 def _swap_accounting(runtime: SwapRuntime, step: int, writer: ResultWriter) -> dict:
@@ -181,15 +154,19 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     memory = PeakMemory(device_type, arena)
     memory.reset()
-    swap = tiles = None
+    placement = None
     try:
         built = build_gpt(workload, device_type, train.attention_backend)
         if model.init_from is not None:
             read = hf_checkpoint.load(built.module, model, model.init_from)
             log.info("weights: %d tensors of %s", read, model.init_from)
         optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
-        if run.swaps:
-            swap, report = _prepare_swap(run, built.module, hw)
+        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
+            else torch.device("cpu")
+        tp_group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
+        placement, report = prepare_swap(built.module, workload, device, host_budget(hw, device), run.alpha,
+                                         group=tp_group)
+        if report is not None:
             row.update({f"swap.{k}": finite(v) for k, v in dataclasses.asdict(report).items()})
             log.info(
                 "swapping: alpha %.4f (%s), %d of %d tokens per chunk, T_layer %.4f s, "
@@ -197,8 +174,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                 report.keep_tokens, report.tokens, report.layer_time_s,
                 report.host_bandwidth_bytes_per_s / 1e9, report.host_bytes / 2**30,
             )
-        elif workload.tile_tokens is not None:
-            tiles = TiledLayers.for_model(built.module, workload)
+        elif workload.tiled:
             log.info("layers walked in tiles of %d tokens", workload.tile_tokens)
         dp_size = parallel_state.get_data_parallel_world_size()
         source = token_source(train.data, model.vocab_size, train.seed, seq)
@@ -231,8 +207,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             record["tgs"] = tgs(global_batch * seq, record["iter_time_s"], info.world_size)
             record["mfu"] = mfu(flops_per_iter, record["iter_time_s"], info.world_size, hw.peak_flops)
             record.update(memory.read())
-            if swap is not None:
-                record.update(_swap_accounting(swap, record["step"], writer))
+            if isinstance(placement, SwapRuntime):
+                record.update(_swap_accounting(placement, record["step"], writer))
             records.append(record)
             writer.append_step(record)
             job.stop_if_signalled()  # a stop signal whose interrupt a finalizer swallowed
@@ -251,19 +227,14 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         with step_progress(train.steps, show_bar=info.rank == 0) as progress:
             run_steps(optimizer, batches, train, device_type, on_step, runtime.step,
                       sequence_layout=sequence_layout(run.workload.method.cp_attention),
-                      token_order=tiles.token_order if tiles is not None else lambda mb: mb)
+                      token_order=placement.token_order if placement is not None else lambda mb: mb)
         row.update(runtime.finish())
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone
         raise
     finally:
-        if swap is not None:
-            # copies still in flight read the slab; then its pages are unregistered, so the next
-            # job of a sweep in this process can register a slab at the same address
-            swap.streams.synchronize()
-            swap.release()
-        if tiles is not None:
-            tiles.release()
+        if placement is not None:
+            placement.release()
     row.update(_max_over_ranks(memory.read(), device_type))
     if device_type == "cuda":
         row.update(measured_allocator_row(row, arena is not None))

@@ -1,2 +1,2 @@
-"""MEMO's decisions before training: α, the fraction of tokens swapped (``alpha``), and the
-bi-level memory plan of one iteration (``bilevel``), solved with :mod:`memo.dsa`."""
+"""MEMO's memory plan before training: the bi-level plan of one iteration (``bilevel``), solved
+with :mod:`memo.dsa`. (α, the fraction of tokens swapped, is :mod:`memo.swap.alpha`.)"""

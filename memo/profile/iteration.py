@@ -33,7 +33,7 @@ from memo.model.attention import select_backend
 from memo.model.gpt import transformer_config
 from memo.profile.recorder import PhaseMarker, record
 from memo.profile.trace import Trace
-from memo.swap.tiled_layer import TiledLayers
+from memo.swap import prepare_swap
 
 BACKENDS = ("fake", "cpu", "cuda")
 
@@ -109,7 +109,7 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
                           "use profile.backend=fake")
     method, parallel, seq = workload.method, workload.parallel, workload.seq
     micro_batch_size, dtype = workload.micro_batch_size, torch_dtype(workload)
-    if method.layer_activations == "swap" and workload.tile_tokens is None:
+    if workload.swaps:
         raise ConfigError(
             f"method={method.name} moves skeletal tensors into its rounding buffers at run time, "
             "which a trace does not follow yet; trace method=none or a recomputation method"
@@ -144,7 +144,8 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         tokens = torch.zeros(micro_batch_size, seq, dtype=torch.long, device=device)
         positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, seq)
 
-        walk = TiledLayers.for_model(gpt, workload) if workload.tile_tokens is not None else None
+        # a trace follows no swapping (refused above): a walk in tiles, or the layers as built
+        walk, _ = prepare_swap(gpt, workload, torch.device(device), host_budget=0)
 
         def run(marker: PhaseMarker) -> None:
             if walk is not None:

@@ -39,6 +39,7 @@ import torch
 
 from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
+from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS
 from memo.model.tiles import batch_in_tile_order
 
 # the walk's modes, named as its phases are: a tile's forward, the keys and values made again
@@ -87,7 +88,8 @@ class _Rebuilt(Exception):
 
 
 class TiledLayers:
-    """The per-tile walk of every layer of one model replica (see the module docstring).
+    """The per-tile walk of every layer of one model replica (see the module docstring): the
+    :class:`memo.model.placement.Placement` of its layers and their core attention.
 
     Args:
         tile_tokens: ``c``, tokens per tile as attention sees them: gathered over the
@@ -107,6 +109,7 @@ class TiledLayers:
         self.tile_rows = tile_tokens // sequence_chunks
         self.keep_attention = keep_attention
         self.stores: Optional[TileStores] = None
+        self.layers: list = []
         self._index: dict[int, int] = {}
         self._tile: Optional[_Tile] = None
         self._kept: Optional[_Kept] = None  # memo's kept attention of the layer being walked
@@ -115,15 +118,6 @@ class TiledLayers:
         # names its phases so)
         self.on_phase: Callable[[int, str], None] = lambda layer, part: None
 
-    @classmethod
-    def for_model(cls, model, workload) -> "TiledLayers":
-        """The walk of ``workload``'s tiles, attached to every layer of ``model`` (a GPT)."""
-        parallel = workload.parallel
-        walk = cls(workload.tile_tokens, keep_attention=workload.method.layer_activations == "swap",
-                   sequence_chunks=parallel.tp if parallel.sequence_parallel else 1)
-        walk.attach(list(model.decoder.layers))
-        return walk
-
     def token_order(self, micro_batch: dict) -> dict:
         """A micro-batch's tokens (``[b, s]`` tensors) in the order the walk needs them."""
         if self.tile_rows == self.tile_tokens:
@@ -131,11 +125,20 @@ class TiledLayers:
         return batch_in_tile_order(micro_batch, self.tile_tokens, self.tile_tokens // self.tile_rows)
 
     def attach(self, layers: list) -> None:
-        """Let ``layers`` (:class:`memo.model.layer.MemoTransformerLayer`, in order) run in tiles."""
+        """Let ``layers`` (:class:`memo.model.layer.MemoTransformerLayer`, in order) run in tiles:
+        the walk takes over each layer's forward and its core attention; the layer's other
+        modules run as they are, one tile at a time."""
+        self.layers = list(layers)
         self._index = {id(layer): i for i, layer in enumerate(layers)}
         for layer in layers:
-            layer.runtime = self
-            layer.self_attention.core_attention.runtime = self
+            layer.place(self)
+            layer.self_attention.core_attention.place(self)
+
+    def detach(self) -> None:
+        """Give the layers back to their own forward."""
+        for layer in self.layers:
+            layer.place(None)
+            layer.self_attention.core_attention.place(None)
 
     def release(self) -> None:
         """Give back the stores (idempotent)."""
@@ -146,8 +149,7 @@ class TiledLayers:
     def forward(self, layer, kwargs: dict):
         """``layer``'s forward pass over its tiles (keyword arguments as Megatron passes them):
         ``(output, None)``."""
-        for key in ("context", "packed_seq_params", "sequence_len_offset", "inference_context",
-                    "attention_bias", "rotary_pos_cos", "rotary_pos_sin", "padding_mask"):
+        for key in UNSUPPORTED_LAYER_ARGUMENTS:
             if kwargs.get(key) is not None:
                 raise ValueError(f"memo's tiles do not support the layer argument {key}")
         hidden = kwargs["hidden_states"]
@@ -235,6 +237,10 @@ class TiledLayers:
         return grad_x
 
     # ---------------------------------------------------------- core attention
+
+    def output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """New memory: a tile's tensors are the tile's own (the walk places none of them)."""
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute, scale: float, backend: str):
         """Core attention of the tile being walked: ``q, k, v`` as the kernels take them

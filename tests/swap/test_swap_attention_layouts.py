@@ -7,8 +7,9 @@ keeping everything."""
 import pytest
 import torch
 
-from memo.execute import swap
+from memo.swap import capture as swap_capture, layout as swap_layout
 from memo.model import attention_blocks
+from memo.model.attention import select_backend
 
 from swap_training import train_gradients
 
@@ -42,18 +43,22 @@ def _efficient_like(q, k, v, dropout_p=0.0, is_causal=True, scale=None, enable_g
 
 @pytest.fixture
 def efficient_like_kernel(monkeypatch, single_process):
+    # the kernel choice probes SDPA and is cached per process: probed on the stand-in, it would
+    # pick kernels this CPU lacks for every later test of the process
+    select_backend.cache_clear()
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _efficient_like)
     relocated = []
-    apply = swap._Relocated.apply
-    monkeypatch.setattr(swap._Relocated, "apply", lambda *a: relocated.append(a) or apply(*a))
-    return relocated
+    apply = swap_capture._Relocated.apply
+    monkeypatch.setattr(swap_capture._Relocated, "apply", lambda *a: relocated.append(a) or apply(*a))
+    yield relocated
+    select_backend.cache_clear()
 
 
 def test_a_padded_log_sum_exp_and_a_batch_major_output_are_placed_and_gradients_kept(efficient_like_kernel):
     seq = 200  # the log-sum-exp is padded to 224 tokens
     _, expected, _ = train_gradients("none", "model.num_layers=4", seq=seq, steps=2)
     _, got, runtime = train_gradients("memo", "model.num_layers=4", seq=seq, steps=2, alpha=0.5)
-    products = [s for s in runtime.layout.slots if s.kind == swap.ATTENTION]
+    products = [s for s in runtime.layout.slots if s.kind == swap_layout.ATTENTION]
     assert sorted(s.shape[0] for s in products) == [seq, 224]  # the output, the log-sum-exp
     # the layer goes on from the buffer's copy of the output (batch-major, one sequence): 4 layers
     # in the forward of 2 steps, and the recomputations of the swapped layers' dropped rows

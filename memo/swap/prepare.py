@@ -1,4 +1,7 @@
-"""Before training with swapping: measure one layer, solve α, allocate buffers and the host slab.
+"""Before training: the layers' placement (swapping or tiles), measured and allocated.
+
+:func:`prepare_swap` is the one way a model's layers get their placement, for training, the GPU
+pack and the benchmarks alike. A method that swaps whole layers gets a :class:`SwapRuntime`:
 
 1. Run layer 0 forward on a random input of the training shape: the tensors it saves give the
    layer layout and S_input, S_attn, S_other; two more forwards give T_layer.
@@ -13,18 +16,24 @@ processes solve α on their own: under context parallelism each rank swaps its o
 recomputes them without exchanging any, and its host budget is its share of its node's.
 """
 
+import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from memo.config import Workload
-from memo.execute.swap import ATTENTION, INPUT, TOKENS, SwapRuntime
+from memo import hardware
+from memo.config import ParallelConfig, Workload
+from memo.hardware import Hardware
 from memo.model import torch_dtype
-from memo.plan.alpha import SkeletalBytes, check_host, choose_alpha, host_bound
+from memo.swap.alpha import SkeletalBytes, check_host, choose_alpha, host_bound
+from memo.swap.layout import ATTENTION, INPUT, TOKENS
+from memo.swap.runtime import SwapRuntime
+from memo.swap.streams import Streams, streams_for
+from memo.swap.tiled_layer import TiledLayers
 
 
 @dataclass(frozen=True)
@@ -90,23 +99,88 @@ def _min_over(value: int, device: torch.device, group) -> int:
     return int(t.item())
 
 
-def prepare_swap(
-    runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float], host_budget: float,
-    group=None,
-) -> SwapReport:
-    """Attach ``runtime`` to ``model`` (``workload``'s Megatron ``GPTModel``) and get it ready to
-    train ``workload.micro_batch_size`` sequences of ``workload.seq`` tokens (all tensor-parallel
-    ranks together) per micro-batch.
+log = logging.getLogger("memo")
+
+LayerRuntime = Union[SwapRuntime, TiledLayers]
+
+
+def sequence_chunks(parallel: ParallelConfig) -> int:
+    """Chunks of ``S`` tokens in the tensors between sequence parallelism's gather and
+    reduce-scatter: tp under sequence parallelism, else 1."""
+    return parallel.tp if parallel.sequence_parallel else 1
+
+
+def segments(parallel: ParallelConfig) -> int:
+    """Runs of a layer input that each keep their own first ``k`` tokens: 2 where the input holds
+    both of a context-parallel rank's chunks (one from each end of the sequence), else 1."""
+    return 2 if parallel.cp > 1 and sequence_chunks(parallel) == 1 else 1
+
+
+def host_share(node_host_bytes: float, devices_per_node: Optional[int]) -> float:
+    """Bytes of host memory one process may fill with swapped activations: its GPU's share of
+    its node's ``node_host_bytes``. The fit predicts with the same share."""
+    return node_host_bytes / (devices_per_node or 1)
+
+
+def host_budget(hw: Hardware, device: torch.device) -> float:
+    """M_host of a process training on ``device`` of ``hw``: its share of the node's host memory
+    (``hardware.host_memory_gib``, or what this machine has), and on a GPU no more than its share
+    of what can be page-locked here now."""
+    budget = host_share(hw.host_memory_bytes or hardware.host_memory_bytes(), hw.devices_per_node)
+    if device.type != "cuda":
+        return budget
+    # Swapped activations live in page-locked memory: what can be pinned here now bounds them,
+    # shared by the GPUs this node's processes see (a one-GPU box: all of it).
+    budget = min(budget, hardware.pinnable_memory_bytes() / max(torch.cuda.device_count(), 1))
+    memlock = hardware.memlock_limit_bytes()
+    if memlock is not None and memlock < budget:
+        log.warning("ulimit -l is %.2f GiB, below the %.2f GiB of swapped activations this GPU may "
+                    "pin; where the container enforces it, raise it (ulimit -l unlimited)",
+                    memlock / 2**30, budget / 2**30)
+    return budget
+
+
+def prepare_swap(model, workload: Workload, device: torch.device, host_budget: float,
+                 alpha: Optional[float] = None, streams: Optional[Streams] = None,
+                 group=None) -> tuple[Optional[LayerRuntime], Optional["SwapReport"]]:
+    """Give ``model``'s layers (``workload``'s Megatron ``GPTModel``) their placement and get it
+    ready to train ``workload.micro_batch_size`` sequences of ``workload.seq`` tokens (all
+    tensor-parallel ranks together) per micro-batch.
+
+    Returns ``(None, None)`` for a method that leaves its layers to Megatron (or to our layer's
+    own recomputation), ``(TiledLayers, None)`` for layers walked in tiles, and a
+    :class:`SwapRuntime` with its :class:`SwapReport` for swapping. A training step's micro-batch
+    goes through the placement's ``token_order``; ``release`` gives its memory back.
 
     Args:
-        alpha: a fixed swap ratio, or ``None`` to solve for it.
+        device: where the model lives (the rounding buffers go there).
         host_budget: bytes of host memory this process may fill with activations (M_host).
+        alpha: a fixed swap ratio, or ``None`` to solve for it.
+        streams: the copy streams; by default CUDA streams on a GPU, inline copies on the CPU.
         group: the processes whose recomputations exchange tokens (the tensor-parallel group),
             which must keep the same ``k``; ``None`` for a process alone.
 
     Raises:
         HostMemoryError: if the swapped activations cannot fit in ``host_budget``.
     """
+    layers = list(model.decoder.layers)
+    if workload.tiled:
+        walk = TiledLayers(workload.tile_tokens, keep_attention=workload.method.swaps,
+                           sequence_chunks=sequence_chunks(workload.parallel))
+        walk.attach(layers)
+        return walk, None
+    if not workload.swaps:
+        return None, None
+    parallel = workload.parallel
+    runtime = SwapRuntime(len(layers), streams or streams_for(device), device, sequence_chunks(parallel), segments(parallel))
+    return runtime, ready_runtime(runtime, model, workload, alpha, host_budget, group)
+
+
+def ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float],
+                  host_budget: float, group=None) -> SwapReport:
+    """Attach ``runtime`` to ``model``'s layers, measure a layer, solve α and allocate the
+    buffers and the slab (steps 1–4 above): :func:`prepare_swap`'s work on a runtime it did not
+    make (one with another segment count, in the tests)."""
     device = runtime.device
     layers = list(model.decoder.layers)
     runtime.attach(layers)

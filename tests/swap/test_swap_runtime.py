@@ -5,11 +5,11 @@ import torch
 
 from memo.config import ConfigError
 from memo.execute.data import SyntheticTokens, micro_batches
-from memo.execute.streams import CudaStreams, DeferredStreams, InlineStreams
-from memo.execute.swap import SwapRuntime
-from memo.execute.swap_setup import prepare_swap
+from memo.swap import SwapRuntime, prepare_swap
+from memo.swap.capture import Forward
+from memo.swap.streams import CudaStreams, DeferredStreams, InlineStreams
 from memo.model import build_gpt
-from memo.plan.alpha import HostMemoryError
+from memo.swap.alpha import HostMemoryError
 from memo.profile.layers import layer_bytes
 from memo.profile.recorder import record
 from memo.profile.trace import Trace
@@ -77,7 +77,7 @@ def test_a_context_parallel_rank_keeps_the_first_alpha_of_each_of_its_two_chunks
     rows = runtime.take_accounting()
     assert sum(r["recomputed"] for r in rows) == 3 * 4 * (s_other - s_other // 4)  # 3 steps, 4 layers
     slot = next(s for s in layout.slots if s.kind == "tokens" and s.chunks == 1)
-    kept, dropped = runtime._split(torch.arange(256).view(256, *[1] * (len(slot.shape) - 1)), slot)
+    kept, dropped = runtime.split(torch.arange(256).view(256, *[1] * (len(slot.shape) - 1)), slot)
     assert kept.flatten().tolist() == [*range(0, 32), *range(128, 160)]
     assert dropped.flatten().tolist() == [*range(32, 128), *range(160, 256)]
 
@@ -128,8 +128,7 @@ def test_skeletal_sizes_of_a_layer_match_a_hand_count(parallel_state):
     workload = resolve_config("method=memo", *SIX, "seq=256", "train.loss=megatron").workload
     torch.manual_seed(0)
     model = build_gpt(workload, "cpu").module
-    runtime = SwapRuntime(6, DeferredStreams(), torch.device("cpu"))
-    report = prepare_swap(runtime, model, workload, 0.25, 2**40)
+    runtime, report = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.25, DeferredStreams())
     S, h, f, heads = 256, 256, 1024, 4
     assert report.skeletal_input_bytes == 4 * S * h
     assert report.skeletal_attention_bytes == 4 * S * (h + heads)  # output and log-sum-exp
@@ -151,8 +150,7 @@ def test_skeletal_sizes_of_a_llama_layer_match_a_hand_count(parallel_state):
                               "train.loss=megatron").workload
     torch.manual_seed(0)
     model = build_gpt(workload, "cpu").module
-    runtime = SwapRuntime(6, DeferredStreams(), torch.device("cpu"))
-    report = prepare_swap(runtime, model, workload, 0.25, 2**40)
+    runtime, report = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.25, DeferredStreams())
     S, h, f, heads, kv = 256, 256, 768, 8, 2 * 32
     assert report.skeletal_input_bytes == 4 * S * h
     assert report.skeletal_attention_bytes == 4 * S * (h + heads)  # output and log-sum-exp
@@ -210,8 +208,7 @@ def _recorded_memo_step(layers: int, seq: int, model: str = "tiny"):
                               VOCAB).workload
     torch.manual_seed(0)
     model = build_gpt(workload, "cpu").module
-    runtime = SwapRuntime(layers, InlineStreams(), torch.device("cpu"))
-    prepare_swap(runtime, model, workload, 0.5, 2**40)
+    runtime, _ = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.5, InlineStreams())
     (batch,) = next(micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1,
                                   torch.device("cpu")))
 
@@ -278,7 +275,7 @@ def test_cuda_waits_land_on_the_named_stream_whatever_stream_is_current(monkeypa
 
 
 def test_host_memory_error_names_what_to_change():
-    from memo.plan.alpha import SkeletalBytes, check_host
+    from memo.swap.alpha import SkeletalBytes, check_host
 
     with pytest.raises(HostMemoryError, match="lower alpha, shorten seq"):
         check_host(SkeletalBytes(100, 100, 1000), 10, 8 * 700, 0.6)
@@ -298,7 +295,7 @@ class _RecordingStreams(DeferredStreams):
 
 
 def test_copies_to_and_from_the_host_are_contiguous_blocks():
-    from memo.execute.swap import _copy_blocks
+    from memo.swap.runtime import _copy_blocks
 
     streams = _RecordingStreams()
     buffer = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)  # two chunks of 8 tokens
@@ -314,8 +311,7 @@ def test_a_swapped_layer_does_not_run_fc2_again_when_recomputing(parallel_state)
     torch.manual_seed(0)
     model = build_gpt(workload, "cpu").module
     streams = _RecordingStreams()
-    runtime = SwapRuntime(6, streams, torch.device("cpu"))
-    prepare_swap(runtime, model, workload, 0.5, 2**40)
+    runtime, _ = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.5, streams)
     calls = [0] * 6
     for i, layer in enumerate(model.decoder.layers):
         layer.mlp.linear_fc2.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -378,7 +374,7 @@ def test_saved_tensors_come_back_in_the_layout_they_were_saved_in(parallel_state
     # CUDA's fused attention backward kernels take their forward's layouts for granted (the CPU
     # kernel honours any strides, so only the strides themselves can show it here)
     saved, handed = {}, []
-    pack, unpack = SwapRuntime._pack, SwapRuntime._unpack
+    pack, unpack = Forward.pack, SwapRuntime.saved
 
     def spy_pack(self, t):
         handle = pack(self, t)
@@ -392,14 +388,13 @@ def test_saved_tensors_come_back_in_the_layout_they_were_saved_in(parallel_state
             handed.append((saved[id(handle[0]), handle[1]], (tuple(t.shape), t.stride())))
         return t
 
-    monkeypatch.setattr(SwapRuntime, "_pack", spy_pack)
-    monkeypatch.setattr(SwapRuntime, "_unpack", spy_unpack)
+    monkeypatch.setattr(Forward, "pack", spy_pack)
+    monkeypatch.setattr(SwapRuntime, "saved", spy_unpack)
     batch = f"train.micro_batch_size={micro_batch_size}"
     workload = resolve_config("method=memo", *SIX, "seq=256", batch).workload
     torch.manual_seed(0)
     model = build_gpt(workload, "cpu").module
-    runtime = SwapRuntime(6, InlineStreams(), torch.device("cpu"))
-    prepare_swap(runtime, model, workload, 0.5, 2**40)
+    runtime, _ = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.5, InlineStreams())
     tokens = SyntheticTokens(workload.model.vocab_size, 0)
     batches = micro_batches(tokens, 256, micro_batch_size, 1, 0, 1, torch.device("cpu"))
     (batch,) = next(batches)

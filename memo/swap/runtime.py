@@ -1,0 +1,456 @@
+"""MEMO's token-wise swapping and recomputation of skeletal activations.
+
+A transformer layer's forward pass saves tensors for its backward pass (its *skeletal*
+activations). :class:`SwapRuntime` intercepts them with saved-tensor hooks and keeps them in
+rounding buffer ``i % 2`` of layer ``i``. The last two layers keep every token there (buffers
+``(n − 2) % 2`` and ``(n − 1) % 2``) and are neither sent out, brought back nor recomputed, since
+their backward follows at once: the device holds two layers of skeletal bytes whatever ``n`` is.
+Every other layer:
+
+* copies the layer input and what attention produced (its output and log-sum-exp) whole, and the
+  first ``k = ⌊α·S⌋`` tokens of every other saved tensor, into its buffer; the other tokens are
+  dropped;
+* sends that buffer to its region of one host slab on the D2H stream once the layer's forward is
+  done; layer ``i + 2`` waits for that copy before it writes the same buffer;
+* at the start of layer ``i + 1``'s backward pass (layer ``i + 2``'s is then finished and its
+  buffer free) brings layer ``i``'s region back on the H2D stream, after the D2H copy of it;
+* at the start of layer ``i``'s backward pass waits for that copy and recomputes tokens
+  ``k .. S`` from the layer input and the attention output of those tokens only, by running the
+  layer again on them with attention replayed from the buffer; the saved tensors it produces
+  fill the dropped rows of the buffer, which backward then reads. The replay ends at FC2's input,
+  the last tensor the layer saves: FC2, its reduce-scatter and the residual are not run again.
+
+The layer's layout in the buffer (:mod:`memo.swap.layout`) is found once, before training; what
+happens while a layer runs is the capture of its pass (:mod:`memo.swap.capture`).
+
+Under sequence parallelism each rank holds ``S = s / tp`` tokens of the layer input, while the
+tensors between the gather and the reduce-scatter have all ``tp·S`` tokens, as ``tp`` chunks of
+``S``; the first ``k`` tokens of every chunk are kept, each chunk's one contiguous block copied
+on its own. Recomputation runs the same collectives on the dropped tokens of every rank, which
+are exactly those chunks' tails.
+
+Under context parallelism a rank's tokens are two chunks of the sequence, one from each end
+(:mod:`memo.model.context_parallel`): without sequence parallelism the layer input holds both, and
+its ``S`` tokens are taken as two *segments* of ``S/2``, ``k`` kept of each, so that the prefix is
+taken per load-balanced chunk. Attention is not run again in recomputation (its output is kept
+whole), so no context-parallel exchange is replayed.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS, Placed
+from memo.swap.alpha import HostMemoryError
+from memo.swap.capture import Capture, Discover, Forward, Replay
+from memo.swap.layout import (ALIAS, INPUT, TOKENS, LayerLayout, Slot, empty_in_layout, same_layout,
+                              tail_rows)
+from memo.swap.streams import Streams
+
+
+@dataclass
+class _LayerState:
+    """One layer's swap in one forward/backward pass."""
+
+    index: int
+    kwargs: dict  # the forward's arguments but ``hidden_states``, for recomputation
+    offloaded: object = None  # event: D2H of this layer finished
+    prefetched: object = None  # event: H2D of this layer finished
+    ready: bool = False  # prefetched and recomputed: its backward may read the buffer
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on a layer's output whose backward marks the start of that layer's backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, runtime, index):
+        ctx.runtime, ctx.index = runtime, index
+        return hidden.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.runtime.backward_started(ctx.index)
+        return grad, None, None
+
+
+class _ReplayDone(Exception):
+    """Raised inside a replay once every tensor the backward needs has been recomputed."""
+
+
+class SwapRuntime:
+    """Token-wise swapping and recomputation for the layers of one model replica: the
+    :class:`memo.model.placement.Placement` of every module of its layers.
+
+    Args:
+        num_layers: transformer layers of the model (n); the last two never swap.
+        streams: compute, D2H and H2D streams (:mod:`memo.swap.streams`).
+        device: where the rounding buffers live.
+        sequence_chunks: tp under sequence parallelism, else 1.
+        segments: segments of a chunk that each keep their first ``k`` tokens: 2 when the layer
+            input holds both of a context-parallel rank's chunks, else 1.
+    """
+
+    def __init__(self, num_layers: int, streams: Streams, device: torch.device, sequence_chunks: int = 1,
+                 segments: int = 1):
+        self.num_layers = num_layers
+        self.swapped_layers = max(num_layers - 2, 0)
+        self.streams = streams
+        self.device = device
+        self.sequence_chunks = sequence_chunks
+        self.segments = segments
+        self.layout: Optional[LayerLayout] = None
+        self.keep_tokens: Optional[int] = None  # k
+        self._region_bytes = 0  # one layer's share of the slab
+        self.roles: dict[str, int] = {}  # attention's "q", "k", "v", "out" -> slot
+        self.born: dict[int, int] = {}  # request for output memory -> the slot it is made in
+        self.buffers: list[torch.Tensor] = []
+        self.slab: Optional[torch.Tensor] = None
+        self._pinned = False  # the slab is registered with CUDA (cudaHostRegister)
+        self.layers: list = []
+        self._index: dict[int, int] = {}  # id(layer) -> its place in the model
+        self._states: dict[int, _LayerState] = {}
+        self._buffer_owner: list[Optional[_LayerState]] = [None, None]
+        self._buffer_free: list[object] = [None, None]
+        self._capture: Optional[Capture] = None
+        self._accounting: dict[int, dict[str, int]] = {}
+
+    # ----------------------------------------------------------------- set-up
+
+    def attach(self, layers: list) -> None:
+        """Let ``layers`` (:class:`memo.model.layer.MemoTransformerLayer`, in order) swap here."""
+        if len(layers) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} layers, got {len(layers)}")
+        self.layers = list(layers)
+        self._index = {id(layer): i for i, layer in enumerate(self.layers)}
+        for layer in self.layers:
+            # every module of the layer that makes a saved tensor (norms, rotary, FC1, GeLU) or
+            # runs attention asks this runtime for memory (memo.model.placement)
+            for module in layer.modules():
+                if isinstance(module, Placed):
+                    module.place(self)
+
+    def detach(self) -> None:
+        """Give the layers back to Megatron's own forward."""
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, Placed):
+                    module.place(None)
+
+    def discover(self, layer, kwargs: dict) -> LayerLayout:
+        """Run ``layer`` forward once on ``kwargs`` and return the layout of what it saves.
+
+        The input (``kwargs["hidden_states"]``) must require grad, as in training.
+        """
+        hidden = kwargs["hidden_states"]
+        capture = Discover(self, hidden.shape[0], hidden, self._params(layer))
+        self._run_captured(layer, kwargs, capture)
+        if capture.tokens % self.segments:
+            raise ValueError(f"{capture.tokens} tokens cannot be cut into {self.segments} segments")
+        layout = LayerLayout(capture.slots, capture.tokens, self.segments)
+        layout.place()
+        return layout
+
+    def allocate(self, layout: LayerLayout, keep_tokens: int, pin: bool) -> None:
+        """Allocate the two rounding buffers and the host slab for ``keep_tokens`` tokens per segment.
+
+        Args:
+            pin: page-lock the slab (on a GPU); it is registered whole, at its exact size.
+        """
+        if not 0 <= keep_tokens <= layout.segment_tokens:
+            raise ValueError(f"keep_tokens={keep_tokens} outside [0, {layout.segment_tokens}]")
+        self.release()
+        self.layout, self.keep_tokens = layout, keep_tokens
+        self._region_bytes = layout.host_bytes(keep_tokens)
+        self.roles = {slot.role: j for j, slot in enumerate(layout.slots) if slot.role}
+        self.born = {slot.born: j for j, slot in enumerate(layout.slots) if slot.born is not None}
+        self.buffers = [
+            torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)
+        ]
+        layout.place_host(keep_tokens)
+        self.slab = torch.empty(self.swapped_layers * self._region_bytes, dtype=torch.uint8)
+        if pin and self.slab.numel():
+            _register(self.slab)
+            self._pinned = True
+
+    def release(self) -> None:
+        """Give back the buffers and the slab, once the copies in flight are done, unregistering a
+        pinned slab, so that a later job in this process can register a slab at the same
+        address (idempotent)."""
+        if self.buffers:
+            self.streams.synchronize()
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
+            self._pinned = False
+        self.buffers, self.slab = [], None
+
+    def token_order(self, micro_batch: dict) -> dict:
+        """A micro-batch as the layers take it: swapping keeps the tokens where they are."""
+        return micro_batch
+
+    # ------------------------------------------------------------- accounting
+
+    @property
+    def rounding_buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def take_accounting(self) -> list[dict]:
+        """Per-layer bytes since the last call: ``device`` (skeletal bytes the last two layers
+        keep in their rounding buffer until their backward), ``host`` (sent to the host) and
+        ``recomputed``. The device holds no skeletal bytes outside the two buffers."""
+        rows = [{"layer": i, **v} for i, v in sorted(self._accounting.items())]
+        self._accounting = {}
+        return rows
+
+    def _account(self, index: int, key: str, nbytes: int) -> None:
+        entry = self._accounting.setdefault(index, {"device": 0, "host": 0, "recomputed": 0})
+        entry[key] += nbytes
+
+    # ------------------------------------------------- the Placement protocol
+
+    def forward(self, layer, kwargs: dict):
+        """Run ``layer``'s forward pass (keyword arguments as Megatron passes them) with swapping."""
+        index = self._index[id(layer)]
+        output, context = self._buffered_forward(layer, index, kwargs)
+        return _BackwardStart.apply(output, self, index), context
+
+    def output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Memory for a token-major tensor a layer's op is about to make (``shape``, ``dtype``):
+        its slot of the layer's rounding buffer when the layout says the layer saves it there
+        (the op writes it in place and nothing is copied), else new memory.
+
+        The layer's ops ask in the same order in every forward pass; discovery finds which
+        request becomes which saved tensor. A recomputation gets new memory: its tokens are
+        copied into the dropped rows."""
+        if self._capture is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self._capture.output(tuple(shape), dtype, device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute: Callable,
+                  scale: Optional[float] = None, backend: Optional[str] = None):
+        """Core attention under swapping: ``q, k, v`` as the kernel takes them
+        (``[b, heads, s, dim]``), ``compute()`` runs the kernel (of ``backend``, softmax scale
+        ``scale``) and returns its output."""
+        if self._capture is None:
+            return compute()
+        return self._capture.attention(q, k, v, compute)
+
+    # ---------------------------------------------------------------- forward
+
+    def resident(self, index: int) -> bool:
+        """Whether layer ``index`` is one of the last two: kept whole in its rounding buffer, never
+        sent to the host, brought back or recomputed (its backward follows right after)."""
+        return index >= self.swapped_layers
+
+    def _buffered_forward(self, layer, index: int, kwargs: dict):
+        if self.layout is None:
+            raise RuntimeError("SwapRuntime.allocate must run before training")
+        hidden = kwargs["hidden_states"]
+        for key in UNSUPPORTED_LAYER_ARGUMENTS:
+            if kwargs.get(key) is not None:
+                raise ValueError(f"memo's swapping does not support the layer argument {key}")
+        state = _LayerState(index, {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        b = index % 2
+        # The D2H copy of the buffer's previous layer must be done before it is overwritten.
+        self.streams.wait(self.streams.compute, self._buffer_free[b])
+        self._buffer_owner[b] = state
+        capture = Forward(self, state, hidden.shape[0], hidden, self._params(layer))
+        result = self._run_captured(layer, kwargs, capture)
+        if capture.cursor != len(self.layout.slots):
+            raise RuntimeError(
+                f"layer {index} saved {capture.cursor} tensors, its layout has {len(self.layout.slots)}"
+            )
+        if self.resident(index):
+            self._account(index, "device", self.layout.bytes_kept)
+        else:
+            self._offload(state)
+        self._states[index] = state
+        return result
+
+    @staticmethod
+    def _params(layer) -> set:
+        return {p.data_ptr() for p in layer.parameters()}
+
+    def _run_captured(self, layer, kwargs: dict, capture: Capture):
+        # Autograd keeps both hooks with every tensor saved under them, until its backward: they
+        # are the runtime's, never the capture's, which holds the kernel's outputs only until
+        # the pass ends.
+        self._capture = capture
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, capture.unpacker()):
+                return layer.run(**kwargs)
+        finally:
+            self._capture = None
+
+    def _pack(self, t: torch.Tensor):
+        return self._capture.pack(t)
+
+    def _offload(self, state: _LayerState) -> None:
+        s = self.streams
+        b = state.index % 2
+        s.wait(s.d2h, s.record(s.compute))
+        for j, slot in enumerate(self.layout.slots):
+            if slot.kind != ALIAS:
+                _copy_blocks(s, s.d2h, self._host_view(state.index, slot), self.swapped_part(b, j))
+        state.offloaded = self._buffer_free[b] = s.record(s.d2h)
+        self._account(state.index, "host", self._region_bytes)
+
+    def saved(self, handle) -> torch.Tensor:
+        """The tensor a forward's pack handle ``(state, slot)`` stands for, for the backward pass."""
+        if isinstance(handle, torch.Tensor):
+            return handle
+        state, j = handle
+        if not state.ready or self._buffer_owner[state.index % 2] is not state:
+            raise RuntimeError(
+                f"layer {state.index}'s activations were read before they were reloaded"
+            )
+        return self._saved_tensor(state.index % 2, j)
+
+    # ---------------------------------------------------------------- backward
+
+    def backward_started(self, index: int) -> None:
+        """Called as layer ``index``'s backward pass begins (layer ``index + 1``'s is done)."""
+        s = self.streams
+        released = s.record(s.compute)
+        below = index - 1
+        if 0 <= below < self.swapped_layers:
+            self._prefetch(self._states[below], released)
+        state = self._states.pop(index)
+        if not self.resident(index):
+            if state.prefetched is None:
+                self._prefetch(state, released)
+            s.wait(s.compute, state.prefetched)
+            if self.keep_tokens < self.layout.segment_tokens:
+                self._recompute(state)
+        state.ready = True
+
+    def _prefetch(self, state: _LayerState, released: object) -> None:
+        s = self.streams
+        b = state.index % 2
+        s.wait(s.h2d, released)  # the buffer's previous layer finished its backward
+        s.wait(s.h2d, state.offloaded)  # and this layer's own D2H is complete
+        self._buffer_owner[b] = state
+        for j, slot in enumerate(self.layout.slots):
+            if slot.kind != ALIAS:
+                _copy_blocks(s, s.h2d, self.swapped_part(b, j), self._host_view(state.index, slot))
+        state.prefetched = s.record(s.h2d)
+
+    def _recompute(self, state: _LayerState) -> None:
+        layout, k = self.layout, self.keep_tokens
+        b = state.index % 2
+        inputs = [j for j, s in enumerate(layout.slots) if s.kind == INPUT]
+        hidden = tail_rows(self.slot_tensor(b, inputs[0]), self.segments, k).detach().requires_grad_(True)
+        kwargs = dict(state.kwargs, hidden_states=hidden)
+        rope = kwargs.get("rotary_pos_emb")
+        if rope is not None:
+            kwargs["rotary_pos_emb"] = tail_rows(rope, self.sequence_chunks * self.segments, k)
+        layer = self.layers[state.index]
+        outer = [j for j, s in enumerate(layout.slots) if s.role is None]
+        capture = Replay(self, state, layout.tokens, hidden, self._params(layer), outer)
+
+        def last_saved(_module, inputs) -> None:
+            # The backward needs what the layer saves, the last of which is FC2's input: the
+            # replay ends there, without FC2's GEMM, its reduce-scatter and the residual.
+            if capture.last_saved(inputs[0]):
+                raise _ReplayDone
+
+        stop = layer.mlp.linear_fc2.register_forward_pre_hook(last_saved)
+        try:
+            with torch.enable_grad():
+                self._run_captured(layer, kwargs, capture)
+        except _ReplayDone:
+            pass
+        finally:
+            stop.remove()
+        if capture.cursor != len(outer):
+            raise RuntimeError(f"recomputing layer {state.index} saved {capture.cursor} of {len(outer)} tensors")
+
+    def fill(self, index: int, j: int, t: torch.Tensor) -> None:
+        """Write layer ``index``'s recomputed tokens ``t`` into the dropped rows of slot ``j``."""
+        slot = self.layout.slots[j]
+        if slot.kind in (INPUT, ALIAS):
+            return  # kept whole on the host, nothing to recompute
+        token_major = t.movedim(slot.token_dim, 0)
+        dropped = slot.chunks * self.segments * (self.layout.segment_tokens - self.keep_tokens)
+        rest = slot.shape[1:]
+        if tuple(token_major.shape) != (dropped, *rest) or token_major.dtype != slot.dtype:
+            raise RuntimeError(
+                f"recomputing layer {index} gave {tuple(token_major.shape)} for slot {j}, "
+                f"expected {(dropped, *rest)}"
+            )
+        _, tail = self.split(self.slot_tensor(index % 2, j), slot)
+        tail.copy_(token_major.reshape(tail.shape))
+        self._account(index, "recomputed", token_major.numel() * token_major.element_size())
+
+    # ---------------------------------------------------------------- views
+
+    def slot_tensor(self, b: int, j: int) -> torch.Tensor:
+        """Slot ``j`` of rounding buffer ``b``, token-major."""
+        slot = self.layout.slots[j]
+        raw = self.buffers[b][slot.offset: slot.offset + slot.nbytes]
+        return raw.view(slot.dtype).view(slot.shape)
+
+    def _saved_view(self, b: int, j: int) -> torch.Tensor:
+        """Slot ``j`` shaped as the tensor its layer saved."""
+        slot = self.layout.slots[j]
+        if slot.kind == ALIAS:
+            flat = self.slot_tensor(b, slot.alias_of).view(-1)
+            return flat.as_strided(slot.saved_shape, slot.alias_stride)
+        return self.slot_tensor(b, j).movedim(0, slot.token_dim)
+
+    def _saved_tensor(self, b: int, j: int) -> torch.Tensor:
+        """Slot ``j`` as its layer saved it, strides included. The buffer keeps tokens first; a
+        tensor saved in another layout (attention's log-sum-exp ``[b, heads, s]``, its output with
+        a micro-batch of more than one) comes back as a copy in that layout: CUDA's fused attention
+        backward kernels take the layout of their forward for granted."""
+        view, slot = self._saved_view(b, j), self.layout.slots[j]
+        if slot.saved_stride is None or same_layout(view, slot.saved_stride):
+            return view
+        return empty_in_layout(view, slot.saved_stride).copy_(view)
+
+    def swapped_part(self, b: int, j: int) -> torch.Tensor:
+        """The rows of slot ``j`` in buffer ``b`` that the host keeps, ``[chunks·segments, k, ...]``
+        for TOKENS."""
+        slot, full = self.layout.slots[j], self.slot_tensor(b, j)
+        return self.split(full, slot)[0] if slot.kind == TOKENS else full
+
+    def split(self, t: torch.Tensor, slot: Slot) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``k`` and the other rows of every segment of every chunk of token-major
+        ``t``, as ``[chunks·segments, rows, ...]`` views."""
+        runs = t.unflatten(0, (slot.chunks * self.segments, self.layout.segment_tokens))
+        return runs[:, : self.keep_tokens], runs[:, self.keep_tokens:]
+
+    def _host_view(self, index: int, slot: Slot) -> torch.Tensor:
+        tokens, k = self.layout.segment_tokens, self.keep_tokens
+        start = index * self._region_bytes + slot.host_offset
+        raw = self.slab[start: start + slot.swapped_bytes(k, tokens)]
+        if slot.kind == TOKENS:
+            return raw.view(slot.dtype).view(slot.chunks * self.segments, k, *slot.shape[1:])
+        return raw.view(slot.dtype).view(slot.shape)
+
+
+def _copy_blocks(streams: Streams, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` on ``stream`` as contiguous blocks: whole if both are contiguous,
+    else one copy per index of the first dimension (a chunk's token prefix). A non-contiguous
+    copy between device and host would stage through a temporary on the device."""
+    if dst.is_contiguous() and src.is_contiguous():
+        streams.copy(stream, dst, src)
+        return
+    for d, s in zip(dst, src, strict=True):
+        if not (d.is_contiguous() and s.is_contiguous()):
+            raise RuntimeError(f"a swap copy of shape {tuple(s.shape)} is not contiguous per chunk")
+        streams.copy(stream, d, s)
+
+
+def _register(slab: torch.Tensor) -> None:
+    """Page-lock ``slab`` in place: one registration of the exact size, where the pinned
+    allocator would round a request up to a power of two."""
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(slab.data_ptr(), slab.numel(), 0)
+    if int(error) != 0:
+        if hasattr(cudart, "cudaGetLastError"):  # not bound by every PyTorch build
+            cudart.cudaGetLastError()  # the failure must not surface at the next CUDA call
+        raise HostMemoryError(
+            f"cudaHostRegister of {slab.numel() / 2**30:.2f} GiB failed (error {int(error)}): "
+            "raise the locked-memory limit (ulimit -l) or lower hardware.host_memory_gib"
+        )
