@@ -1,6 +1,6 @@
 """Under torchrun: layers walked in tiles against keeping everything, with tensor parallelism
-(``tp2``) or tensor and sequence parallelism (``tp2-sp``, the tokens in tile order), for both layer
-types, both tiled methods and three tile sizes: losses and every gradient over three steps in
+(``tp2``), tensor and sequence parallelism (``tp2-sp``, the tokens in tile order) or context
+parallelism (``cp2``, tiles of each rank's two chunks), for both layer types, both tiled methods and three tile sizes: losses and every gradient over three steps in
 float64 (tests/swap/test_tiled_layer.py says why). Under sequence parallelism a rank's tokens are
 others than keeping everything's, so the gradients of weights applied per token are compared summed
 over both ranks. A check of ``tests/checks_worker.py``."""
@@ -13,7 +13,8 @@ from conftest import compose_config
 from swap_training import train_gradients
 
 SEQ = 256
-LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
+LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+           "cp2": ["parallel.cp=2"]}
 MODELS = {"tiny": [], "tiny_llama": ["model=tiny_llama"]}
 # (model, method, tokens per tile) of each layout: both layer types and methods, several tiles
 # under sequence parallelism (whose tile order is the identity for one tile of the sequence)
@@ -21,6 +22,8 @@ RUNS = {
     "tp2": [("tiny_llama", "memo", SEQ // 4), ("tiny", "full_recompute", SEQ // 8)],
     "tp2-sp": [("tiny", "memo", SEQ // 8), ("tiny_llama", "memo", SEQ // 4),
                ("tiny_llama", "full_recompute", SEQ // 8), ("tiny", "full_recompute", SEQ)],
+    # a rank's two chunks of 64 tokens: two tiles each, or one
+    "cp2": [("tiny_llama", "memo", SEQ // 8), ("tiny", "full_recompute", SEQ // 4)],
 }
 
 

@@ -73,8 +73,9 @@ class MethodConfig:
     # DistributedAttention, each rank one contiguous part of the sequence; cp_comm_type=a2a).
     cp_attention: str = "memo"
     # memo and full_recompute: walk each layer in tiles of this many tokens of the sequence (4k,
-    # 16384; under sequence parallelism a tile is gathered over tp), holding one tile's work and a
-    # few whole-sequence stores (memo.swap.tiled_layer); "whole" runs each layer on all its tokens.
+    # 16384; under sequence parallelism a tile is gathered over tp; under context parallelism it
+    # divides each of a rank's two chunks), holding one tile's work and a few whole-sequence stores
+    # (memo.swap.tiled_layer); "whole" runs each layer on all its tokens.
     tile_tokens: str = "whole"
 
     # What the method does, for the code that must know (the names above stay the configuration).

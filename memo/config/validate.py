@@ -288,9 +288,13 @@ def _check_tiles(cfg, m, seq: Optional[int]) -> None:
     if parse_alpha(cfg.alpha) is not None:
         raise ConfigError(f"alpha={cfg.alpha}: layers walked in tiles keep what they save on the device "
                           f"(nothing is swapped yet); drop alpha {keep}")
-    if p.cp > 1:
-        raise ConfigError(f"method.tile_tokens={m.tile_tokens} runs without context parallelism so far; "
-                          f"set parallel.cp=1 {keep}")
+    if p.cp > 1 and p.sequence_parallel:
+        raise ConfigError(f"method.tile_tokens={m.tile_tokens} runs context parallelism without sequence "
+                          f"parallelism so far; set parallel.sequence_parallel=false {keep}")
+    if p.cp > 1 and seq is not None and seq % (2 * p.cp * tile):
+        raise ConfigError(f"method.tile_tokens={m.tile_tokens} does not divide the {2 * p.cp} chunks of "
+                          f"seq={seq} that parallel.cp={p.cp} ranks hold; choose a tile that divides "
+                          f"{seq // (2 * p.cp)} tokens {keep}")
     if p.sequence_parallel and tile % p.tp:
         raise ConfigError(f"method.tile_tokens={m.tile_tokens} is gathered over parallel.tp={p.tp} ranks "
                           f"under sequence parallelism; choose a multiple of {p.tp} {keep}")

@@ -25,6 +25,17 @@ Backward of a layer, given the gradient of its output:
    ``torch.autograd.backward`` per tile gives the tile's input gradient and adds its share to
    every weight's gradient.
 
+Under context parallelism (rank ``r`` of ``cp`` holds chunks ``r`` and ``2·cp − 1 − r`` of the
+sequence, :mod:`memo.model.context_parallel`) the tiles are those of the rank's two chunks and the
+store holds the whole sequence: a tile's keys and values cannot wait for the other ranks' tiles,
+so each rank first makes its keys and values without a graph (the rebuild) and the store is
+gathered over the ranks; the forward tiles then attend over it. In the backward pass, after the
+rebuild and the gather, the reverse walk hands back only the query gradient, adding the key and
+value gradients of every block into the accumulators, which are then summed over the ranks; a
+second pass runs each tile up to its keys and values again and takes their summed gradients back
+through RoPE, QKV and the norm. The two passes' input and weight gradients add up (backward is
+linear), to what one pass gives without context parallelism.
+
 The stores live as long as the walk: keys and values ``2·s·h_kv/tp`` elements in the activation
 dtype, their gradient accumulators as many in float32. Per layer, the residual stream (input and
 output, ``s·h/tp`` each) and ``memo``'s attention output and float32 log-sum-exp are kept until the
@@ -36,6 +47,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
@@ -43,8 +55,9 @@ from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS
 from memo.model.tiles import batch_in_tile_order
 
 # the walk's modes, named as its phases are: a tile's forward, the keys and values made again
-# before the backward tiles, and a tile's forward again with a graph for its backward
-FORWARD, REBUILD, BACKWARD = "fwd", "rebuild", "bwd"
+# before the backward tiles, a tile's forward again with a graph for its backward, and (context
+# parallelism) a tile run again up to its keys and values, for their gradients
+FORWARD, REBUILD, BACKWARD, KEYS = "fwd", "rebuild", "bwd", "bwd.kv"
 
 
 @dataclass
@@ -69,9 +82,10 @@ class TileStores:
 class _Tile:
     """The tile a layer's attention is run for, and how."""
 
-    mode: str  # FORWARD, REBUILD or BACKWARD
+    mode: str  # FORWARD, REBUILD, BACKWARD or KEYS
     layer: int
-    index: int  # t
+    index: int  # t, of this rank's tiles
+    block: int  # where the tile's tokens are in the store (t without context parallelism)
 
 
 @dataclass
@@ -85,6 +99,14 @@ class _Kept:
 
 class _Rebuilt(Exception):
     """Raised by core attention in a rebuild, once the tile's keys and values are in the store."""
+
+
+class _KeysMade(Exception):
+    """Raised by core attention in a KEYS pass with the tile's keys and values (in the graph)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values = keys, values
 
 
 class TiledLayers:
@@ -109,6 +131,7 @@ class TiledLayers:
         self.tile_rows = tile_tokens // sequence_chunks
         self.keep_attention = keep_attention
         self.stores: Optional[TileStores] = None
+        self.cp_group = None  # the context-parallel group of the layers' attention, if any
         self.layers: list = []
         self._index: dict[int, int] = {}
         self._tile: Optional[_Tile] = None
@@ -130,6 +153,10 @@ class TiledLayers:
         modules run as they are, one tile at a time."""
         self.layers = list(layers)
         self._index = {id(layer): i for i, layer in enumerate(layers)}
+        groups = {layer.self_attention.core_attention.cp_group for layer in layers}
+        if len(groups) != 1:
+            raise ValueError("the layers walked in tiles must share one context-parallel group")
+        (self.cp_group,) = groups
         for layer in layers:
             layer.place(self)
             layer.self_attention.core_attention.place(self)
@@ -157,15 +184,67 @@ class TiledLayers:
             # the weights are not the walk's inputs: without a graph to the input no backward
             # would run, and their gradients would be lost silently
             raise ValueError("a layer walked in tiles needs an input that requires grad")
-        if hidden.shape[0] % self.tile_rows:
-            raise ValueError(f"{hidden.shape[0]} rows cannot be cut into tiles of {self.tile_rows}")
+        if hidden.shape[0] % (self.tile_rows * self._chunks):
+            raise ValueError(f"{hidden.shape[0]} rows cannot be cut into {self._chunks} chunk(s) of tiles of "
+                             f"{self.tile_rows}")
         rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
         return _TiledLayer.apply(hidden, self, layer, self._index[id(layer)], rest), None
 
-    def _tiles(self, rows: int) -> list[tuple[int, slice]]:
-        """``(t, this rank's rows of tile t)`` for a layer input of ``rows`` rows."""
-        r = self.tile_rows
-        return [(t, slice(t * r, (t + 1) * r)) for t in range(rows // r)]
+    @property
+    def _cp(self) -> int:
+        return 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+
+    @property
+    def _chunks(self) -> int:
+        """Chunks of the sequence a rank's layer input holds: two under context parallelism."""
+        return 1 if self._cp == 1 else 2
+
+    def _tiles(self, rows: int) -> list[tuple[int, slice, int]]:
+        """``(t, this rank's rows of tile t, its block of the store)`` for a layer input of ``rows``
+        rows: under context parallelism the first half of the tiles are chunk ``r``'s, the second
+        chunk ``2·cp − 1 − r``'s."""
+        r, count = self.tile_rows, rows // self.tile_rows
+        if self._cp == 1:
+            return [(t, slice(t * r, (t + 1) * r), t) for t in range(count)]
+        cp, rank, per_chunk = self._cp, dist.get_rank(self.cp_group), count // 2
+        starts = (rank * per_chunk, (2 * cp - 1 - rank) * per_chunk)
+        return [(t, slice(t * r, (t + 1) * r), starts[t // per_chunk] + t % per_chunk) for t in range(count)]
+
+    def _make_keys(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> None:
+        """Every tile's keys and values into the store, without a graph, then (under context
+        parallelism) the other ranks' from them."""
+        with torch.no_grad():
+            for t, rows, j in self._tiles(x.shape[0]):
+                try:
+                    self._run(layer, kwargs, x[rows], _Tile(REBUILD, index, t, j))
+                except _Rebuilt:
+                    pass
+        if self._cp > 1:
+            for store in (self.stores.keys, self.stores.values):
+                self._gather(store)
+
+    def _halves(self, store: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``store``'s first and second halves as ``[cp, chunk, ...]``: rank ``r``'s chunks are the
+        first's ``r`` and the second's ``cp − 1 − r``."""
+        front, back = store.unflatten(0, (2, self._cp, -1)).unbind(0)
+        return front, back
+
+    def _gather(self, store: torch.Tensor) -> None:
+        """The other ranks' chunks of ``store`` (``[s, ...]``, sequence order) from them: each
+        half in place, in rank order; the second half's chunks then put back in sequence order.
+        Besides the store, one chunk exists at a time."""
+        cp, rank = self._cp, dist.get_rank(self.cp_group)
+        front, back = self._halves(store)
+        for half, own in ((front, rank), (back, cp - 1 - rank)):
+            mine = half[own].clone()
+            dist.all_gather_into_tensor(half.flatten(0, 1), mine, group=self.cp_group)
+            del mine
+        _reverse_chunks(back)
+
+    def _sum_gradients(self) -> None:
+        """The key and value gradients of every rank's queries, summed over the ranks."""
+        for grads in (self.stores.key_grads, self.stores.value_grads):
+            dist.all_reduce(grads, group=self.cp_group)
 
     def _run(self, layer, kwargs: dict, hidden: torch.Tensor, tile: "_Tile"):
         rope, c = kwargs.get("rotary_pos_emb"), self.tile_tokens
@@ -183,9 +262,9 @@ class TiledLayers:
         """The stores (once, or again for another length) and ``memo``'s kept attention of the
         layer, before its tiles: ``[tokens, b, heads, dim]`` from the layer's attention."""
         attention = layer.self_attention
-        tokens = x.shape[0] // self.tile_rows * self.tile_tokens
+        tokens = x.shape[0] // self.tile_rows * self.tile_tokens  # this rank's
         d, b = attention.hidden_size_per_attention_head, x.shape[1]
-        shape = (tokens, b, attention.num_query_groups_per_partition, d)
+        shape = (tokens * self._cp, b, attention.num_query_groups_per_partition, d)
         if self.stores is None or tuple(self.stores.keys.shape) != shape or self.stores.keys.dtype != x.dtype:
             self.stores = None  # the old ones go first
             self.stores = TileStores.empty(shape, x.dtype, x.device)
@@ -199,10 +278,12 @@ class TiledLayers:
         """The layer's output, tile by tile, without a graph, and what ``memo`` keeps of its
         attention for its backward pass."""
         kept = self._kept = self._allocate(layer, x)
+        if self._cp > 1:
+            self._make_keys(layer, index, x, kwargs)
         try:
             out = torch.empty_like(x)
-            for t, rows in self._tiles(x.shape[0]):
-                out[rows] = self._run(layer, kwargs, x[rows], _Tile(FORWARD, index, t))
+            for t, rows, j in self._tiles(x.shape[0]):
+                out[rows] = self._run(layer, kwargs, x[rows], _Tile(FORWARD, index, t, j))
         finally:
             self._kept = None
         self.on_phase(index, FORWARD)
@@ -214,25 +295,35 @@ class TiledLayers:
         forward kept), adding the layer's weight gradients tile by tile."""
         tiles = self._tiles(x.shape[0])
         grad_x = torch.empty_like(x)  # the gradient stream below this layer
-        with torch.no_grad():
-            for t, rows in tiles:
-                try:
-                    self._run(layer, kwargs, x[rows], _Tile(REBUILD, index, t))
-                except _Rebuilt:
-                    pass
+        self._make_keys(layer, index, x, kwargs)
         self.stores.key_grads.zero_()
         self.stores.value_grads.zero_()
         self._kept = kept
         try:
-            for t, rows in reversed(tiles):
+            for t, rows, j in reversed(tiles):
                 tile_x = x[rows].detach().requires_grad_(True)
                 with torch.enable_grad():
-                    y = self._run(layer, kwargs, tile_x, _Tile(BACKWARD, index, t))
+                    y = self._run(layer, kwargs, tile_x, _Tile(BACKWARD, index, t, j))
                 torch.autograd.backward(y, grad[rows])
                 grad_x[rows] = tile_x.grad
                 del y, tile_x  # the tile's graph, before the next one's
         finally:
             self._kept = None
+        if self._cp > 1:
+            self._sum_gradients()
+            for t, rows, j in tiles:
+                tile_x = x[rows].detach().requires_grad_(True)
+                try:
+                    with torch.enable_grad():
+                        self._run(layer, kwargs, tile_x, _Tile(KEYS, index, t, j))
+                except _KeysMade as made:
+                    c = self.tile_tokens
+                    grads = [block(g, j, c).to(made.keys.dtype) for g in (self.stores.key_grads,
+                                                                            self.stores.value_grads)]
+                    torch.autograd.backward([made.keys, made.values], grads)
+                    del made, grads
+                grad_x[rows] += tile_x.grad
+                del tile_x
         self.on_phase(index, BACKWARD)
         return grad_x
 
@@ -251,12 +342,15 @@ class TiledLayers:
         if q.shape[2] != self.tile_tokens:
             raise RuntimeError(f"a tile's attention got {q.shape[2]} tokens, not {self.tile_tokens}")
         kernel, c = blocks.kernel_for(backend, q), self.tile_tokens
-        if tile.mode != BACKWARD:
-            block(self.stores.keys, tile.index, c).copy_(k)
-            block(self.stores.values, tile.index, c).copy_(v)
-            if tile.mode == REBUILD:
-                raise _Rebuilt
-            out, lse = tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.index, scale)
+        if tile.mode == KEYS:
+            raise _KeysMade(k, v)
+        if tile.mode == REBUILD or (tile.mode == FORWARD and self._cp == 1):
+            block(self.stores.keys, tile.block, c).copy_(k)
+            block(self.stores.values, tile.block, c).copy_(v)
+        if tile.mode == REBUILD:
+            raise _Rebuilt
+        if tile.mode == FORWARD:
+            out, lse = tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.block, scale)
             if self.keep_attention:
                 self._keep(tile, out, lse)
             return out
@@ -270,7 +364,7 @@ class TiledLayers:
     def _attention_of(self, tile: _Tile, q: torch.Tensor, kernel: str, scale: float):
         """The tile's merged output and log-sum-exp: kept (memo) or computed from the store."""
         if not self.keep_attention:
-            return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.index, scale)
+            return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.block, scale)
         kept, c = self._kept, q.shape[2]
         return block(kept.out, tile.index, c), kept.lse[..., tile.index * c:(tile.index + 1) * c]
 
@@ -278,7 +372,8 @@ class TiledLayers:
 class _TileAttention(torch.autograd.Function):
     """A tile's core attention in the backward walk: its output as :meth:`TiledLayers._attention_of`
     gives it; its backward runs the tile's blocks and returns the tile's query gradient and its
-    own block's (then final) key and value gradients."""
+    own block's (then final) key and value gradients; under context parallelism the query
+    gradient alone (the key and value gradients are final once summed over the ranks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, walk: TiledLayers, tile: _Tile, kernel: str, scale: float):
@@ -290,12 +385,14 @@ class _TileAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        walk, t, c = ctx.walk, ctx.tile.index, ctx.q.shape[2]
+        walk, j, c = ctx.walk, ctx.tile.block, ctx.q.shape[2]
         stores = walk.stores
-        dq = tile_backward(ctx.kernel, dout, ctx.q, stores.keys, stores.values, ctx.out, ctx.lse, t, ctx.scale,
+        dq = tile_backward(ctx.kernel, dout, ctx.q, stores.keys, stores.values, ctx.out, ctx.lse, j, ctx.scale,
                            stores.key_grads, stores.value_grads)
-        dk, dv = (block(g, t, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
         ctx.q = ctx.out = ctx.lse = None  # attributes, which autograd does not free with the node
+        if walk.cp_group is not None and dist.get_world_size(walk.cp_group) > 1:
+            return dq, None, None, None, None, None, None
+        dk, dv = (block(g, j, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
         return dq, dk, dv, None, None, None, None
 
 
@@ -315,3 +412,12 @@ class _TiledLayer(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, None  # freed once the layer's backward is done
         grad_x = ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous(), kept)
         return grad_x, None, None, None, None
+
+
+def _reverse_chunks(chunks: torch.Tensor) -> None:
+    """Reverse the order of ``chunks`` (``[n, ...]``) in place, one chunk of scratch at a time."""
+    n = chunks.shape[0]
+    for i in range(n // 2):
+        first = chunks[i].clone()
+        chunks[i].copy_(chunks[n - 1 - i])
+        chunks[n - 1 - i].copy_(first)

@@ -72,6 +72,9 @@ def test_tiled_float32_gradients_equal_keeping_everything_to_rounding(reference,
     (["method=memo", "method.tile_tokens=64", "mode=fit"], "mode=fit does not model"),
     (["method=memo", "method.tile_tokens=64", "plan=true"], "plan=true does not model"),
     (["method=memo", "method.tile_tokens=six"], "method.tile_tokens=six is not a sequence length"),
+    (["method=memo", "method.tile_tokens=64", "parallel.cp=4"], "does not divide the 8 chunks"),
+    (["method=memo", "method.tile_tokens=64", "parallel.cp=2", "parallel.tp=2",
+      "parallel.sequence_parallel=true"], "without sequence parallelism so far"),
 ])
 def test_a_tiled_run_it_cannot_do_is_refused_in_one_line(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment) as error:
@@ -86,13 +89,17 @@ def test_whole_layers_are_the_default():
 
 
 @pytest.mark.slow
-@pytest.mark.torchrun(2, "tiles_worker.check_tiles tp2", "tiles_worker.check_tiles tp2-sp")
-def test_tiled_gradients_match_keeping_everything_with_tensor_and_sequence_parallelism(torchrun_results):
-    """Two processes: heads split over tp, and under sequence parallelism each tile gathered from
-    both ranks' rows (the tokens in tile order)."""
-    split, sequence = torchrun_results
+@pytest.mark.torchrun(2, "tiles_worker.check_tiles tp2", "tiles_worker.check_tiles tp2-sp",
+                      "tiles_worker.check_tiles cp2")
+def test_tiled_gradients_match_keeping_everything_with_tensor_sequence_and_context_parallelism(
+        torchrun_results):
+    """Two processes: heads split over tp; under sequence parallelism each tile gathered from both
+    ranks' rows (the tokens in tile order); under context parallelism each rank's tiles attend over
+    the store gathered from both, and their key and value gradients are summed over both."""
+    split, sequence, context = torchrun_results
     assert split.passed() == ("2 tiled runs match over 3 steps (tp2)",) * 2
     assert sequence.passed() == ("4 tiled runs match over 3 steps (tp2-sp)",) * 2
+    assert context.passed() == ("2 tiled runs match over 3 steps (cp2)",) * 2
 
 
 def test_tile_order_gives_each_rank_its_rows_of_every_tile():
