@@ -2,8 +2,9 @@
 
 The package follows the pipeline of the method: ``profile`` (trace one iteration's allocations)
 → ``plan`` (the bi-level memory plan, on the general solvers of ``dsa``) → ``execute``
-(distributed start-up, data, optimizer, the plan at run time, the training loop, with ``swap``:
-what a layer keeps for its backward pass and where, MEMO's α, layers walked in tiles) → ``metrics`` (FLOPs, MFU, TGS, memory) → ``results`` (the files a run leaves).
+(distributed start-up, data, optimizer, the plan at run time, the training loop). ``swap`` is
+what a layer keeps for its backward pass and where (MEMO's swapping and α, layers walked in
+tiles), beneath the profiler and above ``model``, whose layers it is given to → ``metrics`` (FLOPs, MFU, TGS, memory) → ``results`` (the files a run leaves).
 ``config`` says what to run and resolves it once into a typed ``Run`` whose ``Workload`` (model,
 method, layout, tokens, dtype) the rest takes; ``model`` builds the Megatron-core GPT, ``fit``
 predicts without running, and ``modes`` holds the jobs ``run.py`` runs (train, profile/plan,

@@ -164,8 +164,9 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device("cpu")
         tp_group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
-        placement, report = prepare_swap(built.module, workload, device, host_budget(hw, device), run.alpha,
-                                         group=tp_group)
+        # (only swapping fills the host: what may be pinned is not even looked at otherwise)
+        budget = host_budget(hw, device) if workload.swaps else 0
+        placement, report = prepare_swap(built.module, workload, device, budget, run.alpha, group=tp_group)
         if report is not None:
             row.update({f"swap.{k}": finite(v) for k, v in dataclasses.asdict(report).items()})
             log.info(

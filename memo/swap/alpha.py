@@ -36,7 +36,7 @@ class SkeletalBytes:
 class AlphaSolution:
     """α and why: ``binding`` is "bandwidth", "host", "none" (α reached 1) or "fixed" (given).
 
-    The one value the runtime's report (:mod:`memo.execute.swap_setup`) and the fit's prediction
+    The one value the runtime's report (:mod:`memo.swap.prepare`) and the fit's prediction
     (:mod:`memo.fit.memory`) both take from :func:`choose_alpha`.
     """
 

@@ -37,7 +37,7 @@ through RoPE, QKV and the norm. The two passes' input and weight gradients add u
 linear), to what one pass gives without context parallelism.
 
 The stores live as long as the walk: keys and values ``2·s·h_kv/tp`` elements in the activation
-dtype, their gradient accumulators as many in float32. Per layer, the residual stream (input and
+dtype, their gradient accumulators as many in float32, for the whole sequence whatever cp is. Per layer, the residual stream (input and
 output, ``s·h/tp`` each) and ``memo``'s attention output and float32 log-sum-exp are kept until the
 layer's backward; the gradient of a layer's input is a new ``s·h/tp`` tensor, the one of its output
 freed when the layer's backward returns. Nothing is swapped (α = 0).
@@ -136,9 +136,10 @@ class TiledLayers:
         self._index: dict[int, int] = {}
         self._tile: Optional[_Tile] = None
         self._kept: Optional[_Kept] = None  # memo's kept attention of the layer being walked
-        # called with (layer, part of its pass) as the walk goes: "fwd.t<t>", "rebuild",
-        # "bwd.t<t>", and the layer's own "fwd" or "bwd" when its tiles are done (the profiler
-        # names its phases so)
+        # called with (layer, part of its pass) as the walk goes: "fwd.t<t>", "rebuild" (before
+        # the backward tiles, and under context parallelism before the forward ones too),
+        # "bwd.t<t>", "bwd.kv.t<t>" (context parallelism), and the layer's own "fwd" or "bwd" when
+        # its tiles are done (the profiler names its phases so)
         self.on_phase: Callable[[int, str], None] = lambda layer, part: None
 
     def token_order(self, micro_batch: dict) -> dict:
@@ -154,9 +155,9 @@ class TiledLayers:
         self.layers = list(layers)
         self._index = {id(layer): i for i, layer in enumerate(layers)}
         groups = {layer.self_attention.core_attention.cp_group for layer in layers}
-        if len(groups) != 1:
+        if len(groups) > 1:
             raise ValueError("the layers walked in tiles must share one context-parallel group")
-        (self.cp_group,) = groups
+        self.cp_group = next(iter(groups), None)
         for layer in layers:
             layer.place(self)
             layer.self_attention.core_attention.place(self)
@@ -278,9 +279,9 @@ class TiledLayers:
         """The layer's output, tile by tile, without a graph, and what ``memo`` keeps of its
         attention for its backward pass."""
         kept = self._kept = self._allocate(layer, x)
-        if self._cp > 1:
-            self._make_keys(layer, index, x, kwargs)
         try:
+            if self._cp > 1:
+                self._make_keys(layer, index, x, kwargs)
             out = torch.empty_like(x)
             for t, rows, j in self._tiles(x.shape[0]):
                 out[rows] = self._run(layer, kwargs, x[rows], _Tile(FORWARD, index, t, j))

@@ -109,7 +109,7 @@ def test_llama_shaped_gradients_of_every_method_match_keeping_everything_in_two_
     """Grouped keys and values, SwiGLU, RMSNorm and an untied output layer under tensor and
     sequence parallelism and under each context-parallel exchange: MEMO's variants and
     Megatron's own recomputations give keeping everything's gradients (which equal
-    transformers', tests/test_hf_models.py)."""
+    transformers', tests/model/test_hf_models.py)."""
     for (layout, loss), result in zip(LLAMA_LAYOUTS, torchrun_results, strict=True):
         methods = 8 if layout == "tp2-sp" else 6
         assert result.passed() == (f"{methods} methods match over 3 steps with {loss} (tiny_llama, {layout})",) * 2

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memo.model import attention_blocks as blocks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "tests" / "data" / "torch-2.11-aten-schemas.txt"
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 H100, A100, V100, BLACKWELL = (9, 0), (8, 0), (7, 0), (10, 0)
@@ -170,7 +170,7 @@ def test_a_row_names_the_kernel_of_whole_attention_and_of_its_blocks(tmp_path):
 
     row = run_in_process(tmp_path, "seq=128", "train.steps=2", "train.warmup_steps=1")
     assert row["status"] == "ok", row["error"]
-    # one rank holds the whole sequence: no blocks run (tests/test_training.py: with cp = 2)
+    # one rank holds the whole sequence: no blocks run (tests/execute/test_training.py: with cp = 2)
     assert (row["attention_backend"], row["attention_block_kernel"]) == ("flash", "none")
 
 

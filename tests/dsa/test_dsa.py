@@ -14,8 +14,8 @@ from memo.dsa.greedy import greedy_portfolio, lowest_fit
 from memo.dsa.search import fits
 from memo.dsa.solve import plan
 
-REPO = Path(__file__).resolve().parents[1]
-SMALL = Path(__file__).parent / "data" / "minimalloc-small"
+REPO = Path(__file__).resolve().parents[2]
+SMALL = Path(__file__).parents[1] / "data" / "minimalloc-small"
 
 
 def _buffers(*rows):

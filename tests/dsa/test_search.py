@@ -10,7 +10,7 @@ from memo.dsa.buffers import Buffer, max_load, read_buffers, validate
 from memo.dsa.search import fits
 from memo.dsa.solve import plan
 
-CHALLENGING = Path(__file__).parent / "data" / "minimalloc-challenging"
+CHALLENGING = Path(__file__).parents[1] / "data" / "minimalloc-challenging"
 
 
 def _optimum(buffers):
