@@ -132,6 +132,7 @@ class TiledLayers:
         self.keep_attention = keep_attention
         self.stores: Optional[TileStores] = None
         self.cp_group = None  # the context-parallel group of the layers' attention, if any
+        self.cp, self.cp_rank = 1, 0  # its size and this rank's place in it
         self.layers: list = []
         self._index: dict[int, int] = {}
         self._tile: Optional[_Tile] = None
@@ -158,6 +159,8 @@ class TiledLayers:
         if len(groups) > 1:
             raise ValueError("the layers walked in tiles must share one context-parallel group")
         self.cp_group = next(iter(groups), None)
+        if self.cp_group is not None:
+            self.cp, self.cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         for layer in layers:
             layer.place(self)
             layer.self_attention.core_attention.place(self)
@@ -192,22 +195,18 @@ class TiledLayers:
         return _TiledLayer.apply(hidden, self, layer, self._index[id(layer)], rest), None
 
     @property
-    def _cp(self) -> int:
-        return 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
-
-    @property
     def _chunks(self) -> int:
         """Chunks of the sequence a rank's layer input holds: two under context parallelism."""
-        return 1 if self._cp == 1 else 2
+        return 1 if self.cp == 1 else 2
 
     def _tiles(self, rows: int) -> list[tuple[int, slice, int]]:
         """``(t, this rank's rows of tile t, its block of the store)`` for a layer input of ``rows``
         rows: under context parallelism the first half of the tiles are chunk ``r``'s, the second
         chunk ``2·cp − 1 − r``'s."""
         r, count = self.tile_rows, rows // self.tile_rows
-        if self._cp == 1:
+        if self.cp == 1:
             return [(t, slice(t * r, (t + 1) * r), t) for t in range(count)]
-        cp, rank, per_chunk = self._cp, dist.get_rank(self.cp_group), count // 2
+        cp, rank, per_chunk = self.cp, self.cp_rank, count // 2
         starts = (rank * per_chunk, (2 * cp - 1 - rank) * per_chunk)
         return [(t, slice(t * r, (t + 1) * r), starts[t // per_chunk] + t % per_chunk) for t in range(count)]
 
@@ -220,21 +219,21 @@ class TiledLayers:
                     self._run(layer, kwargs, x[rows], _Tile(REBUILD, index, t, j))
                 except _Rebuilt:
                     pass
-        if self._cp > 1:
+        if self.cp > 1:
             for store in (self.stores.keys, self.stores.values):
                 self._gather(store)
 
     def _halves(self, store: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``store``'s first and second halves as ``[cp, chunk, ...]``: rank ``r``'s chunks are the
         first's ``r`` and the second's ``cp − 1 − r``."""
-        front, back = store.unflatten(0, (2, self._cp, -1)).unbind(0)
+        front, back = store.unflatten(0, (2, self.cp, -1)).unbind(0)
         return front, back
 
     def _gather(self, store: torch.Tensor) -> None:
         """The other ranks' chunks of ``store`` (``[s, ...]``, sequence order) from them: each
         half in place, in rank order; the second half's chunks then put back in sequence order.
         Besides the store, one chunk exists at a time."""
-        cp, rank = self._cp, dist.get_rank(self.cp_group)
+        cp, rank = self.cp, self.cp_rank
         front, back = self._halves(store)
         for half, own in ((front, rank), (back, cp - 1 - rank)):
             mine = half[own].clone()
@@ -265,7 +264,7 @@ class TiledLayers:
         attention = layer.self_attention
         tokens = x.shape[0] // self.tile_rows * self.tile_tokens  # this rank's
         d, b = attention.hidden_size_per_attention_head, x.shape[1]
-        shape = (tokens * self._cp, b, attention.num_query_groups_per_partition, d)
+        shape = (tokens * self.cp, b, attention.num_query_groups_per_partition, d)
         if self.stores is None or tuple(self.stores.keys.shape) != shape or self.stores.keys.dtype != x.dtype:
             self.stores = None  # the old ones go first
             self.stores = TileStores.empty(shape, x.dtype, x.device)
@@ -280,7 +279,7 @@ class TiledLayers:
         attention for its backward pass."""
         kept = self._kept = self._allocate(layer, x)
         try:
-            if self._cp > 1:
+            if self.cp > 1:
                 self._make_keys(layer, index, x, kwargs)
             out = torch.empty_like(x)
             for t, rows, j in self._tiles(x.shape[0]):
@@ -310,7 +309,7 @@ class TiledLayers:
                 del y, tile_x  # the tile's graph, before the next one's
         finally:
             self._kept = None
-        if self._cp > 1:
+        if self.cp > 1:
             self._sum_gradients()
             for t, rows, j in tiles:
                 tile_x = x[rows].detach().requires_grad_(True)
@@ -345,7 +344,7 @@ class TiledLayers:
         kernel, c = blocks.kernel_for(backend, q), self.tile_tokens
         if tile.mode == KEYS:
             raise _KeysMade(k, v)
-        if tile.mode == REBUILD or (tile.mode == FORWARD and self._cp == 1):
+        if tile.mode == REBUILD or (tile.mode == FORWARD and self.cp == 1):
             block(self.stores.keys, tile.block, c).copy_(k)
             block(self.stores.values, tile.block, c).copy_(v)
         if tile.mode == REBUILD:
@@ -391,7 +390,7 @@ class _TileAttention(torch.autograd.Function):
         dq = tile_backward(ctx.kernel, dout, ctx.q, stores.keys, stores.values, ctx.out, ctx.lse, j, ctx.scale,
                            stores.key_grads, stores.value_grads)
         ctx.q = ctx.out = ctx.lse = None  # attributes, which autograd does not free with the node
-        if walk.cp_group is not None and dist.get_world_size(walk.cp_group) > 1:
+        if walk.cp > 1:
             return dq, None, None, None, None, None, None
         dk, dv = (block(g, j, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
         return dq, dk, dv, None, None, None, None

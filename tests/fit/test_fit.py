@@ -321,17 +321,16 @@ def test_context_parallel_time_is_the_exchange_of_keys_and_values():
 # ---------------------------------------------------------------- tiny: predicted against a CPU run
 
 
+# the CPU as the tiny models' predictions take it: a fixed peak, 16 GiB of each memory
+_CPU_BOX = dataclasses.replace(HARDWARE["cpu"], peak_flops=1e11, device_memory_bytes=16 * GiB,
+                               host_memory_bytes=16 * GiB, host_link_bytes_per_s=1e10)
+
+
 def test_tiny_activation_peak_matches_a_real_cpu_iteration():
     """The prediction (five traced layers scaled to eight layers at 4k tokens) against one real
     iteration of the eight-layer model on the CPU, every tensor allocated: within 10%."""
     model = dataclasses.replace(TINY, num_layers=8)
-    cpu = dataclasses.replace(
-        HARDWARE["cpu"],
-        peak_flops=1e11,
-        device_memory_bytes=16 * GiB,
-        host_memory_bytes=16 * GiB,
-        host_link_bytes_per_s=1e10,
-    )
+    cpu = _CPU_BOX
     tiny = work(model, NONE, seq=4096, dtype="fp32")
     fit = FitConfig(device_reserved_gib=0)
     prediction = predict(Problem(tiny, hardware=cpu, fit=fit), ParallelConfig(), 4096)
@@ -352,13 +351,7 @@ def test_tiny_memo_prediction_matches_a_cpu_training_run(tmp_path, name):
                          f"model={name}", "model.vocab_size=1000")
     assert row["status"] == "ok", row["error"]
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    cpu = dataclasses.replace(
-        HARDWARE["cpu"],
-        peak_flops=1e11,
-        device_memory_bytes=16 * GiB,
-        host_memory_bytes=16 * GiB,
-        host_link_bytes_per_s=1e10,
-    )
+    cpu = _CPU_BOX
     model = resolve_config(f"model={name}", "model.vocab_size=1000").workload.model
     tiny = Problem(work(model, MEMO, dtype="fp32"), hardware=cpu, fit=FitConfig(), alpha=0.5)
     prediction = predict(tiny, ParallelConfig(), 2048)
