@@ -25,18 +25,28 @@ from memo.model import dtype_label, dtype_setting
 from memo.model.attention import select_backend
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-# method, alpha (memo's), as the pack compares them
-METHODS = [("memo", 0.0), ("memo", 0.5), ("memo", 1.0), ("full_swap", None), ("full_recompute", None),
-           ("megatron_full_recompute", None)]
+# method, alpha (memo's), tokens per sequence tile (None: whole layers), as the pack compares them
+METHODS = [("memo", 0.0, None), ("memo", 0.5, None), ("memo", 1.0, None), ("full_swap", None, None),
+           ("full_recompute", None, None), ("megatron_full_recompute", None, None)]
+# the layers walked in sequence tiles: a quarter of the sequence per tile, the tile attention's
+# block kernels and its float32 key and value accumulators on the device
+TILES = 4
+
+
+def tiled(methods, seq: int, tiles: int = TILES) -> list[tuple]:
+    """``methods`` walking their layers in ``tiles`` sequence tiles of ``seq`` tokens (α unset)."""
+    return [(method, None, seq // tiles) for method, _, _ in methods]
 
 
 def gradients(method: str, alpha, model_overrides: list[str], seq: int, device: torch.device,
-              dtype: torch.dtype, kernel: str = "auto") -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and gradients (fp32, by parameter name) of one pass of ``method`` on fixed tokens.
+              dtype: torch.dtype, kernel: str = "auto", tile: Optional[int] = None
+              ) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients (fp32, by parameter name) of one pass of ``method`` on fixed tokens,
+    its layers in tiles of ``tile`` tokens when given.
 
     Megatron's parallel state must be initialized for one process.
     """
-    given = [] if alpha is None else [f"alpha={alpha}"]
+    given = ([] if alpha is None else [f"alpha={alpha}"]) + ([] if tile is None else [f"method.tile_tokens={tile}"])
     run = resolve(compose(f"method={method}", *given, *model_overrides, f"seq={seq}",
                           f"train.dtype={dtype_setting(dtype)}"), gpu_visible=device.type == "cuda")
     torch.manual_seed(run.train.seed)
@@ -114,15 +124,15 @@ def compare_methods(model_overrides: list[str], seq: int, device: torch.device, 
     try:
         for kernel in kernel_names:
             reference = gradients("none", None, model_overrides, seq, device, dtype, kernel)
-            for method, alpha in methods:
-                loss, grads = gradients(method, alpha, model_overrides, seq, device, dtype, kernel)
+            for method, alpha, tile in methods:
+                loss, grads = gradients(method, alpha, model_overrides, seq, device, dtype, kernel, tile)
                 errors = relative_errors(loss, grads, reference)
                 ok = errors["grad_error"] <= TOLERANCE[dtype] and errors["loss_error"] <= TOLERANCE[dtype]
                 rows.append({"model": compose(*model_overrides).model.name, "kernel": kernel, "method": method,
-                             "alpha": alpha, "seq": seq,
+                             "alpha": alpha, "tile_tokens": tile, "seq": seq,
                              "dtype": dtype_label(dtype), **errors,
                              "tolerance": TOLERANCE[dtype], "status": "ok" if ok else "failed"})
-                print(f"numerics: {kernel} {method} alpha={alpha}: gradient error {errors['grad_error']:.2e} "
+                print(f"numerics: {kernel} {method} alpha={alpha} tile={tile}: gradient error {errors['grad_error']:.2e} "
                       f"({'ok' if ok else 'ABOVE'} {TOLERANCE[dtype]:g})", flush=True)
     finally:
         distributed.shutdown()
@@ -140,14 +150,15 @@ def main(argv=None) -> int:
     if not args.cpu:
         torch.cuda.set_device(0)
     # the CPU rehearses the step with one method of each kind: the suite checks them all there
+    both_tiled = tiled([METHODS[1], METHODS[4]], seq)
     rows = compare_methods(overrides, seq, device, dtype,
-                           methods=[METHODS[1], METHODS[-1]] if args.cpu else METHODS)
+                           methods=[METHODS[1], METHODS[-1], both_tiled[0]] if args.cpu else METHODS + both_tiled)
     # the Llama shape: grouped keys and values, SwiGLU and RMSNorm (CUDA's fused RMSNorm backward)
     llama = ["model=tiny_llama", "train.loss=tiled"]
     if not args.cpu:
         llama += ["model.num_layers=6", "model.hidden_size=1024", "model.ffn_hidden_size=3584"]
     rows += compare_methods(llama, seq, device, dtype, methods=[METHODS[1]] if args.cpu else
-                            [METHODS[1], METHODS[3], METHODS[4], METHODS[5]])
+                            [METHODS[1], METHODS[3], METHODS[4], METHODS[5], *both_tiled])
     common = ["model=tiny", "seq=256", "train.steps=3", "train.warmup_steps=1", "method=memo", "alpha=0.5"]
     if not args.cpu:
         common = ["model=125m", "seq=8k", "train.steps=4", "train.warmup_steps=1", "method=memo",

@@ -110,11 +110,12 @@ def main(argv=None) -> int:
         if not names:
             return "failed", "no fused attention kernel runs here, and memo refuses the math one"
         found = compare_methods(["model=tiny", "model.num_layers=4", "train.loss=tiled"], 256, device,
-                                dtype, methods=[("memo", 0.5)], kernel_names=names)
+                                dtype, methods=[("memo", 0.5, None), ("memo", None, 64)],
+                                kernel_names=names)
         bad = [f"{r['kernel']}: {r['grad_error']:.1e}" for r in found if r["status"] != "ok"]
         return ("failed" if bad else "ok"), ("; ".join(bad) or f"kernels {', '.join(names)} within tolerance")
 
-    _check(rows, "memo gradients against none, each kernel", gradients)
+    _check(rows, "memo gradients against none, each kernel, whole layers and tiles", gradients)
     _jobs(rows, args.out, "two memo jobs in one process", *small, "method=memo", "train.seed=1,2",
           multirun=True)
     # the plan's solve bounded: the smoke is about the GPU path, not the planner's optimality

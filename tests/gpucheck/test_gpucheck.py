@@ -166,6 +166,7 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     numerics = pd.read_csv(tmp_path / "numerics.csv")
     assert set(numerics["method"]) == {"memo", "megatron_full_recompute", "memo plan=true vs plan=false"}
     assert (numerics["status"] == "ok").all()
+    assert numerics.loc[numerics["tile_tokens"].notna(), "method"].tolist() == ["memo"]  # tiles of 64
     compared = numerics.dropna(subset=["grad_error"])  # the plan row compares losses only
     assert (compared["grad_error"] <= compared["tolerance"]).all()
     summary = (tmp_path / "summary.md").read_text()
