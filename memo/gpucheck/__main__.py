@@ -46,8 +46,8 @@ class Step:
 
 
 STEPS = [
-    Step("smoke", ("memo.gpucheck.smoke",), 150, first=True),
-    Step("cp_kernels", ("memo.gpucheck.cp_kernels",), 90, first=True),
+    Step("smoke", ("memo.gpucheck.smoke",), 180, first=True),
+    Step("cp_kernels", ("memo.gpucheck.cp_kernels",), 70, first=True),
     Step("numerics", ("memo.gpucheck.numerics",), 135, first=True),
     Step("probe", ("memo.gpucheck.probe",), 60, first=True),
     Step("models", ("memo.gpucheck.models",), 300),
