@@ -11,8 +11,8 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.optimizer import HostOptimizer
 from memo.model import build_gpt
-from memo.swap import SwapRuntime, prepare_swap
-from memo.swap.prepare import ready_runtime, sequence_chunks
+from memo.swap import SwapRuntime, TiledLayers, prepare_swap
+from memo.swap.prepare import ready_runtime, ready_tiles, sequence_chunks, swapping_walk
 from memo.swap.streams import InlineStreams
 
 from conftest import resolve_config
@@ -26,11 +26,13 @@ def _resolved(overrides: tuple[str, ...]):
 
 
 def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256, streams=None,
-                    alpha=None, segments=None, whole_sequence_grads: bool = False):
+                    alpha=None, segments=None, whole_sequence_grads: bool = False, tile_alphas=None,
+                    tile_buffers: int = 2, checkpoint_every: int = 1):
     """(losses, per-step gradients by parameter name, runtime) of ``steps`` steps of ``method``
     (with the loss ``train.loss`` in ``overrides`` picks, else the method's). ``segments``: the
     swap runtime's, else as training takes them (2 for a context-parallel input of both chunks).
-    ``whole_sequence_grads``: under sequence parallelism, the gradients of weights every rank
+    ``tile_alphas``: α of each tile, for a walk in tiles that swaps (with ``tile_buffers`` tile
+    buffers and every ``checkpoint_every``-th layer's input on the host; else as training makes it). ``whole_sequence_grads``: under sequence parallelism, the gradients of weights every rank
     applies to its own tokens (norms, row-parallel biases) summed over the tensor-parallel group,
     as the optimizer sums them.
 
@@ -44,7 +46,11 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
     parallel = workload.parallel
     group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
     cpu = torch.device("cpu")
-    if segments is not None:
+    if tile_alphas is not None or tile_buffers != 2 or checkpoint_every != 1:
+        runtime = swapping_walk(workload, workload.model.num_layers, streams or InlineStreams(), cpu, tile_buffers)
+        ready_tiles(runtime, model, workload, tile_alphas if tile_alphas is not None else run.alpha, 2**40, group,
+                    checkpoint_every)
+    elif segments is not None:
         runtime = SwapRuntime(workload.model.num_layers, streams or InlineStreams(), cpu,
                               sequence_chunks(parallel), segments)
         ready_runtime(runtime, model, workload, run.alpha, 2**40, group)
@@ -65,6 +71,8 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
         loss.backward()
         if isinstance(runtime, SwapRuntime):
             runtime.streams.synchronize()
+        elif isinstance(runtime, TiledLayers) and runtime.swap is not None:
+            runtime.swap.streams.synchronize()
         losses.append(loss.item())
         step_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         if whole_sequence_grads and parallel.sequence_parallel:

@@ -136,12 +136,11 @@ def resolve(cfg, gpu_visible: bool) -> Run:
         loss_tile_tokens=cfg.train.loss_tile_tokens,
         tile_tokens=tile_tokens(method),
     )
-    swaps = workload.swaps
     return Run(
         mode=cfg.mode,
         workload=workload,
         device_type=device_type,
-        alpha=(method.alpha if method.alpha is not None else parse_alpha(cfg.alpha)) if swaps else None,
+        alpha=(method.alpha if method.alpha is not None else parse_alpha(cfg.alpha)) if method.swaps else None,
         plan=cfg.plan,
         hardware=OmegaConf.to_object(cfg.hardware),
         cluster=OmegaConf.to_object(cfg.cluster),

@@ -285,9 +285,9 @@ def _check_tiles(cfg, m, seq: Optional[int]) -> None:
         what = "plan=true" if cfg.plan and cfg.mode == "train" else f"mode={cfg.mode}"
         raise ConfigError(f"{what} does not model layers walked in tiles yet; use "
                           f"method.tile_tokens={WHOLE_LAYERS}")
-    if parse_alpha(cfg.alpha) is not None:
-        raise ConfigError(f"alpha={cfg.alpha}: layers walked in tiles keep what they save on the device "
-                          f"(nothing is swapped yet); drop alpha {keep}")
+    if parse_alpha(cfg.alpha) is not None and p.cp > 1:
+        raise ConfigError(f"alpha={cfg.alpha}: layers walked in tiles under context parallelism keep what "
+                          f"they save on the device (nothing is swapped yet); drop alpha {keep}")
     if p.cp > 1 and p.sequence_parallel:
         raise ConfigError(f"method.tile_tokens={m.tile_tokens} runs context parallelism without sequence "
                           f"parallelism so far; set parallel.sequence_parallel=false {keep}")

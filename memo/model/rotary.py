@@ -34,7 +34,14 @@ class RotaryTable:
         self._tables: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin`` of ``freqs`` in ``dtype``, made now if not yet."""
+        """``cos`` and ``sin`` of ``freqs`` in ``dtype``, made now if not yet. Angles that are a
+        contiguous run of a larger angle tensor (a sequence tile's rows) get that run of its
+        table: a tile's graph, kept until its backward, then holds views of one table, not a
+        table of its own."""
+        span = _span_of_base(freqs)
+        if span is not None:
+            cos, sin = self(freqs._base, dtype)
+            return tuple(t.reshape(-1)[span].view(freqs.shape) for t in (cos, sin))
         self.fill(freqs, dtype)
         return self._tables[(id(freqs), dtype)]
 
@@ -44,6 +51,18 @@ class RotaryTable:
         if key not in self._tables:
             self._tables[key] = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
             weakref.finalize(freqs, self._tables.pop, key, None)
+
+
+def _span_of_base(freqs: torch.Tensor) -> Optional[slice]:
+    """The elements of its (contiguous) base tensor that contiguous ``freqs`` is, when it is a part
+    of it; else ``None``."""
+    base = freqs._base
+    if base is None or not (base.is_contiguous() and freqs.is_contiguous()):
+        return None
+    start = freqs.storage_offset() - base.storage_offset()
+    if freqs.numel() == base.numel():
+        return None  # all of it: its own table
+    return slice(start, start + freqs.numel())
 
 
 class _Rotate(torch.autograd.Function):

@@ -39,7 +39,7 @@ from memo.model.context_parallel import sequence_layout
 from memo.model.deepspeed_attention import require_deepspeed
 from memo.modes.frame import Job, job_frame
 from memo.results import ResultWriter, finite
-from memo.swap import SwapReport, SwapRuntime, host_budget, prepare_swap
+from memo.swap import SwapReport, SwapRuntime, TileReport, TiledLayers, host_budget, prepare_swap
 
 log = logging.getLogger("memo")
 
@@ -48,6 +48,7 @@ METRIC_FIELDS = (
     "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "steps_timed",
     "iter_time_s", "iter_time_s_median", "tgs", "mfu", "loss_first", "loss_last",
     *(f"swap.{f.name}" for f in dataclasses.fields(SwapReport)),
+    *(f"tiles.{name}" for name in TileReport.row_fields()),
     *ALLOCATOR_FIELDS, "plan.serving", *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
 )
 
@@ -73,7 +74,7 @@ def _swap_accounting(runtime: SwapRuntime, step: int, writer: ResultWriter) -> d
         for r in layers
     ])
     return {
-        # The last two layers keep theirs inside the buffers: nothing is held beside them.
+        # The last R units keep theirs inside the buffers: nothing is held beside them.
         "skeletal_device_bytes": runtime.rounding_buffer_bytes,
         "skeletal_host_bytes": sum(r["host"] for r in layers),
         "recomputed_bytes": sum(r["recomputed"] for r in layers),
@@ -165,9 +166,15 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             else torch.device("cpu")
         tp_group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
         # (only swapping fills the host: what may be pinned is not even looked at otherwise)
-        budget = host_budget(hw, device) if workload.swaps else 0
+        budget = host_budget(hw, device) if workload.method.swaps else 0
         placement, report = prepare_swap(built.module, workload, device, budget, run.alpha, group=tp_group)
-        if report is not None:
+        if isinstance(report, TileReport):
+            row.update({f"tiles.{k}": finite(v) for k, v in report.row().items()})
+            writer.append_layers([{"step": 0, **record} for record in report.tile_records()])
+            log.info("tiles of %d tokens swapped: alpha %.3f to %.3f over %d tiles, a checkpoint layer every "
+                     "%d, host %.2f GiB", report.tile_tokens, min(report.alphas), max(report.alphas),
+                     report.tiles, report.checkpoint_every, report.host_bytes / 2**30)
+        elif report is not None:
             row.update({f"swap.{k}": finite(v) for k, v in dataclasses.asdict(report).items()})
             log.info(
                 "swapping: alpha %.4f (%s), %d of %d tokens per chunk, T_layer %.4f s, "
@@ -210,6 +217,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             record.update(memory.read())
             if isinstance(placement, SwapRuntime):
                 record.update(_swap_accounting(placement, record["step"], writer))
+            elif isinstance(placement, TiledLayers) and placement.swap is not None:
+                record.update(_swap_accounting(placement.swap, record["step"], writer))
             records.append(record)
             writer.append_step(record)
             job.stop_if_signalled()  # a stop signal whose interrupt a finalizer swallowed

@@ -145,7 +145,8 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, seq)
 
         # a trace follows no swapping (refused above): a walk in tiles, or the layers as built
-        walk, _ = prepare_swap(gpt, workload, torch.device(device), host_budget=0)
+        # (a walk that swaps puts its host memory outside the trace, which follows the device)
+        walk, _ = prepare_swap(gpt, workload, torch.device(device), host_budget=2**60)
 
         def run(marker: PhaseMarker) -> None:
             if walk is not None:

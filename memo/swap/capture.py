@@ -18,8 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
-from memo.swap.layout import (ALIAS, ATTENTION, INPUT, TOKENS, Slot, canonical, covers_exactly,
-                              same_layout, standalone)
+from memo.swap.layout import (ALIAS, ATTENTION, EXTERNAL, INPUT, TOKENS, Slot, address, canonical,
+                              covers_exactly, same_layout, standalone)
 
 _SMALL = 4096  # elements; attention's scalars (RNG seeds) stay where they are
 
@@ -64,7 +64,7 @@ class Capture:
 
     def is_parameter(self, t: torch.Tensor) -> bool:
         """Weights are saved by reference and left where they are, never swapped."""
-        return isinstance(t, torch.nn.Parameter) or t.data_ptr() in self.params
+        return isinstance(t, torch.nn.Parameter) or address(t) in self.params
 
 
 class _Saving(Capture):
@@ -86,7 +86,7 @@ class _Saving(Capture):
         S, chunks = self.tokens, self.runtime.sequence_chunks
         if self.qkv is not None:
             for role, x in zip(("q", "k", "v"), self.qkv, strict=True):
-                if t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.stride() == x.stride():
+                if address(t) == address(x) and t.shape == x.shape and t.stride() == x.stride():
                     return Slot(TOKENS, tuple(canonical(t, 2).shape), t.dtype, 2, chunks, role)
             # the memory-efficient kernel pads its log-sum-exp to a multiple of 32 tokens
             if t.dim() >= 3 and t.shape[2] in (S * chunks, -(-S * chunks // 32) * 32):
@@ -95,7 +95,7 @@ class _Saving(Capture):
                 return None
             raise RuntimeError(f"memo cannot place a tensor of shape {tuple(t.shape)} saved by attention")
         x = self.input
-        if t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.stride() == x.stride():
+        if address(t) == address(x) and t.shape == x.shape and t.stride() == x.stride():
             return Slot(INPUT, tuple(t.shape), t.dtype, 0, 1)
         for j, source in self.sources.items():
             if covers_exactly(t, source):
@@ -124,7 +124,7 @@ class _Saving(Capture):
         finally:
             self.qkv = None
         for j, product in self.products.items():
-            if product.data_ptr() == out.data_ptr():
+            if address(product) == address(out):
                 return out, j
         raise RuntimeError("memo could not find attention's output among its saved tensors")
 
@@ -163,7 +163,7 @@ class Discover(_Saving):
     def _request_of(self, t: torch.Tensor) -> Optional[int]:
         """The request for output memory (new, contiguous) that ``t``, token-major, is exactly."""
         for request, memory in enumerate(self.requested):
-            if t.data_ptr() == memory.data_ptr() and t.shape == memory.shape and t.dtype == memory.dtype \
+            if address(t) == address(memory) and t.shape == memory.shape and t.dtype == memory.dtype \
                     and t.is_contiguous():
                 return request
         return None
@@ -188,7 +188,7 @@ class Forward(_Saving):
                 f"layer {self.state.index} asked for {tuple(shape)} {dtype} as its output #{request}, "
                 f"its layout has {slot.shape} {slot.dtype}: memo needs every layer to save the same tensors"
             )
-        return standalone(runtime.slot_tensor(self.state.index % 2, j))
+        return standalone(runtime.slot_tensor(runtime.buffer_of(self.state), j))
 
     def pack(self, t: torch.Tensor):
         runtime = self.runtime
@@ -198,7 +198,8 @@ class Forward(_Saving):
         j = self.cursor
         layout = runtime.layout
         expected = layout.slots[j] if j < len(layout.slots) else None
-        if expected is None or (slot.kind, slot.shape, slot.dtype, slot.alias_of) != (
+        kind = EXTERNAL if slot.kind == INPUT and expected is not None and expected.kind == EXTERNAL else slot.kind
+        if expected is None or (kind, slot.shape, slot.dtype, slot.alias_of) != (
             expected.kind, expected.shape, expected.dtype, expected.alias_of
         ):
             raise RuntimeError(
@@ -207,15 +208,15 @@ class Forward(_Saving):
             )
         self.cursor += 1
         self.remember_product(j, slot, t)
-        if slot.kind == ALIAS:
+        if slot.kind == ALIAS or expected.kind == EXTERNAL:
             return (self.state, j)
-        b, source = self.state.index % 2, canonical(t, expected.token_dim)
-        target = runtime.slot_tensor(b, j)  # the last two layers keep every token
-        if source.data_ptr() == target.data_ptr():
+        b, source = runtime.buffer_of(self.state), canonical(t, expected.token_dim)
+        target = runtime.slot_tensor(b, j)  # the last R units keep every token
+        if address(source) == address(target):
             return (self.state, j)  # made in place (memo.model.placement)
         if not runtime.resident(self.state.index) and expected.kind == TOKENS:
-            source = runtime.split(source, expected)[0]
-            target = runtime.swapped_part(b, j)
+            source = runtime.split(source, expected, self.state.keep)[0]
+            target = runtime.swapped_part(self.state, j)
         runtime.streams.copy(runtime.streams.compute, target, source)
         return (self.state, j)
 
@@ -229,7 +230,7 @@ class Forward(_Saving):
             raise RuntimeError("attention's output moved between layers")
         # The kernel wrote its own memory, which the buffer now copies: the layer goes on from
         # the copy, so the kernel's output is freed here rather than when the layer ends.
-        slot_tensor = self.runtime.slot_tensor(self.state.index % 2, j)
+        slot_tensor = self.runtime.slot_tensor(self.runtime.buffer_of(self.state), j)
         kept = slot_tensor.movedim(0, slot.token_dim)  # as the kernel saved it
         if not same_layout(kept, out.stride()):  # a dimension of one element has any stride
             return out
@@ -256,7 +257,7 @@ class Replay(Capture):
             raise RuntimeError(f"recomputing layer {self.state.index} saved more tensors than its forward")
         j = self.outer[self.cursor]
         self.cursor += 1
-        self.runtime.fill(self.state.index, j, t)
+        self.runtime.fill(self.state, j, t)
         return None
 
     def unpacker(self) -> Callable:
@@ -267,9 +268,10 @@ class Replay(Capture):
         for role, x in zip(("q", "k", "v"), (q, k, v), strict=True):
             j = runtime.roles.get(role)
             if j is not None:  # else the kernel saved its own copy, swapped whole
-                runtime.fill(self.state.index, j, x)
+                runtime.fill(self.state, j, x)
         out = runtime.roles["out"]
-        _, dropped = runtime.split(runtime.slot_tensor(self.state.index % 2, out), runtime.layout.slots[out])
+        _, dropped = runtime.split(runtime.slot_tensor(runtime.buffer_of(self.state), out), runtime.layout.slots[out],
+                                   self.state.keep)
         return dropped.flatten(0, 1).movedim(0, 2)
 
     def last_saved(self, x: torch.Tensor) -> bool:
@@ -281,7 +283,7 @@ class Replay(Capture):
         slot = self.runtime.layout.slots[j]
         if slot.kind != TOKENS or tuple(x.shape[1:]) != slot.shape[1:] or x.dtype != slot.dtype:
             return False  # not FC2's input after all: let the layer run on
-        self.runtime.fill(self.state.index, j, x)
+        self.runtime.fill(self.state, j, x)
         self.cursor += 1
         return True
 

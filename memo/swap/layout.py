@@ -13,6 +13,10 @@ from typing import Optional
 import torch
 
 INPUT, ATTENTION, TOKENS, ALIAS = "input", "attention", "tokens", "alias"
+# the layer input where the caller keeps it (a walk in tiles keeps the whole layer's input once,
+# not per tile): in neither a rounding buffer nor a host region, given back by the caller
+EXTERNAL = "external"
+BYTELESS = (ALIAS, EXTERNAL)  # slots that hold no bytes of their own
 ALIGN = 256  # bytes; each rounding-buffer slot starts at a multiple, as allocator blocks do
 
 
@@ -23,7 +27,7 @@ class Slot:
     ``shape`` is token-major: the saved tensor with its token dimension moved to the front.
     """
 
-    kind: str  # INPUT, ATTENTION, TOKENS or ALIAS
+    kind: str  # INPUT, ATTENTION, TOKENS, ALIAS or EXTERNAL
     shape: tuple[int, ...]
     dtype: torch.dtype
     token_dim: int  # where tokens sit in the tensor as saved
@@ -35,7 +39,6 @@ class Slot:
     saved_stride: Optional[tuple[int, ...]] = None  # strides of the tensor as saved
     born: Optional[int] = None  # the layer's request for output memory whose tensor this is
     offset: int = 0  # bytes into a rounding buffer
-    host_offset: int = 0  # bytes into a layer's host region
 
     @property
     def nbytes(self) -> int:
@@ -43,7 +46,7 @@ class Slot:
 
     def rows_swapped(self, k: int, tokens: int) -> int:
         """Rows of each run of ``tokens`` that go to the host: all unless the slot is TOKENS."""
-        if self.kind == ALIAS:
+        if self.kind in BYTELESS:
             return 0
         return k if self.kind == TOKENS else tokens
 
@@ -67,7 +70,7 @@ class LayerLayout:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of one rounding buffer: every slot whole."""
-        return max((s.offset + s.nbytes for s in self.slots), default=0)
+        return max((s.offset + s.nbytes for s in self.slots if s.kind not in BYTELESS), default=0)
 
     def host_bytes(self, k: int) -> int:
         """Bytes one layer sends to the host keeping ``k`` tokens per segment of every chunk."""
@@ -76,26 +79,36 @@ class LayerLayout:
     @property
     def bytes_kept(self) -> int:
         """Bytes of every slot whole (aliases view another slot): one layer's skeletal tensors."""
-        return sum(s.nbytes for s in self.slots if s.kind != ALIAS)
+        return sum(s.nbytes for s in self.slots if s.kind not in BYTELESS)
 
     def bytes_of(self, kind: str) -> int:
         return sum(s.nbytes for s in self.slots if s.kind == kind)
 
     def place(self) -> None:
-        """Give every slot but aliases its own aligned range of a rounding buffer."""
+        """Give every slot that holds bytes its own aligned range of a rounding buffer."""
         offset = 0
         for slot in self.slots:
-            if slot.kind != ALIAS:
+            if slot.kind not in BYTELESS:
                 slot.offset = offset
                 offset += -(-slot.nbytes // ALIGN) * ALIGN
 
-    def place_host(self, k: int) -> None:
-        """Pack the swapped parts of the slots back to back, widest element type first so every
-        part stays aligned without padding: a host region is exactly ``host_bytes(k)``."""
+    def host_offset(self, slot: Slot, k: int) -> int:
+        """Bytes into a host region of ``k`` tokens per segment where ``slot``'s swapped part
+        begins: the parts back to back, widest element type first, so every part stays aligned
+        without padding and a region is exactly ``host_bytes(k)``."""
         offset = 0
-        for slot in sorted((s for s in self.slots if s.kind != ALIAS), key=lambda s: -s.dtype.itemsize):
-            slot.host_offset = offset
-            offset += slot.swapped_bytes(k, self.segment_tokens)
+        for other in sorted((s for s in self.slots if s.kind not in BYTELESS), key=lambda s: -s.dtype.itemsize):
+            if other is slot:
+                return offset
+            offset += other.swapped_bytes(k, self.segment_tokens)
+        raise ValueError(f"a {slot.kind} slot has no part on the host")
+
+
+def address(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s first element lives: its storage and the byte offset into it. Unlike
+    ``data_ptr()`` it tells fake tensors' memory apart too (their data pointers are all 0), so
+    the swap runtime runs under a fake-tensor trace as it runs on real memory."""
+    return t.untyped_storage()._cdata, t.storage_offset() * t.element_size()
 
 
 def canonical(t: torch.Tensor, token_dim: int) -> torch.Tensor:
@@ -105,7 +118,7 @@ def canonical(t: torch.Tensor, token_dim: int) -> torch.Tensor:
 
 def covers_exactly(t: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether ``t`` views exactly the memory of contiguous ``base`` (a reshape of it)."""
-    if t.data_ptr() != base.data_ptr() or t.numel() != base.numel() or t.dtype != base.dtype:
+    if address(t) != address(base) or t.numel() != base.numel() or t.dtype != base.dtype:
         return False
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return last == t.numel() - 1

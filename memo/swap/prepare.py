@@ -16,11 +16,13 @@ processes solve α on their own: under context parallelism each rank swaps its o
 recomputes them without exchanging any, and its host budget is its share of its node's.
 """
 
+import dataclasses
+import functools
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -30,9 +32,10 @@ from memo.config import ParallelConfig, Workload
 from memo.hardware import Hardware
 from memo.model import torch_dtype
 from memo.swap.alpha import SkeletalBytes, check_host, choose_alpha, host_bound
-from memo.swap.layout import ATTENTION, INPUT, TOKENS
+from memo.swap.layout import ATTENTION, EXTERNAL, INPUT, TOKENS
 from memo.swap.runtime import SwapRuntime
 from memo.swap.streams import Streams, streams_for
+from memo.swap.tile_alpha import TileShape, solve_tiles
 from memo.swap.tiled_layer import TiledLayers
 
 
@@ -63,13 +66,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _layer_time(layer, kwargs: dict, device: torch.device, repeats: int = 2) -> float:
-    """Seconds of one forward of ``layer`` with autograd recording, best of ``repeats``."""
+def _layer_time(layer, kwargs: Optional[dict], device: torch.device, repeats: int = 2, run=None) -> float:
+    """Seconds of one forward of ``layer`` with autograd recording (or of ``run()``), best of
+    ``repeats``."""
     best = math.inf
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
-        layer.run(**kwargs)
+        if run is not None:
+            run()
+        else:
+            layer.run(**kwargs)
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return best
@@ -77,6 +84,7 @@ def _layer_time(layer, kwargs: dict, device: torch.device, repeats: int = 2) -> 
 
 def _bandwidth(runtime: SwapRuntime, device: torch.device, repeats: int = 3) -> float:
     """Bytes/s of a copy from a rounding buffer into the host slab on the D2H stream."""
+    runtime.ready_buffers()
     n = min(runtime.buffers[0].numel(), runtime.slab.numel())
     if n == 0:
         return math.inf
@@ -85,6 +93,7 @@ def _bandwidth(runtime: SwapRuntime, device: torch.device, repeats: int = 3) -> 
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
+        s.wait(s.d2h, s.record(s.compute))
         s.copy(s.d2h, dst, src)
         s.synchronize()
         best = min(best, time.perf_counter() - start)
@@ -142,14 +151,15 @@ def host_budget(hw: Hardware, device: torch.device) -> float:
 
 def prepare_swap(model, workload: Workload, device: torch.device, host_budget: float,
                  alpha: Optional[float] = None, streams: Optional[Streams] = None,
-                 group=None) -> tuple[Optional[LayerRuntime], Optional["SwapReport"]]:
+                 group=None) -> tuple[Optional[LayerRuntime], Union["SwapReport", "TileReport", None]]:
     """Give ``model``'s layers (``workload``'s Megatron ``GPTModel``) their placement and get it
     ready to train ``workload.micro_batch_size`` sequences of ``workload.seq`` tokens (all
     tensor-parallel ranks together) per micro-batch.
 
     Returns ``(None, None)`` for a method that leaves its layers to Megatron (or to our layer's
-    own recomputation), ``(TiledLayers, None)`` for layers walked in tiles, and a
-    :class:`SwapRuntime` with its :class:`SwapReport` for swapping. A training step's micro-batch
+    own recomputation), ``(TiledLayers, None)`` for layers walked in tiles that keep what they
+    save on the device, ``(TiledLayers, TileReport)`` for tiles that swap (memo), and a
+    :class:`SwapRuntime` with its :class:`SwapReport` for whole layers that swap. A training step's micro-batch
     goes through the placement's ``token_order``; ``release`` gives its memory back.
 
     Args:
@@ -164,16 +174,161 @@ def prepare_swap(model, workload: Workload, device: torch.device, host_budget: f
         HostMemoryError: if the swapped activations cannot fit in ``host_budget``.
     """
     layers = list(model.decoder.layers)
+    parallel = workload.parallel
     if workload.tiled:
+        if workload.method.swaps and parallel.cp == 1:
+            walk = swapping_walk(workload, len(layers), streams or streams_for(device), device)
+            return walk, ready_tiles(walk, model, workload, alpha, host_budget, group)
         walk = TiledLayers(workload.tile_tokens, keep_attention=workload.method.swaps,
-                           sequence_chunks=sequence_chunks(workload.parallel))
+                           sequence_chunks=sequence_chunks(parallel))
         walk.attach(layers)
         return walk, None
     if not workload.swaps:
         return None, None
-    parallel = workload.parallel
     runtime = SwapRuntime(len(layers), streams or streams_for(device), device, sequence_chunks(parallel), segments(parallel))
     return runtime, ready_runtime(runtime, model, workload, alpha, host_budget, group)
+
+
+def _layer_arguments(model, workload: Workload, runtime: SwapRuntime) -> dict:
+    """A layer's keyword arguments at the training shape, its input random (requiring grad), for
+    finding its layout and timing it."""
+    seq, device = workload.seq, runtime.device
+    tokens = seq // (workload.parallel.cp * runtime.sequence_chunks)
+    # A generator of its own: measuring must not move the RNG that training draws from.
+    generator = torch.Generator(device.type).manual_seed(0)
+    hidden = torch.randn(tokens, workload.micro_batch_size, model.config.hidden_size, dtype=torch_dtype(workload),
+                         device=device, generator=generator, requires_grad=True)
+    return {"hidden_states": hidden, "attention_mask": None, "rotary_pos_emb": model.rotary_pos_emb(seq)}
+
+
+def swapping_walk(workload: Workload, num_layers: int, streams: Streams, device: torch.device,
+                  buffers: int = 2) -> TiledLayers:
+    """A walk in tiles whose tiles are units of a swap runtime with ``buffers`` tile buffers
+    (:func:`ready_tiles` gets it ready)."""
+    chunks = sequence_chunks(workload.parallel)
+    tiles = workload.seq // (workload.parallel.cp * workload.tile_tokens)
+    runtime = SwapRuntime(num_layers * tiles, streams, device, chunks, buffers=buffers, units_per_layer=tiles)
+    return TiledLayers(workload.tile_tokens, keep_attention=False, sequence_chunks=chunks, swap=runtime)
+
+
+def tile_alphas(alpha: Union[None, float, Sequence[float]], tiles: int) -> list[float]:
+    """α of each of ``tiles`` tiles: one for all, or one per tile."""
+    if alpha is None:
+        return [0.0] * tiles
+    alphas = [float(alpha)] * tiles if isinstance(alpha, (int, float)) else [float(a) for a in alpha]
+    if len(alphas) != tiles:
+        raise ValueError(f"{len(alphas)} values of alpha for {tiles} tiles")
+    for a in alphas:
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"alpha={a} is outside [0, 1]")
+    return alphas
+
+
+@dataclass(frozen=True)
+class TileReport:
+    """What a walk in tiles that swaps decided and measured: :meth:`row` goes into the result row
+    (``tiles.*``), :meth:`tile_records` into ``layers.jsonl``."""
+
+    tiles: int  # T: tiles of a layer on this device
+    tile_tokens: int  # c, gathered over sequence parallelism
+    buffers: int  # R
+    checkpoint_every: int  # k
+    alphas: tuple[float, ...]  # α of each tile actually used: keep_tokens / tokens of a tile
+    keep_tokens: tuple[int, ...]
+    binding: tuple[str, ...]  # per tile: "bandwidth", "host", "none" (α = 1) or "fixed"
+    alpha_bandwidth: tuple[float, ...]  # per tile: the bandwidth constraint's bound alone
+    tile_time_s: tuple[float, ...]  # T_f(t): forward seconds of each tile (first and last measured)
+    host_bandwidth_bytes_per_s: float
+    host_budget_bytes: int
+    host_bytes: int  # the slab of every tile's swapped part and the checkpoint layers' inputs
+    tile_buffer_bytes: int  # all R
+    skeletal_input_bytes: int  # of one tile
+    skeletal_attention_bytes: int
+    skeletal_other_bytes: int
+
+    @classmethod
+    def row_fields(cls) -> list[str]:
+        """The keys of :meth:`row`."""
+        scalars = [f.name for f in dataclasses.fields(cls) if not str(f.type).startswith("tuple")]
+        return [*scalars, "alpha_min", "alpha_mean", "alpha_max", "first_tile_time_s", "last_tile_time_s"]
+
+    def row(self) -> dict:
+        """The scalar figures, α summarised (each tile's is in ``layers.jsonl``)."""
+        scalars = {k: v for k, v in dataclasses.asdict(self).items() if not isinstance(v, tuple)}
+        return {**scalars, "alpha_min": min(self.alphas), "alpha_mean": sum(self.alphas) / self.tiles,
+                "alpha_max": max(self.alphas), "first_tile_time_s": self.tile_time_s[0],
+                "last_tile_time_s": self.tile_time_s[-1]}
+
+    def tile_records(self) -> list[dict]:
+        """One record per tile: its α, tokens kept, what bound it, its bandwidth bound and time."""
+        return [{"tile": t, "alpha": a, "keep_tokens": k, "binding": b, "alpha_bandwidth": bw, "tile_time_s": s}
+                for t, (a, k, b, bw, s) in enumerate(zip(self.alphas, self.keep_tokens, self.binding,
+                                                         self.alpha_bandwidth, self.tile_time_s, strict=True))]
+
+
+def _tile_times(walk: TiledLayers, layer, kwargs: dict, tiles: int) -> list[float]:
+    """T_f(t) of every tile: the first and the last timed (a forward with autograd recording,
+    as training runs it), the others on the line between (attention grows linearly with t)."""
+    device = walk.swap.device
+    first, last = (_layer_time(None, None, device, run=functools.partial(walk.time_tile, layer, kwargs, t))
+                   for t in (0, tiles - 1))
+    if tiles == 1:
+        return [first]
+    return [first + (last - first) * t / (tiles - 1) for t in range(tiles)]
+
+
+def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None, float, Sequence[float]],
+                host_budget: float, group=None, checkpoint_every: Optional[int] = None) -> TileReport:
+    """Attach ``walk`` (made by :func:`swapping_walk`) to ``model``'s layers, find a tile's layout,
+    solve α per tile and k (:mod:`memo.swap.tile_alpha`; ``alpha`` fixes α, one for all tiles or
+    one per tile; ``checkpoint_every`` fixes k) and allocate the host slab of every tile's swapped
+    part and the host memory of the checkpoint layers' inputs; the device's stores and tile buffers follow in the first step.
+    The tensor-parallel ranks of ``group`` keep the smallest ``k`` of each tile and the largest
+    checkpoint interval, so that their recomputations' collectives match.
+
+    Raises:
+        HostMemoryError: if even α = 0 fits the host with no checkpoint interval.
+    """
+    runtime = walk.swap
+    device = runtime.device
+    layers = list(model.decoder.layers)
+    walk.attach(layers)
+    kwargs = _layer_arguments(model, workload, runtime)
+    hidden = kwargs["hidden_states"]
+    layout = walk.discover(layers[0], kwargs)
+    tiles, segment = runtime.units_per_layer, layout.segment_tokens
+    tile_input = next(s.nbytes for s in layout.slots if s.kind == EXTERNAL)
+    sizes = SkeletalBytes(tile_input, layout.bytes_of(ATTENTION), layout.bytes_of(TOKENS))
+    shape = TileShape(sizes, len(layers), tiles, runtime.buffer_count)
+    times = _tile_times(walk, layers[0], kwargs, tiles)
+    fixed = None if alpha is None else tile_alphas(alpha, tiles)
+    pin = device.type == "cuda"
+
+    def allocate(solution) -> tuple[list[int], int]:
+        keeps = [_min_over(math.floor(a * segment + 1e-9), device, group) for a in solution.alphas]
+        k = -_min_over(-solution.checkpoint_every, device, group)
+        if keeps * len(layers) != list(runtime.keeps):
+            runtime.allocate(layout, keeps * len(layers), pin)
+        return keeps, k
+
+    # the largest α the host allows first (bandwidth unbounded), to measure B into that slab
+    keeps, _ = allocate(solve_tiles(shape, [math.inf] * tiles, math.inf, host_budget, fixed, checkpoint_every))
+    bandwidth = _bandwidth(runtime, device) if runtime.swapped_units else math.inf
+    solution = solve_tiles(shape, times, bandwidth, host_budget, fixed, checkpoint_every)
+    keeps, k = allocate(solution)
+    walk.checkpoint_every = k
+    walk.allocate_inputs(len(layers), hidden.detach(), pin)
+    walk.stores = None  # the device's memory is requested in the first step, as a trace sees it
+    runtime.buffers = []
+    inputs = walk.inputs.host
+    return TileReport(
+        tiles=tiles, tile_tokens=workload.tile_tokens, buffers=runtime.buffer_count, checkpoint_every=k,
+        alphas=tuple(kt / segment for kt in keeps), keep_tokens=tuple(keeps), binding=solution.binding,
+        alpha_bandwidth=solution.alpha_bandwidth, tile_time_s=tuple(times),
+        host_bandwidth_bytes_per_s=bandwidth, host_budget_bytes=int(host_budget),
+        host_bytes=runtime.slab.numel() + inputs.numel() * inputs.element_size(),
+        tile_buffer_bytes=runtime.rounding_buffer_bytes, skeletal_input_bytes=sizes.input,
+        skeletal_attention_bytes=sizes.attention, skeletal_other_bytes=sizes.other)
 
 
 def ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float],
@@ -184,17 +339,10 @@ def ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Option
     device = runtime.device
     layers = list(model.decoder.layers)
     runtime.attach(layers)
-    config = model.config
-    seq = workload.seq
-    tokens = seq // (workload.parallel.cp * runtime.sequence_chunks)
-    # A generator of its own: measuring must not move the RNG that training draws from.
-    generator = torch.Generator(device.type).manual_seed(0)
-    hidden = torch.randn(tokens, workload.micro_batch_size, config.hidden_size, dtype=torch_dtype(workload),
-                         device=device, generator=generator, requires_grad=True)
-    kwargs = {"hidden_states": hidden, "attention_mask": None, "rotary_pos_emb": model.rotary_pos_emb(seq)}
+    kwargs = _layer_arguments(model, workload, runtime)
     layout = runtime.discover(layers[0], kwargs)
     layer_time = _layer_time(layers[0], kwargs, device)
-    del hidden, kwargs
+    del kwargs
     sizes = SkeletalBytes(layout.bytes_of(INPUT), layout.bytes_of(ATTENTION), layout.bytes_of(TOKENS))
     n = len(layers)
     by_host = host_bound(sizes, n, host_budget)
@@ -216,7 +364,7 @@ def ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Option
         alpha_bandwidth=solution.alpha_bandwidth,
         alpha_host=solution.alpha_host,
         keep_tokens=keep,
-        tokens=tokens,
+        tokens=layout.tokens,
         segment_tokens=segment,
         swapped_layers=runtime.swapped_layers,
         layer_time_s=layer_time,

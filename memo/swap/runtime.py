@@ -23,6 +23,13 @@ Every other layer:
 The layer's layout in the buffer (:mod:`memo.swap.layout`) is found once, before training; what
 happens while a layer runs is the capture of its pass (:mod:`memo.swap.capture`).
 
+The same rules hold for *units* smaller than a layer: a walk in sequence tiles
+(:mod:`memo.swap.tiled_layer`) makes each tile of each layer a unit, ``u = i·T + t``, with ``R``
+rounding buffers (unit ``u`` in buffer ``u mod R``, the last ``R`` units resident, unit ``u − R + 1``
+prefetched as unit ``u``'s backward begins) and its own ``k`` per tile; the tile's input is then
+the walk's (:data:`memo.swap.layout.EXTERNAL`), not the buffer's. Whole layers are the case
+``R = 2`` with one unit per layer and one ``k``.
+
 Under sequence parallelism each rank holds ``S = s / tp`` tokens of the layer input, while the
 tensors between the gather and the reduce-scatter have all ``tp·S`` tokens, as ``tp`` chunks of
 ``S``; the first ``k`` tokens of every chunk are kept, each chunk's one contiguous block copied
@@ -37,26 +44,29 @@ whole), so no context-parallel exchange is replayed.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS, Placed
 from memo.swap.alpha import HostMemoryError
 from memo.swap.capture import Capture, Discover, Forward, Replay
-from memo.swap.layout import (ALIAS, INPUT, TOKENS, LayerLayout, Slot, empty_in_layout, same_layout,
-                              tail_rows)
+from memo.swap.layout import (ALIAS, BYTELESS, EXTERNAL, INPUT, TOKENS, LayerLayout, Slot, address, empty_in_layout,
+                              same_layout, tail_rows)
 from memo.swap.streams import Streams
 
 
 @dataclass
-class _LayerState:
-    """One layer's swap in one forward/backward pass."""
+class UnitState:
+    """One unit's swap (a layer, or a tile of one) in one forward/backward pass."""
 
-    index: int
+    index: int  # the unit: a layer, or i·T + t
+    layer: object  # the layer it runs
+    keep: int  # k: tokens of each segment of each chunk swapped; the others are recomputed
     kwargs: dict  # the forward's arguments but ``hidden_states``, for recomputation
-    offloaded: object = None  # event: D2H of this layer finished
-    prefetched: object = None  # event: H2D of this layer finished
+    # an EXTERNAL input: the unit's input rows, where its caller keeps them for the backward pass
+    external_input: Optional[Callable[[], torch.Tensor]] = None
+    prefetched: object = None  # event: H2D of this unit finished
     ready: bool = False  # prefetched and recomputed: its backward may read the buffer
 
 
@@ -83,25 +93,31 @@ class SwapRuntime:
     :class:`memo.model.placement.Placement` of every module of its layers.
 
     Args:
-        num_layers: transformer layers of the model (n); the last two never swap.
+        num_units: what swaps: the model's transformer layers (n), or its layers' tiles (n·T).
         streams: compute, D2H and H2D streams (:mod:`memo.swap.streams`).
         device: where the rounding buffers live.
         sequence_chunks: tp under sequence parallelism, else 1.
         segments: segments of a chunk that each keep their first ``k`` tokens: 2 when the layer
             input holds both of a context-parallel rank's chunks, else 1.
+        buffers: ``R``, rounding buffers; the last ``R`` units never swap.
+        units_per_layer: ``T``, units of one layer (its accounting rows are per layer).
     """
 
-    def __init__(self, num_layers: int, streams: Streams, device: torch.device, sequence_chunks: int = 1,
-                 segments: int = 1):
-        self.num_layers = num_layers
-        self.swapped_layers = max(num_layers - 2, 0)
+    def __init__(self, num_units: int, streams: Streams, device: torch.device, sequence_chunks: int = 1,
+                 segments: int = 1, buffers: int = 2, units_per_layer: int = 1):
+        if buffers < 1:
+            raise ValueError(f"buffers={buffers}: at least one rounding buffer is needed")
+        self.num_units = num_units
+        self.buffer_count = buffers
+        self.swapped_units = max(num_units - buffers, 0)
+        self.units_per_layer = units_per_layer
         self.streams = streams
         self.device = device
         self.sequence_chunks = sequence_chunks
         self.segments = segments
         self.layout: Optional[LayerLayout] = None
-        self.keep_tokens: Optional[int] = None  # k
-        self._region_bytes = 0  # one layer's share of the slab
+        self.keeps: tuple[int, ...] = ()  # k of every unit
+        self._region_starts: list[int] = []  # where each swapped unit's region of the slab begins
         self.roles: dict[str, int] = {}  # attention's "q", "k", "v", "out" -> slot
         self.born: dict[int, int] = {}  # request for output memory -> the slot it is made in
         self.buffers: list[torch.Tensor] = []
@@ -109,18 +125,30 @@ class SwapRuntime:
         self._pinned = False  # the slab is registered with CUDA (cudaHostRegister)
         self.layers: list = []
         self._index: dict[int, int] = {}  # id(layer) -> its place in the model
-        self._states: dict[int, _LayerState] = {}
-        self._buffer_owner: list[Optional[_LayerState]] = [None, None]
-        self._buffer_free: list[object] = [None, None]
+        self._states: dict[int, UnitState] = {}
+        self._buffer_owner: list[Optional[UnitState]] = [None] * buffers
+        self._buffer_free: list[object] = [None] * buffers
         self._capture: Optional[Capture] = None
         self._accounting: dict[int, dict[str, int]] = {}
+
+    @property
+    def swapped_layers(self) -> int:
+        """Layers that swap, when the units are whole layers."""
+        return self.swapped_units
+
+    @property
+    def keep_tokens(self) -> int:
+        """The one ``k`` of every unit (whole layers swap the same share)."""
+        if len(set(self.keeps)) != 1:
+            raise RuntimeError(f"the units keep different numbers of tokens: {sorted(set(self.keeps))}")
+        return self.keeps[0]
 
     # ----------------------------------------------------------------- set-up
 
     def attach(self, layers: list) -> None:
         """Let ``layers`` (:class:`memo.model.layer.MemoTransformerLayer`, in order) swap here."""
-        if len(layers) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} layers, got {len(layers)}")
+        if len(layers) * self.units_per_layer != self.num_units:
+            raise ValueError(f"{len(layers)} layers of {self.units_per_layer} unit(s) each, for {self.num_units} units")
         self.layers = list(layers)
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         for layer in self.layers:
@@ -137,40 +165,51 @@ class SwapRuntime:
                 if isinstance(module, Placed):
                     module.place(None)
 
-    def discover(self, layer, kwargs: dict) -> LayerLayout:
+    def discover(self, layer, kwargs: dict, external_input: bool = False) -> LayerLayout:
         """Run ``layer`` forward once on ``kwargs`` and return the layout of what it saves.
 
         The input (``kwargs["hidden_states"]``) must require grad, as in training.
+        ``external_input``: the caller keeps the input (its slot is EXTERNAL).
         """
         hidden = kwargs["hidden_states"]
         capture = Discover(self, hidden.shape[0], hidden, self._params(layer))
         self._run_captured(layer, kwargs, capture)
         if capture.tokens % self.segments:
             raise ValueError(f"{capture.tokens} tokens cannot be cut into {self.segments} segments")
+        if external_input:
+            for slot in capture.slots:
+                if slot.kind == INPUT:
+                    slot.kind = EXTERNAL
         layout = LayerLayout(capture.slots, capture.tokens, self.segments)
         layout.place()
         return layout
 
-    def allocate(self, layout: LayerLayout, keep_tokens: int, pin: bool) -> None:
-        """Allocate the two rounding buffers and the host slab for ``keep_tokens`` tokens per segment.
+    def allocate(self, layout: LayerLayout, keep_tokens: Union[int, Sequence[int]], pin: bool) -> None:
+        """Allocate the host slab for ``keep_tokens`` tokens per segment (one ``k`` for every unit,
+        or each unit's); the rounding buffers follow on the device at the first forward pass
+        (:meth:`ready_buffers`), so that a trace of a step sees them requested.
 
         Args:
             pin: page-lock the slab (on a GPU); it is registered whole, at its exact size.
         """
-        if not 0 <= keep_tokens <= layout.segment_tokens:
-            raise ValueError(f"keep_tokens={keep_tokens} outside [0, {layout.segment_tokens}]")
+        keeps = (keep_tokens,) * self.num_units if isinstance(keep_tokens, int) else tuple(keep_tokens)
+        if len(keeps) != self.num_units:
+            raise ValueError(f"{len(keeps)} numbers of tokens to keep for {self.num_units} units")
+        for k in keeps:
+            if not 0 <= k <= layout.segment_tokens:
+                raise ValueError(f"keep_tokens={k} outside [0, {layout.segment_tokens}]")
         self.release()
-        self.layout, self.keep_tokens = layout, keep_tokens
-        self._region_bytes = layout.host_bytes(keep_tokens)
+        self.layout, self.keeps = layout, keeps
+        starts, total = [], 0
+        for u in range(self.swapped_units):
+            starts.append(total)
+            total += layout.host_bytes(keeps[u])
+        self._region_starts = starts
         self.roles = {slot.role: j for j, slot in enumerate(layout.slots) if slot.role}
         self.born = {slot.born: j for j, slot in enumerate(layout.slots) if slot.born is not None}
-        self.buffers = [
-            torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)
-        ]
-        layout.place_host(keep_tokens)
-        self.slab = torch.empty(self.swapped_layers * self._region_bytes, dtype=torch.uint8)
+        self.slab = torch.empty(total, dtype=torch.uint8)
         if pin and self.slab.numel():
-            _register(self.slab)
+            register(self.slab)
             self._pinned = True
 
     def release(self) -> None:
@@ -180,7 +219,7 @@ class SwapRuntime:
         if self.buffers:
             self.streams.synchronize()
         if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
+            unregister(self.slab)
             self._pinned = False
         self.buffers, self.slab = [], None
 
@@ -190,20 +229,27 @@ class SwapRuntime:
 
     # ------------------------------------------------------------- accounting
 
+    def ready_buffers(self) -> None:
+        """Allocate the rounding buffers on the device, unless they are (idempotent)."""
+        if not self.buffers:
+            self.buffers = [torch.empty(self.layout.buffer_bytes, dtype=torch.uint8, device=self.device)
+                            for _ in range(self.buffer_count)]
+
     @property
     def rounding_buffer_bytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+        """Bytes of the rounding buffers, allocated or still to be."""
+        return self.buffer_count * self.layout.buffer_bytes
 
     def take_accounting(self) -> list[dict]:
-        """Per-layer bytes since the last call: ``device`` (skeletal bytes the last two layers
+        """Per-layer bytes since the last call: ``device`` (skeletal bytes the last ``R`` units
         keep in their rounding buffer until their backward), ``host`` (sent to the host) and
-        ``recomputed``. The device holds no skeletal bytes outside the two buffers."""
+        ``recomputed``. The device holds no skeletal bytes outside the buffers."""
         rows = [{"layer": i, **v} for i, v in sorted(self._accounting.items())]
         self._accounting = {}
         return rows
 
-    def _account(self, index: int, key: str, nbytes: int) -> None:
-        entry = self._accounting.setdefault(index, {"device": 0, "host": 0, "recomputed": 0})
+    def _account(self, unit: int, key: str, nbytes: int) -> None:
+        entry = self._accounting.setdefault(unit // self.units_per_layer, {"device": 0, "host": 0, "recomputed": 0})
         entry[key] += nbytes
 
     # ------------------------------------------------- the Placement protocol
@@ -211,8 +257,13 @@ class SwapRuntime:
     def forward(self, layer, kwargs: dict):
         """Run ``layer``'s forward pass (keyword arguments as Megatron passes them) with swapping."""
         index = self._index[id(layer)]
-        output, context = self._buffered_forward(layer, index, kwargs)
+        output, context = self.forward_unit(index, layer, kwargs)
         return _BackwardStart.apply(output, self, index), context
+
+    @property
+    def capturing(self) -> bool:
+        """Whether a unit's pass runs under this runtime now (its forward, discovery or recomputation)."""
+        return self._capture is not None
 
     def output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Memory for a token-major tensor a layer's op is about to make (``shape``, ``dtype``):
@@ -238,27 +289,38 @@ class SwapRuntime:
     # ---------------------------------------------------------------- forward
 
     def resident(self, index: int) -> bool:
-        """Whether layer ``index`` is one of the last two: kept whole in its rounding buffer, never
+        """Whether unit ``index`` is one of the last ``R``: kept whole in its rounding buffer, never
         sent to the host, brought back or recomputed (its backward follows right after)."""
-        return index >= self.swapped_layers
+        return index >= self.swapped_units
 
-    def _buffered_forward(self, layer, index: int, kwargs: dict):
+    def buffer_of(self, state: UnitState) -> int:
+        """The rounding buffer unit ``state`` uses: ``u mod R``."""
+        return state.index % self.buffer_count
+
+    def forward_unit(self, index: int, layer, kwargs: dict,
+                     external_input: Optional[Callable[[], torch.Tensor]] = None):
+        """Run unit ``index``'s forward pass (``layer`` on Megatron's keyword arguments, the unit's
+        tokens) with its saved tensors in its rounding buffer, and send its swapped part to the
+        host. ``external_input``: where the caller keeps the input rows for the backward pass,
+        when the layout's input is EXTERNAL."""
         if self.layout is None:
             raise RuntimeError("SwapRuntime.allocate must run before training")
+        self.ready_buffers()
         hidden = kwargs["hidden_states"]
         for key in UNSUPPORTED_LAYER_ARGUMENTS:
             if kwargs.get(key) is not None:
                 raise ValueError(f"memo's swapping does not support the layer argument {key}")
-        state = _LayerState(index, {k: v for k, v in kwargs.items() if k != "hidden_states"})
-        b = index % 2
-        # The D2H copy of the buffer's previous layer must be done before it is overwritten.
+        state = UnitState(index, layer, self.keeps[index], {k: v for k, v in kwargs.items() if k != "hidden_states"},
+                          external_input)
+        b = self.buffer_of(state)
+        # The D2H copy of the buffer's previous unit must be done before it is overwritten.
         self.streams.wait(self.streams.compute, self._buffer_free[b])
         self._buffer_owner[b] = state
         capture = Forward(self, state, hidden.shape[0], hidden, self._params(layer))
         result = self._run_captured(layer, kwargs, capture)
         if capture.cursor != len(self.layout.slots):
             raise RuntimeError(
-                f"layer {index} saved {capture.cursor} tensors, its layout has {len(self.layout.slots)}"
+                f"unit {index} saved {capture.cursor} tensors, its layout has {len(self.layout.slots)}"
             )
         if self.resident(index):
             self._account(index, "device", self.layout.bytes_kept)
@@ -269,7 +331,7 @@ class SwapRuntime:
 
     @staticmethod
     def _params(layer) -> set:
-        return {p.data_ptr() for p in layer.parameters()}
+        return {address(p) for p in layer.parameters()}
 
     def _run_captured(self, layer, kwargs: dict, capture: Capture):
         # Autograd keeps both hooks with every tensor saved under them, until its backward: they
@@ -285,66 +347,76 @@ class SwapRuntime:
     def _pack(self, t: torch.Tensor):
         return self._capture.pack(t)
 
-    def _offload(self, state: _LayerState) -> None:
+    def _offload(self, state: UnitState) -> None:
         s = self.streams
-        b = state.index % 2
+        b = self.buffer_of(state)
         s.wait(s.d2h, s.record(s.compute))
         for j, slot in enumerate(self.layout.slots):
-            if slot.kind != ALIAS:
-                _copy_blocks(s, s.d2h, self._host_view(state.index, slot), self.swapped_part(b, j))
-        state.offloaded = self._buffer_free[b] = s.record(s.d2h)
-        self._account(state.index, "host", self._region_bytes)
+            if slot.kind not in BYTELESS:
+                _copy_blocks(s, s.d2h, self._host_view(state, slot), self.swapped_part(state, j))
+        self._buffer_free[b] = s.record(s.d2h)
+        self._account(state.index, "host", self.layout.host_bytes(state.keep))
 
     def saved(self, handle) -> torch.Tensor:
         """The tensor a forward's pack handle ``(state, slot)`` stands for, for the backward pass."""
         if isinstance(handle, torch.Tensor):
             return handle
         state, j = handle
-        if not state.ready or self._buffer_owner[state.index % 2] is not state:
+        if not state.ready or self._buffer_owner[self.buffer_of(state)] is not state:
             raise RuntimeError(
-                f"layer {state.index}'s activations were read before they were reloaded"
+                f"unit {state.index}'s activations were read before they were reloaded"
             )
-        return self._saved_tensor(state.index % 2, j)
+        if self.layout.slots[j].kind == EXTERNAL:
+            return state.external_input()
+        return self._saved_tensor(self.buffer_of(state), j)
 
     # ---------------------------------------------------------------- backward
 
     def backward_started(self, index: int) -> None:
-        """Called as layer ``index``'s backward pass begins (layer ``index + 1``'s is done)."""
+        """Called as unit ``index``'s backward pass begins (unit ``index + 1``'s is done, and its
+        buffer free: unit ``index − R + 1``'s prefetch goes into it)."""
         s = self.streams
         released = s.record(s.compute)
-        below = index - 1
-        if 0 <= below < self.swapped_layers:
-            self._prefetch(self._states[below], released)
+        ahead = index - (self.buffer_count - 1)
+        if 0 <= ahead < self.swapped_units and ahead != index:
+            self._prefetch(self._states[ahead], released)
         state = self._states.pop(index)
         if not self.resident(index):
             if state.prefetched is None:
                 self._prefetch(state, released)
             s.wait(s.compute, state.prefetched)
-            if self.keep_tokens < self.layout.segment_tokens:
+            if state.keep < self.layout.segment_tokens:
                 self._recompute(state)
         state.ready = True
 
-    def _prefetch(self, state: _LayerState, released: object) -> None:
+    def _prefetch(self, state: UnitState, released: object) -> None:
         s = self.streams
-        b = state.index % 2
-        s.wait(s.h2d, released)  # the buffer's previous layer finished its backward
-        s.wait(s.h2d, state.offloaded)  # and this layer's own D2H is complete
+        b = self.buffer_of(state)
+        # The buffer's previous unit finished its backward. This unit's own D2H needs no wait:
+        # unit u + R waited for it before writing the same buffer, and compute, which ``released``
+        # follows, waited for unit u + R (every swapped unit has one: the last R are resident).
+        s.wait(s.h2d, released)
         self._buffer_owner[b] = state
         for j, slot in enumerate(self.layout.slots):
-            if slot.kind != ALIAS:
-                _copy_blocks(s, s.h2d, self.swapped_part(b, j), self._host_view(state.index, slot))
+            if slot.kind not in BYTELESS:
+                _copy_blocks(s, s.h2d, self.swapped_part(state, j), self._host_view(state, slot))
         state.prefetched = s.record(s.h2d)
 
-    def _recompute(self, state: _LayerState) -> None:
-        layout, k = self.layout, self.keep_tokens
-        b = state.index % 2
-        inputs = [j for j, s in enumerate(layout.slots) if s.kind == INPUT]
-        hidden = tail_rows(self.slot_tensor(b, inputs[0]), self.segments, k).detach().requires_grad_(True)
+    def input_of(self, state: UnitState) -> torch.Tensor:
+        """Unit ``state``'s input, as its backward pass reads it: its buffer's or its caller's."""
+        j = next(j for j, slot in enumerate(self.layout.slots) if slot.kind in (INPUT, EXTERNAL))
+        if self.layout.slots[j].kind == EXTERNAL:
+            return state.external_input()
+        return self.slot_tensor(self.buffer_of(state), j)
+
+    def _recompute(self, state: UnitState) -> None:
+        layout, k = self.layout, state.keep
+        hidden = tail_rows(self.input_of(state), self.segments, k).detach().requires_grad_(True)
         kwargs = dict(state.kwargs, hidden_states=hidden)
         rope = kwargs.get("rotary_pos_emb")
         if rope is not None:
             kwargs["rotary_pos_emb"] = tail_rows(rope, self.sequence_chunks * self.segments, k)
-        layer = self.layers[state.index]
+        layer = state.layer
         outer = [j for j, s in enumerate(layout.slots) if s.role is None]
         capture = Replay(self, state, layout.tokens, hidden, self._params(layer), outer)
 
@@ -363,24 +435,24 @@ class SwapRuntime:
         finally:
             stop.remove()
         if capture.cursor != len(outer):
-            raise RuntimeError(f"recomputing layer {state.index} saved {capture.cursor} of {len(outer)} tensors")
+            raise RuntimeError(f"recomputing unit {state.index} saved {capture.cursor} of {len(outer)} tensors")
 
-    def fill(self, index: int, j: int, t: torch.Tensor) -> None:
-        """Write layer ``index``'s recomputed tokens ``t`` into the dropped rows of slot ``j``."""
+    def fill(self, state: UnitState, j: int, t: torch.Tensor) -> None:
+        """Write unit ``state``'s recomputed tokens ``t`` into the dropped rows of slot ``j``."""
         slot = self.layout.slots[j]
-        if slot.kind in (INPUT, ALIAS):
-            return  # kept whole on the host, nothing to recompute
+        if slot.kind in (INPUT, ALIAS, EXTERNAL):
+            return  # kept whole on the host or by the caller, nothing to recompute
         token_major = t.movedim(slot.token_dim, 0)
-        dropped = slot.chunks * self.segments * (self.layout.segment_tokens - self.keep_tokens)
+        dropped = slot.chunks * self.segments * (self.layout.segment_tokens - state.keep)
         rest = slot.shape[1:]
         if tuple(token_major.shape) != (dropped, *rest) or token_major.dtype != slot.dtype:
             raise RuntimeError(
-                f"recomputing layer {index} gave {tuple(token_major.shape)} for slot {j}, "
+                f"recomputing unit {state.index} gave {tuple(token_major.shape)} for slot {j}, "
                 f"expected {(dropped, *rest)}"
             )
-        _, tail = self.split(self.slot_tensor(index % 2, j), slot)
+        _, tail = self.split(self.slot_tensor(self.buffer_of(state), j), slot, state.keep)
         tail.copy_(token_major.reshape(tail.shape))
-        self._account(index, "recomputed", token_major.numel() * token_major.element_size())
+        self._account(state.index, "recomputed", token_major.numel() * token_major.element_size())
 
     # ---------------------------------------------------------------- views
 
@@ -408,21 +480,39 @@ class SwapRuntime:
             return view
         return empty_in_layout(view, slot.saved_stride).copy_(view)
 
-    def swapped_part(self, b: int, j: int) -> torch.Tensor:
-        """The rows of slot ``j`` in buffer ``b`` that the host keeps, ``[chunks·segments, k, ...]``
-        for TOKENS."""
-        slot, full = self.layout.slots[j], self.slot_tensor(b, j)
-        return self.split(full, slot)[0] if slot.kind == TOKENS else full
+    def swapped_part(self, state: UnitState, j: int) -> torch.Tensor:
+        """The rows of slot ``j`` in unit ``state``'s buffer that the host keeps,
+        ``[chunks·segments, k, ...]`` for TOKENS."""
+        slot, full = self.layout.slots[j], self.slot_tensor(self.buffer_of(state), j)
+        return self.split(full, slot, state.keep)[0] if slot.kind == TOKENS else full
 
-    def split(self, t: torch.Tensor, slot: Slot) -> tuple[torch.Tensor, torch.Tensor]:
+    def split(self, t: torch.Tensor, slot: Slot, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``k`` and the other rows of every segment of every chunk of token-major
         ``t``, as ``[chunks·segments, rows, ...]`` views."""
         runs = t.unflatten(0, (slot.chunks * self.segments, self.layout.segment_tokens))
-        return runs[:, : self.keep_tokens], runs[:, self.keep_tokens:]
+        return runs[:, :k], runs[:, k:]
 
-    def _host_view(self, index: int, slot: Slot) -> torch.Tensor:
-        tokens, k = self.layout.segment_tokens, self.keep_tokens
-        start = index * self._region_bytes + slot.host_offset
+    def empty_like_slot(self, role: str) -> torch.Tensor:
+        """New device memory shaped as the slot of attention's ``role`` ("out"), token-major."""
+        slot = self.layout.slots[self.roles[role]]
+        return torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
+
+    def kept_output(self, index: int, staging: torch.Tensor) -> torch.Tensor:
+        """Attention's output as unit ``index``'s forward kept it (token-major), for compute: its
+        buffer's for a resident unit, else its host copy brought into ``staging`` (after
+        compute's earlier reads of it)."""
+        j = self.roles["out"]
+        if self.resident(index):
+            return self.slot_tensor(index % self.buffer_count, j)
+        s = self.streams
+        s.wait(s.h2d, s.record(s.compute))
+        s.copy(s.h2d, staging, self._host_view(UnitState(index, None, self.keeps[index], {}), self.layout.slots[j]))
+        s.wait(s.compute, s.record(s.h2d))
+        return staging
+
+    def _host_view(self, state: UnitState, slot: Slot) -> torch.Tensor:
+        tokens, k = self.layout.segment_tokens, state.keep
+        start = self._region_starts[state.index] + self.layout.host_offset(slot, k)
         raw = self.slab[start: start + slot.swapped_bytes(k, tokens)]
         if slot.kind == TOKENS:
             return raw.view(slot.dtype).view(slot.chunks * self.segments, k, *slot.shape[1:])
@@ -442,7 +532,12 @@ def _copy_blocks(streams: Streams, stream, dst: torch.Tensor, src: torch.Tensor)
         streams.copy(stream, d, s)
 
 
-def _register(slab: torch.Tensor) -> None:
+def unregister(slab: torch.Tensor) -> None:
+    """Undo :func:`register`: the memory can then be registered again, or freed."""
+    torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+
+
+def register(slab: torch.Tensor) -> None:
     """Page-lock ``slab`` in place: one registration of the exact size, where the pinned
     allocator would round a request up to a power of two."""
     cudart = torch.cuda.cudart()

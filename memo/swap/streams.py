@@ -9,8 +9,9 @@ at construction, so a wait can never silently land on the wrong stream.
 * :class:`InlineStreams`: the host has one "stream"; every copy happens at once and events
   are already complete, so the same runtime code runs on the CPU.
 * :class:`DeferredStreams`: copies on the side streams run as late as the events allow, only
-  when someone waits for them. A missing wait then shows up as wrong data on the CPU, which is
-  how the tests check the runtime's ordering.
+  when someone waits for them, and must be ordered after the compute work before them. A
+  missing wait then shows up as wrong data or an :class:`OrderingError` on the CPU, which is how
+  the tests check the runtime's ordering.
 """
 
 from typing import Optional, Protocol
@@ -62,7 +63,7 @@ class CudaStreams:
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         # The tensors on both ends are the pre-allocated rounding buffers and pinned slab,
         # alive for the whole run, so no record_stream bookkeeping is needed.
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), torch.no_grad():  # a copy is never part of a graph
             dst.copy_(src, non_blocking=True)
 
     def synchronize(self) -> None:
@@ -82,18 +83,32 @@ class InlineStreams:
         return None
 
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+        with torch.no_grad():
+            dst.copy_(src)
 
     def synchronize(self) -> None:
         return None
 
 
+class OrderingError(RuntimeError):
+    """A copy on a side stream that nothing orders after the compute work it depends on."""
+
+
 class DeferredStreams:
-    """Side-stream copies postponed until an event covering them is waited on.
+    """Side-stream copies postponed until an event covering them is waited on, and checked to be
+    ordered after compute.
 
     Compute work runs immediately (it is the Python caller). A copy issued on the D2H or H2D
     stream is queued, and the queue runs up to an event only when a wait names that event, so
     any copy the runtime forgot to wait for reads or lands at the wrong moment.
+
+    On a GPU a side stream's copy may also run *before* compute work issued earlier on the
+    compute stream (reading a buffer not yet written, or overwriting one still being read),
+    unless the side stream waits for an event recorded on compute after that work. On the CPU
+    that work is already done, so no data can show the mistake; instead every side-stream copy
+    must be issued after its stream waited for the compute event recorded last, or
+    :class:`OrderingError` is raised. A wait on another side stream's event passes on what
+    that stream had waited for by then.
     """
 
     compute, d2h, h2d = "compute", "d2h", "h2d"
@@ -101,30 +116,45 @@ class DeferredStreams:
     def __init__(self):
         self._queues = {self.d2h: [], self.h2d: []}
         self._done = {self.d2h: 0, self.h2d: 0}
+        self._records = 0  # events recorded on compute so far
+        self._ordered = {self.d2h: 0, self.h2d: 0}  # the latest compute event each side stream waited for
         self.copies_run = 0
 
     def record(self, stream):
         if stream == self.compute:
-            return None  # compute work is already done when recorded
-        return (stream, self._done[stream] + len(self._queues[stream]))
+            self._records += 1
+            return (self.compute, self._records)
+        return (stream, self._done[stream] + len(self._queues[stream]), self._ordered[stream])
 
     def wait(self, stream, event) -> None:
-        # Waiting orders the waiter after the event; on the CPU that means running the
-        # event's queued copies now (compute is always done, so waiting on it is free).
-        if event is not None:
-            self._run(*event)
+        if event is None:
+            return
+        if event[0] == self.compute:
+            if stream != self.compute:
+                self._ordered[stream] = max(self._ordered[stream], event[1])
+            return
+        # Waiting orders the waiter after the event; on the CPU that means running the event's
+        # queued copies now.
+        self._run(*event[:2])
+        if stream != self.compute:
+            self._ordered[stream] = max(self._ordered[stream], event[2])
 
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         if stream == self.compute:
-            dst.copy_(src)
-        else:
-            self._queues[stream].append((dst, src))
+            with torch.no_grad():
+                dst.copy_(src)
+            return
+        if self._records == 0 or self._ordered[stream] < self._records:
+            raise OrderingError(f"a copy on the {stream} stream was issued without waiting for the compute "
+                                "work before it (an event recorded on compute after that work)")
+        self._queues[stream].append((dst, src))
 
     def _run(self, stream, upto: int) -> None:
         queue = self._queues[stream]
         while self._done[stream] < upto:
             dst, src = queue.pop(0)
-            dst.copy_(src)
+            with torch.no_grad():
+                dst.copy_(src)
             self._done[stream] += 1
             self.copies_run += 1
 

@@ -43,6 +43,7 @@ layer's backward; the gradient of a layer's input is a new ``s·h/tp`` tensor, t
 freed when the layer's backward returns. Nothing is swapped (α = 0).
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -53,11 +54,17 @@ from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
 from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS
 from memo.model.tiles import batch_in_tile_order
+from memo.swap.runtime import SwapRuntime, register, unregister
+from memo.swap.streams import Streams
 
 # the walk's modes, named as its phases are: a tile's forward, the keys and values made again
 # before the backward tiles, a tile's forward again with a graph for its backward, and (context
 # parallelism) a tile run again up to its keys and values, for their gradients
 FORWARD, REBUILD, BACKWARD, KEYS = "fwd", "rebuild", "bwd", "bwd.kv"
+# under swapping with checkpoint layers: a layer's input made again from the checkpoint below,
+# through the layers between, each tile's attention output taken from what its forward kept
+CHAIN = "chain"
+WHOLE_LAYER_MODES = (REBUILD, CHAIN)  # named once per layer, not per tile
 
 
 @dataclass
@@ -82,7 +89,7 @@ class TileStores:
 class _Tile:
     """The tile a layer's attention is run for, and how."""
 
-    mode: str  # FORWARD, REBUILD, BACKWARD or KEYS
+    mode: str  # FORWARD, REBUILD, BACKWARD, KEYS or CHAIN
     layer: int
     index: int  # t, of this rank's tiles
     block: int  # where the tile's tokens are in the store (t without context parallelism)
@@ -124,12 +131,24 @@ class TiledLayers:
             ``c`` consecutive tokens of the sequence.
     """
 
-    def __init__(self, tile_tokens: int, keep_attention: bool, sequence_chunks: int = 1):
+    def __init__(self, tile_tokens: int, keep_attention: bool, sequence_chunks: int = 1,
+                 swap: Optional[SwapRuntime] = None, checkpoint_every: int = 1):
         if tile_tokens <= 0 or tile_tokens % sequence_chunks:
             raise ValueError(f"tile_tokens={tile_tokens} must be a positive multiple of {sequence_chunks}")
+        if swap is not None and keep_attention:
+            raise ValueError("a walk that swaps its tiles keeps attention's output in their buffers, not whole")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every}: every k-th layer keeps its input, k >= 1")
+        self.checkpoint_every = checkpoint_every  # k: layers 0, k, 2k, ... send their input to the host
         self.tile_tokens = tile_tokens
         self.tile_rows = tile_tokens // sequence_chunks
         self.keep_attention = keep_attention
+        self.swap = swap
+        self.inputs: Optional[LayerInputs] = None  # under swapping: the layer inputs, on the host
+        self._anchor = torch.empty(0, requires_grad=True)  # makes a tile's input require grad
+        self._input_grad: Optional[torch.Tensor] = None  # rows of the layer input's gradient being made
+        self._output_grad: Optional[torch.Tensor] = None  # rows of the layer output's gradient
+        self._chain_output: Optional[torch.Tensor] = None  # attention's kept output, in a CHAIN tile
         self.stores: Optional[TileStores] = None
         self.cp_group = None  # the context-parallel group of the layers' attention, if any
         self.cp, self.cp_rank = 1, 0  # its size and this rank's place in it
@@ -152,7 +171,10 @@ class TiledLayers:
     def attach(self, layers: list) -> None:
         """Let ``layers`` (:class:`memo.model.layer.MemoTransformerLayer`, in order) run in tiles:
         the walk takes over each layer's forward and its core attention; the layer's other
-        modules run as they are, one tile at a time."""
+        modules run as they are, one tile at a time (under swapping, with their saved tensors in
+        the tile buffers)."""
+        if self.swap is not None:
+            self.swap.attach(layers)
         self.layers = list(layers)
         self._index = {id(layer): i for i, layer in enumerate(layers)}
         groups = {layer.self_attention.core_attention.cp_group for layer in layers}
@@ -167,13 +189,67 @@ class TiledLayers:
 
     def detach(self) -> None:
         """Give the layers back to their own forward."""
+        if self.swap is not None:
+            self.swap.detach()
         for layer in self.layers:
             layer.place(None)
             layer.self_attention.core_attention.place(None)
 
     def release(self) -> None:
-        """Give back the stores (idempotent)."""
+        """Give back the stores, and under swapping the tile buffers and the host memory, once
+        the copies in flight are done (idempotent)."""
+        if self.swap is not None:
+            self.swap.release()
+        if self.inputs is not None:
+            self.inputs.release()
+            self.inputs = None
         self.stores = None
+
+    # -------------------------------------------------------------- swapping
+
+    def discover(self, layer, kwargs: dict):
+        """The layout of what one tile of ``layer`` saves (Megatron's keyword arguments of a whole
+        layer input, which must require grad): tile 0 run once under the swap runtime's
+        discovery, its input left to the walk (EXTERNAL)."""
+        x = kwargs["hidden_states"]
+        self._allocate(layer, x)
+        rows = slice(0, self.tile_rows)
+        tile_x = x[rows].detach().requires_grad_(True)
+        tiled = self._tile_kwargs(kwargs, tile_x, 0)
+        self._tile = _Tile(FORWARD, 0, 0, 0)
+        try:
+            with torch.enable_grad():
+                return self.swap.discover(layer, tiled, external_input=True)
+        finally:
+            self._tile = None
+
+    def time_tile(self, layer, kwargs: dict, t: int) -> None:
+        """Run tile ``t`` of ``layer`` forward once, with autograd recording, as training does
+        but for the swap runtime's copies (the stores as they are): for timing it."""
+        x = kwargs["hidden_states"]
+        rows = slice(t * self.tile_rows, (t + 1) * self.tile_rows)
+        self._allocate(layer, x)
+        self._tile = _Tile(FORWARD, 0, t, t)
+        try:
+            with torch.enable_grad():
+                layer.run(**self._tile_kwargs(kwargs, x[rows].detach().requires_grad_(True), t))
+        finally:
+            self._tile = None
+
+    def allocate_inputs(self, layers: int, x: torch.Tensor, pin: bool) -> None:
+        """Host memory for the inputs of the checkpoint layers among ``layers`` (every k-th) but
+        those whose every tile stays in the buffers, shaped as ``x``; the device's one input
+        store, into which a layer's input comes back for its backward pass, is made at the first
+        forward pass."""
+        if self.inputs is not None:
+            self.inputs.release()
+        host = sum(1 for i in range(0, layers, self.checkpoint_every) if not self._resident_layer(i))
+        self.inputs = LayerInputs.empty(host, x, pin)
+
+    def _resident_layer(self, index: int) -> bool:
+        """Whether every tile of layer ``index`` stays in the buffers: its input stays on the
+        device too (the last layers when a layer has fewer tiles than there are buffers)."""
+        return self.swap.resident(index * self._count)
 
     # ----------------------------------------------------------------- the walk
 
@@ -246,15 +322,23 @@ class TiledLayers:
         for grads in (self.stores.key_grads, self.stores.value_grads):
             dist.all_reduce(grads, group=self.cp_group)
 
-    def _run(self, layer, kwargs: dict, hidden: torch.Tensor, tile: "_Tile"):
+    def _tile_kwargs(self, kwargs: dict, hidden: torch.Tensor, index: int) -> dict:
         rope, c = kwargs.get("rotary_pos_emb"), self.tile_tokens
         # the angles of the tile's gathered tokens, positions t·c .. (t + 1)·c
-        tiled = dict(kwargs, hidden_states=hidden,
-                     rotary_pos_emb=None if rope is None else rope[tile.index * c:(tile.index + 1) * c])
+        return dict(kwargs, hidden_states=hidden,
+                    rotary_pos_emb=None if rope is None else rope[index * c:(index + 1) * c])
+
+    def _run(self, layer, kwargs: dict, hidden: torch.Tensor, tile: "_Tile", rows: Optional[slice] = None):
+        """The layer on one tile; with ``rows`` (the tile's rows of the layer input), as a unit of
+        the swap runtime, whose backward reads those rows of the input store."""
+        tiled = self._tile_kwargs(kwargs, hidden, tile.index)
         self._tile = tile
-        self.on_phase(tile.layer, REBUILD if tile.mode == REBUILD else f"{tile.mode}.t{tile.index}")
+        self.on_phase(tile.layer, tile.mode if tile.mode in WHOLE_LAYER_MODES else f"{tile.mode}.t{tile.index}")
         try:
-            return layer.run(**tiled)[0]
+            if rows is None:
+                return layer.run(**tiled)[0]
+            unit = tile.layer * self._count + tile.index
+            return self.swap.forward_unit(unit, layer, tiled, lambda: self.inputs.current[rows])[0]
         finally:
             self._tile = None
 
@@ -288,6 +372,81 @@ class TiledLayers:
             self._kept = None
         self.on_phase(index, FORWARD)
         return out, kept
+
+    def run_forward_swapped(self, layer, index: int, x: torch.Tensor, kwargs: dict
+                            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layer's output, tile by tile, each tile's graph kept with its saved tensors in the
+        tile buffers (the swap runtime sends their host part out); the layer input goes to the
+        host. Returns the output and each tile's end of graph, for the backward pass."""
+        self._allocate(layer, x)
+        self.inputs.ready_store(x)
+        self.swap.ready_buffers()
+        if self._resident_layer(index):
+            self.inputs.kept[index] = x
+        elif index % self.checkpoint_every == 0:
+            self.inputs.offload(index // self.checkpoint_every, x, self.swap.streams)
+        out = torch.empty_like(x)
+        ends = []
+        for t, rows, j in self._tiles(x.shape[0]):
+            with torch.enable_grad():
+                start = _TileStart.apply(x[rows].detach(), self._anchor, self)  # not x's graph
+                y = self._run(layer, kwargs, start, _Tile(FORWARD, index, t, j), rows)
+                ends.append(_TileEnd.apply(y, self))
+            out[rows] = y.detach()
+            del y, start
+        self.on_phase(index, FORWARD)
+        return out, ends
+
+    def run_backward_swapped(self, layer, index: int, kwargs: dict, grad: torch.Tensor,
+                             ends: list[torch.Tensor]) -> torch.Tensor:
+        """The gradient of the layer's input from that of its output: the input back from the
+        host, the keys and values made again, then the tiles in reverse, each brought back (its
+        dropped tokens recomputed) by the swap runtime and taken back through its kept graph."""
+        grad_x = torch.empty_like(grad)  # the gradient stream below this layer
+        if index in self.inputs.kept:
+            x = self.inputs.current = self.inputs.kept.pop(index)
+        else:
+            x = self.inputs.reload(index // self.checkpoint_every, self.swap.streams)
+            self._chain(index, x, kwargs)
+        self._make_keys(layer, index, x, kwargs)
+        self.stores.key_grads.zero_()
+        self.stores.value_grads.zero_()
+        try:
+            for t, rows, j in reversed(self._tiles(x.shape[0])):
+                self.on_phase(index, f"{BACKWARD}.t{t}")
+                self._tile = _Tile(BACKWARD, index, t, j)
+                self.swap.backward_started(index * self._count + t)
+                self._input_grad, self._output_grad = grad_x[rows], grad[rows]
+                ends[t].backward(torch.empty(0, dtype=x.dtype, device=x.device))
+                ends[t] = None  # the tile's graph, before the next one's
+        finally:
+            self._tile = self._input_grad = self._output_grad = None
+        self.on_phase(index, BACKWARD)
+        return grad_x
+
+    def _chain(self, index: int, x: torch.Tensor, kwargs: dict) -> None:
+        """Layer ``index``'s input made in ``x`` (the input store, holding the input of the
+        checkpoint layer below) by running the layers between on it, tile by tile, in place,
+        without a graph: with attention's output known (kept by each tile's forward), a layer
+        is token-local."""
+        first = index - index % self.checkpoint_every
+        if first == index:
+            return
+        staging = self.inputs.ready_staging(self.swap)
+        with torch.no_grad():
+            for j in range(first, index):
+                for t, rows, block_index in self._tiles(x.shape[0]):
+                    kept = self.swap.kept_output(j * self._count + t, staging)
+                    self._chain_output = kept.movedim(0, 2)  # [b, heads, c, d], as attention returns it
+                    try:
+                        x[rows] = self._run(self.layers[j], kwargs, x[rows], _Tile(CHAIN, index, t, block_index))
+                    finally:
+                        self._chain_output = None
+
+    @property
+    def _count(self) -> int:
+        """``T``: tiles of one layer on this rank."""
+        return self.swap.units_per_layer
 
     def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor,
                      kept: Optional[_Kept]) -> torch.Tensor:
@@ -339,6 +498,14 @@ class TiledLayers:
         tile = self._tile
         if tile is None:  # the layer run whole, without a graph (evaluation)
             return compute()
+        if tile.mode == CHAIN:
+            return self._chain_output
+        if self.swap is not None and self.swap.capturing:
+            # a tile's forward, discovery or recomputation under the swap runtime: its capture
+            # keeps (or, recomputing, gives back) the output and log-sum-exp in the tile's buffer
+            kernel = blocks.kernel_for(backend, q)
+            return self.swap.attention(q, k, v, lambda: _SwappedTileAttention.apply(q, k, v, self, tile, kernel,
+                                                                                      scale))
         if q.shape[2] != self.tile_tokens:
             raise RuntimeError(f"a tile's attention got {q.shape[2]} tokens, not {self.tile_tokens}")
         kernel, c = blocks.kernel_for(backend, q), self.tile_tokens
@@ -396,22 +563,138 @@ class _TileAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+class _SwappedTileAttention(torch.autograd.Function):
+    """A tile's core attention in its forward under swapping: the tile's keys and values into the
+    store, its queries over the store's blocks; saves the queries, output and log-sum-exp (into
+    the tile's buffer, through the swap runtime's hooks). Its backward runs the tile's blocks
+    against the store as it is then (made again), like :class:`_TileAttention`'s."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, walk: TiledLayers, tile: _Tile, kernel: str, scale: float):
+        c, stores = q.shape[2], walk.stores
+        block(stores.keys, tile.block, c).copy_(k)
+        block(stores.values, tile.block, c).copy_(v)
+        out, lse = tile_forward(kernel, q, stores.keys, stores.values, tile.block, scale)
+        ctx.save_for_backward(q, out, lse)
+        ctx.walk, ctx.block, ctx.kernel, ctx.scale, ctx.kv_dtype = walk, tile.block, kernel, scale, k.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse = ctx.saved_tensors
+        stores, j, c = ctx.walk.stores, ctx.block, q.shape[2]
+        dq = tile_backward(ctx.kernel, dout, q, stores.keys, stores.values, out, lse, j, ctx.scale,
+                           stores.key_grads, stores.value_grads)
+        dk, dv = (block(g, j, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
+        return dq, dk, dv, None, None, None, None
+
+
+class _TileStart(torch.autograd.Function):
+    """A tile's rows of the layer input as the tile's graph begins: its backward writes the
+    tile's input gradient where the walk says. The graph holds nothing of the layer input."""
+
+    @staticmethod
+    def forward(ctx, rows, anchor, walk: TiledLayers):
+        ctx.walk = walk
+        return rows.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.walk._input_grad.copy_(grad)
+        return None, None, None
+
+
+class _TileEnd(torch.autograd.Function):
+    """The end of a tile's graph, kept from its forward to its backward without the tile's
+    output (an empty tensor): its backward hands the graph the gradient the walk gives it."""
+
+    @staticmethod
+    def forward(ctx, y, walk: TiledLayers):
+        ctx.walk = walk
+        return y.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _nothing):
+        return ctx.walk._output_grad, None
+
+
 class _TiledLayer(torch.autograd.Function):
     """One layer walked in tiles: the autograd node between its input and output."""
 
     @staticmethod
     def forward(ctx, hidden, walk: TiledLayers, layer, index: int, kwargs: dict):
         ctx.walk, ctx.layer, ctx.index, ctx.kwargs = walk, layer, index, kwargs
+        if walk.swap is not None:  # the input goes to the host
+            out, ctx.kept = walk.run_forward_swapped(layer, index, hidden, kwargs)
+            return out
         ctx.save_for_backward(hidden)
         out, ctx.kept = walk.run_forward(layer, index, hidden, kwargs)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (hidden,) = ctx.saved_tensors
         kept, ctx.kept = ctx.kept, None  # freed once the layer's backward is done
+        if ctx.walk.swap is not None:
+            grad_x = ctx.walk.run_backward_swapped(ctx.layer, ctx.index, ctx.kwargs, grad.contiguous(), kept)
+            return grad_x, None, None, None, None
+        (hidden,) = ctx.saved_tensors
         grad_x = ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous(), kept)
         return grad_x, None, None, None, None
+
+
+@dataclass
+class LayerInputs:
+    """Under swapping, the checkpoint layers' inputs on the host (``[layers, rows, b, hidden]``,
+    pinned on a GPU) and one device store into which a layer's input comes back for its backward
+    pass."""
+
+    host: torch.Tensor
+    pinned: bool = False
+    store: Optional[torch.Tensor] = None  # made at the first forward pass (:meth:`ready_store`)
+    kept: dict = dataclasses.field(default_factory=dict)  # inputs of the resident layers, on the device
+    current: Optional[torch.Tensor] = None  # the input of the layer whose backward runs
+    staging: Optional[torch.Tensor] = None  # a tile's kept attention output on its way to a chain
+
+    @classmethod
+    def empty(cls, layers: int, x: torch.Tensor, pin: bool) -> "LayerInputs":
+        host = torch.empty((layers, *x.shape), dtype=x.dtype)
+        if pin and host.numel():
+            register(host)
+        return cls(host, pin and bool(host.numel()))
+
+    def ready_store(self, x: torch.Tensor) -> None:
+        """The device's input store, shaped as layer input ``x``, unless it is (idempotent)."""
+        if self.store is None:
+            self.store = torch.empty_like(x)
+
+    def ready_staging(self, runtime: SwapRuntime) -> torch.Tensor:
+        """Device memory for one tile's kept attention output, made at the first chain."""
+        if self.staging is None:
+            self.staging = runtime.empty_like_slot("out")
+        return self.staging
+
+    def offload(self, index: int, x: torch.Tensor, streams: Streams) -> None:
+        """Send checkpoint ``index``'s input ``x`` to the host once compute has made it."""
+        streams.wait(streams.d2h, streams.record(streams.compute))
+        streams.copy(streams.d2h, self.host[index], x)
+
+    def reload(self, index: int, streams: Streams) -> torch.Tensor:
+        """Checkpoint ``index``'s input in the store, for compute, once the store's previous
+        layer's backward is done. Its copy to the host needs no wait: the layer's first tile
+        swaps (else the input would have stayed on the device), and the tile that reused that
+        tile's buffer waited for its copy out, which the D2H stream ran after the input's."""
+        streams.wait(streams.h2d, streams.record(streams.compute))
+        streams.copy(streams.h2d, self.store, self.host[index])
+        streams.wait(streams.compute, streams.record(streams.h2d))
+        self.current = self.store
+        return self.store
+
+    def release(self) -> None:
+        self.kept.clear()
+        self.current = None
+        if self.pinned:
+            unregister(self.host)
+            self.pinned = False
 
 
 def _reverse_chunks(chunks: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ from memo.config import ParallelConfig
 from memo.hardware import HARDWARE
 from memo.model import build_gpt
 from memo.model.placement import Placed
-from memo.swap import SwapRuntime, TiledLayers, host_budget, host_share, prepare_swap
+from memo.swap import SwapRuntime, TileReport, TiledLayers, host_budget, host_share, prepare_swap
 from memo.swap.prepare import segments, sequence_chunks
 
 from conftest import resolve_config
@@ -44,14 +44,24 @@ def test_each_method_gets_the_placement_it_runs_with(single_process, method, pla
     placement.release()
 
 
-def test_tiles_take_over_the_layer_and_its_core_attention_only(single_process):
-    workload = resolve_config("method=memo", "method.tile_tokens=32", "model.num_layers=4", "seq=128").workload
+@pytest.mark.parametrize("method", ["memo", "full_recompute"])
+def test_tiles_take_over_the_layer_and_its_core_attention_and_memo_swaps_the_rest(single_process, method):
+    workload = resolve_config(f"method={method}", "method.tile_tokens=32", "model.num_layers=4",
+                              "seq=128").workload
     model = build_gpt(workload, "cpu").module
-    walk, report = prepare_swap(model, workload, CPU, 0)
-    assert isinstance(walk, TiledLayers) and report is None and walk.keep_attention
-    placed = {name for name, p in _placements(model).items() if p is walk}
+    walk, report = prepare_swap(model, workload, CPU, 2**40)
+    assert isinstance(walk, TiledLayers) and not walk.keep_attention
+    assert isinstance(report, TileReport) if method == "memo" else report is None
+    given = _placements(model)
+    placed = {name for name, p in given.items() if p is walk}
     assert placed == {f"decoder.layers.{i}{part}" for i in range(4)
                       for part in ("", ".self_attention.core_attention")}
+    inside = {name for name in given if name.startswith("decoder.layers.")}
+    # memo: the layer's other modules make their saved tensors in the tile buffers
+    assert {name for name in inside - placed if given[name] is not None} == \
+        (inside - placed if method == "memo" else set())
+    assert (walk.swap is not None) == (method == "memo")
+    walk.release()
 
 
 def test_no_model_module_carries_a_runtime_attribute(single_process):

@@ -1,5 +1,7 @@
 """MEMO's token-wise swapping and recomputation: exact gradients, ordering, sizes, accounting."""
 
+import sys
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from memo.config import ConfigError
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.swap import SwapRuntime, prepare_swap
 from memo.swap.capture import Forward
-from memo.swap.streams import CudaStreams, DeferredStreams, InlineStreams
+from memo.swap.streams import CudaStreams, DeferredStreams, InlineStreams, OrderingError
 from memo.model import build_gpt
 from memo.swap.alpha import HostMemoryError
 from memo.profile.layers import layer_bytes
@@ -77,7 +79,7 @@ def test_a_context_parallel_rank_keeps_the_first_alpha_of_each_of_its_two_chunks
     rows = runtime.take_accounting()
     assert sum(r["recomputed"] for r in rows) == 3 * 4 * (s_other - s_other // 4)  # 3 steps, 4 layers
     slot = next(s for s in layout.slots if s.kind == "tokens" and s.chunks == 1)
-    kept, dropped = runtime.split(torch.arange(256).view(256, *[1] * (len(slot.shape) - 1)), slot)
+    kept, dropped = runtime.split(torch.arange(256).view(256, *[1] * (len(slot.shape) - 1)), slot, 32)
     assert kept.flatten().tolist() == [*range(0, 32), *range(128, 160)]
     assert dropped.flatten().tolist() == [*range(32, 128), *range(160, 256)]
 
@@ -91,36 +93,72 @@ def test_copies_done_as_late_as_the_events_allow_give_the_same_gradients(referen
 
 
 class _MissingWait(DeferredStreams):
-    """Deferred copies, and one kind of hand-over that the runtime's waits no longer order."""
+    """Deferred copies, and one wait of the runtime's left out: the waits of ``waiter`` on an event
+    of ``producer`` made by the function ``site``."""
 
-    def __init__(self, waiter: str, producer: str):
+    def __init__(self, site: str, waiter: str, producer: str):
         super().__init__()
-        self.skipped = (waiter, producer)
+        self.skipped = (site, waiter, producer)
+        self.skips = 0
 
     def wait(self, stream, event) -> None:
-        if event is not None and (stream, event[0]) == self.skipped:
+        if event is not None and (sys._getframe(1).f_code.co_name, stream, event[0]) == self.skipped:
+            self.skips += 1
             return
         super().wait(stream, event)
 
 
-@pytest.mark.parametrize(
-    "waiter, producer",
-    [
-        ("compute", "d2h"),  # a buffer overwritten before its copy to the host ended
-        ("compute", "h2d"),  # backward reading a buffer before its prefetch ended
-        # A reload's own wait for its offload ("h2d" on "d2h") is kept but no longer needed: the
-        # last two layers wait, before writing their buffers, for the offloads of the layers
-        # that used them before, so every offload has ended before the backward pass begins.
-    ],
-)
-def test_each_missing_wait_would_corrupt_the_gradients(reference, waiter, producer):
-    streams = _MissingWait(waiter, producer)
-    _, grads, _ = train_gradients("memo", *SIX, alpha=0.5, streams=streams)
-    wrong = [
-        name for name in grads[0]
-        if not torch.allclose(grads[0][name], reference[1][0][name], rtol=1.3e-6, atol=1e-5)
-    ]
-    assert wrong, "the ordering check cannot see this missing wait"
+# every wait of the swap runtime: (where, the stream that waits, the one it waits on)
+RUNTIME_WAITS = [
+    ("forward_unit", "compute", "d2h"),  # a buffer overwritten before its copy to the host ended
+    ("backward_started", "compute", "h2d"),  # backward reading a buffer before its prefetch ended
+    ("_offload", "d2h", "compute"),  # a copy to the host before the forward finished writing the buffer
+    ("_prefetch", "h2d", "compute"),  # a prefetch into a buffer the previous unit's backward still reads
+]
+
+
+def missing_wait_shows(train, reference_grads, site: str, waiter: str, producer: str) -> bool:
+    """Whether ``train(streams)`` (the gradients of its steps), with one wait of the runtime's
+    left out, gives wrong gradients or fails the stand-in streams' ordering check."""
+    streams = _MissingWait(site, waiter, producer)
+    try:
+        grads = train(streams)
+    except OrderingError:
+        return True
+    assert streams.skips, f"{site} never waited for {producer} on {waiter}"
+    return any(not torch.allclose(grads[0][name], reference_grads[0][name], rtol=1.3e-6, atol=1e-5)
+               for name in grads[0])
+
+
+@pytest.mark.parametrize("site, waiter, producer", RUNTIME_WAITS)
+def test_each_missing_wait_would_corrupt_the_gradients_or_fail_the_ordering_check(reference, site, waiter,
+                                                                                  producer):
+    def train(streams):
+        return train_gradients("memo", *SIX, alpha=0.5, streams=streams, steps=1)[1]
+
+    assert missing_wait_shows(train, reference[1], site, waiter, producer), "nothing sees this missing wait"
+
+
+def test_the_ordering_check_refuses_a_copy_not_ordered_after_compute():
+    streams = DeferredStreams()
+    a, b = torch.zeros(4), torch.ones(4)
+    with pytest.raises(OrderingError, match="d2h"):
+        streams.copy(streams.d2h, a, b)  # nothing recorded on compute yet
+    streams.wait(streams.d2h, streams.record(streams.compute))
+    streams.copy(streams.d2h, a, b)
+    streams.record(streams.compute)  # compute work after the wait
+    with pytest.raises(OrderingError):
+        streams.copy(streams.d2h, a, b)
+    # waiting for a d2h event passes on what d2h had waited for
+    done = streams.record(streams.d2h)
+    with pytest.raises(OrderingError):
+        streams.wait(streams.h2d, done)
+        streams.copy(streams.h2d, b, a)
+    streams.wait(streams.d2h, streams.record(streams.compute))
+    streams.wait(streams.h2d, streams.record(streams.d2h))
+    streams.copy(streams.h2d, b, a)
+    streams.synchronize()
+    assert a.tolist() == b.tolist() == [1.0] * 4
 
 
 def test_skeletal_sizes_of_a_layer_match_a_hand_count(parallel_state):
@@ -300,6 +338,7 @@ def test_copies_to_and_from_the_host_are_contiguous_blocks():
     streams = _RecordingStreams()
     buffer = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)  # two chunks of 8 tokens
     host = torch.zeros(2, 5, 3)
+    streams.wait(streams.d2h, streams.record(streams.compute))  # the buffer is made
     _copy_blocks(streams, streams.d2h, host, buffer[:, :5])  # each chunk's first 5 tokens
     streams.synchronize()
     assert streams.side_copies == [(True, True), (True, True)]

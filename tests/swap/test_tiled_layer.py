@@ -68,7 +68,7 @@ def test_tiled_float32_gradients_equal_keeping_everything_to_rounding(reference,
     (["method=memo", "method.tile_tokens=100"], "does not divide seq=256"),
     (["method=full_swap", "method.tile_tokens=64"], "not method=full_swap"),
     (["method=none", "method.tile_tokens=64"], "not method=none"),
-    (["method=memo", "method.tile_tokens=64", "alpha=0.5"], "nothing is swapped yet"),
+    (["method=memo", "method.tile_tokens=64", "alpha=0.5", "parallel.cp=2"], "nothing is swapped yet"),
     (["method=memo", "method.tile_tokens=64", "mode=fit"], "mode=fit does not model"),
     (["method=memo", "method.tile_tokens=64", "plan=true"], "plan=true does not model"),
     (["method=memo", "method.tile_tokens=six"], "method.tile_tokens=six is not a sequence length"),
@@ -98,7 +98,7 @@ def test_tiled_gradients_match_keeping_everything_with_tensor_sequence_and_conte
     the store gathered from both, and their key and value gradients are summed over both."""
     split, sequence, context = torchrun_results
     assert split.passed() == ("2 tiled runs match over 3 steps (tp2)",) * 2
-    assert sequence.passed() == ("4 tiled runs match over 3 steps (tp2-sp)",) * 2
+    assert sequence.passed() == ("3 tiled runs match over 3 steps (tp2-sp)",) * 2
     assert context.passed() == ("2 tiled runs match over 3 steps (cp2)",) * 2
 
 
