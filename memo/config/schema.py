@@ -72,10 +72,11 @@ class MethodConfig:
     # load-balanced layout, parallel.cp_comm_type) or "deepspeed" (DeepSpeed-Ulysses'
     # DistributedAttention, each rank one contiguous part of the sequence; cp_comm_type=a2a).
     cp_attention: str = "memo"
-    # memo and full_recompute: walk each layer in tiles of this many tokens of the sequence (4k,
-    # 16384; under sequence parallelism a tile is gathered over tp; under context parallelism it
-    # divides each of a rank's two chunks), holding one tile's work and a few whole-sequence stores
-    # (memo.swap.tiled_layer); "whole" runs each layer on all its tokens.
+    # memo, full_swap and full_recompute: walk each layer in tiles of this many tokens of the
+    # sequence (4k, 16384; under sequence parallelism a tile is gathered over tp; under context
+    # parallelism it divides each of a rank's two chunks), holding one tile's work and a few
+    # whole-sequence stores (memo.swap.tiled_layer), memo's and full_swap's tiles swapped;
+    # "whole" runs each layer on all its tokens.
     tile_tokens: str = "whole"
 
     # What the method does, for the code that must know (the names above stay the configuration).
@@ -91,8 +92,9 @@ class MethodConfig:
 
     @property
     def walks_tiles(self) -> bool:
-        """Can walk its layers in sequence tiles (``tile_tokens``): memo and full_recompute."""
-        return self.layer_activations in ("swap", "recompute") and self.alpha is None
+        """Can walk its layers in sequence tiles (``tile_tokens``): memo, full_swap and
+        full_recompute."""
+        return self.layer_activations in ("swap", "recompute")
 
 
 @dataclass

@@ -37,10 +37,24 @@ through RoPE, QKV and the norm. The two passes' input and weight gradients add u
 linear), to what one pass gives without context parallelism.
 
 The stores live as long as the walk: keys and values ``2·s·h_kv/tp`` elements in the activation
-dtype, their gradient accumulators as many in float32, for the whole sequence whatever cp is. Per layer, the residual stream (input and
-output, ``s·h/tp`` each) and ``memo``'s attention output and float32 log-sum-exp are kept until the
-layer's backward; the gradient of a layer's input is a new ``s·h/tp`` tensor, the one of its output
-freed when the layer's backward returns. Nothing is swapped (α = 0).
+dtype, their gradient accumulators as many in float32, for the whole sequence whatever cp is.
+Without swapping (``full_recompute``, and ``memo`` under context parallelism) each layer keeps its
+input (the residual stream, ``s·h/tp``) and ``memo`` its attention output and float32 log-sum-exp
+until the layer's backward; the gradient of a layer's input is a new ``s·h/tp`` tensor, the one of
+its output freed when the layer's backward returns.
+
+**Swapping** (``memo``, ``full_swap``; :class:`memo.swap.runtime.SwapRuntime` given as ``swap``):
+every tile of every layer is a unit of the runtime (``u = i·T + t``). A tile's forward runs with a
+graph, begun by :class:`_TileStart` (which holds nothing of the layer input) and ended by
+:class:`_TileEnd` (an empty tensor, so the tile's output is not held): its saved tensors live in
+the runtime's tile buffers and go to the host as its α says, attention's output and log-sum-exp
+whole. The inputs of the checkpoint layers (every ``checkpoint_every``-th) go to the host
+(:class:`LayerInputs`); a layer whose every unit stays in the buffers keeps its input on the device.
+A layer's backward brings its input back into the input store, or makes it there from the
+checkpoint below (:meth:`TiledLayers._chain`: the layers between run tile by tile with their kept
+attention outputs), makes the keys and values again, then for each tile from the last lets the
+runtime bring the tile's buffer back and recompute its dropped tokens, and runs the tile's kept
+graph backward.
 """
 
 import dataclasses

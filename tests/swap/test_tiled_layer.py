@@ -66,7 +66,8 @@ def test_tiled_float32_gradients_equal_keeping_everything_to_rounding(reference,
 
 @pytest.mark.parametrize("overrides, fragment", [
     (["method=memo", "method.tile_tokens=100"], "does not divide seq=256"),
-    (["method=full_swap", "method.tile_tokens=64"], "not method=full_swap"),
+    (["method=full_swap", "method.tile_tokens=64", "parallel.cp=2"], "swaps every token"),
+    (["method=megatron_full_recompute", "method.tile_tokens=64"], "not method=megatron_full_recompute"),
     (["method=none", "method.tile_tokens=64"], "not method=none"),
     (["method=memo", "method.tile_tokens=64", "alpha=0.5", "parallel.cp=2"], "nothing is swapped yet"),
     (["method=memo", "method.tile_tokens=64", "mode=fit"], "mode=fit does not model"),

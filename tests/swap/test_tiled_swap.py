@@ -58,6 +58,16 @@ def test_swapped_tiles_give_the_gradients_of_keeping_everything(reference, model
     assert sum(r["recomputed"] for r in rows) == 3 * dropped  # three steps
 
 
+def test_full_swap_in_tiles_swaps_every_token_and_recomputes_none(reference):
+    expected_losses, expected, _ = reference("tiny_llama")
+    losses, grads, walk = train_gradients("full_swap", *SHAPES["tiny_llama"], *FP64, "method.tile_tokens=64",
+                                          seq=SEQ, streams=DeferredStreams())
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-6)
+    _assert_close(grads, expected, steps=3)
+    assert walk.swap.keeps == (64,) * 16
+    assert sum(r["recomputed"] for r in walk.swap.take_accounting()) == 0
+
+
 @pytest.mark.parametrize("alphas, k", [([0.5] * 4, 1), (RAMP, 3)])
 def test_the_host_holds_exactly_its_formula_and_the_device_r_tile_buffers(parallel_state, alphas, k):
     *_, walk = train_gradients("memo", *SHAPES["tiny_llama"], "method.tile_tokens=64", seq=SEQ, steps=1,
