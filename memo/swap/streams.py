@@ -61,8 +61,12 @@ class CudaStreams:
             stream.wait_event(event)
 
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # The tensors on both ends are the pre-allocated rounding buffers and pinned slab,
-        # alive for the whole run, so no record_stream bookkeeping is needed.
+        # A device tensor on either end may be freed by its owner before the copy has run (a
+        # layer input sent to the host, which the next layer drops): the allocator must not hand
+        # its memory to compute until this stream is past the copy.
+        for t in (dst, src):
+            if t.is_cuda:
+                t.record_stream(stream)
         with torch.cuda.stream(stream), torch.no_grad():  # a copy is never part of a graph
             dst.copy_(src, non_blocking=True)
 
