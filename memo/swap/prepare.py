@@ -242,6 +242,7 @@ class TileReport:
     host_budget_bytes: int
     host_bytes: int  # the slab of every tile's swapped part and the checkpoint layers' inputs
     tile_buffer_bytes: int  # all R
+    store_bytes: int  # the device's whole-sequence stores: keys, values, their accumulators, the input store
     skeletal_input_bytes: int  # of one tile
     skeletal_attention_bytes: int
     skeletal_other_bytes: int
@@ -318,6 +319,8 @@ def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None,
     keeps, k = allocate(solution)
     walk.checkpoint_every = k
     walk.allocate_inputs(len(layers), hidden.detach(), pin)
+    stores = sum(t.numel() * t.element_size() for t in dataclasses.astuple(walk.stores)) + \
+        hidden.numel() * hidden.element_size()
     walk.stores = None  # the device's memory is requested in the first step, as a trace sees it
     runtime.buffers = []
     inputs = walk.inputs.host
@@ -327,7 +330,7 @@ def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None,
         alpha_bandwidth=solution.alpha_bandwidth, tile_time_s=tuple(times),
         host_bandwidth_bytes_per_s=bandwidth, host_budget_bytes=int(host_budget),
         host_bytes=runtime.slab.numel() + inputs.numel() * inputs.element_size(),
-        tile_buffer_bytes=runtime.rounding_buffer_bytes, skeletal_input_bytes=sizes.input,
+        tile_buffer_bytes=runtime.rounding_buffer_bytes, store_bytes=stores, skeletal_input_bytes=sizes.input,
         skeletal_attention_bytes=sizes.attention, skeletal_other_bytes=sizes.other)
 
 

@@ -173,9 +173,9 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     assert "# GPU validation pack: cpu" in summary and "## numerics" in summary and "megatron-core" in summary
 
     # the later steps, each alone; the GPU-only ones say why they did not run
-    steps = pack_run("--only", "throughput", "calibration", "overlap", "longest", "probe", "models")
+    steps = pack_run("--only", "throughput", "calibration", "overlap", "longest", "probe", "models", "tiles")
     assert steps.loc["probe", "status"] == "done before"
-    assert set(steps.loc[["throughput", "calibration", "models"], "status"]) == {"ok"}
+    assert set(steps.loc[["throughput", "calibration", "models", "tiles"], "status"]) == {"ok"}
     assert set(steps.loc[["overlap", "longest"], "status"]) == {"skipped"}
     assert all(steps.loc[["overlap", "longest"], "detail"].str.startswith("needs a GPU: "))
     throughput = pd.read_csv(tmp_path / "throughput.csv")
@@ -186,6 +186,10 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     assert list(models["job"]) == ["memo-256", "megatron_full_recompute-256"]
     assert (models["status"] == "ok").all() and (models["predicted_peak_bytes"] > 0).all()
     assert (models["model.name"] == "tiny_llama").all() and models["time_error"].notna().all()
+    tiles = pd.read_csv(tmp_path / "tiles.csv")  # tiled memo, swapped, with what the walk declared
+    assert list(tiles["job"]) == ["memo-256-2l"] and (tiles["status"] == "ok").all()
+    assert (tiles["tiles.tiles"] == 4).all() and (tiles["declared_device_bytes"] > 0).all()
+    assert tiles["tiles.alpha_mean"].between(0, 1).all()
 
 
 def test_overlap_counts_copy_time_under_compute_and_compute_idle_during_copies():
