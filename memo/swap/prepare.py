@@ -319,7 +319,7 @@ def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None,
     keeps, k = allocate(solution)
     walk.checkpoint_every = k
     walk.allocate_inputs(len(layers), hidden.detach(), pin)
-    stores = sum(t.numel() * t.element_size() for t in dataclasses.astuple(walk.stores)) + \
+    stores = sum(t.numel() * t.element_size() for t in vars(walk.stores).values()) + \
         hidden.numel() * hidden.element_size()
     walk.stores = None  # the device's memory is requested in the first step, as a trace sees it
     runtime.buffers = []

@@ -16,6 +16,8 @@ def test_a_run_records_alpha_per_tile_and_the_checkpoint_interval(tmp_path):
     assert (row["tiles.tiles"], row["tiles.tile_tokens"], row["tiles.buffers"]) == (4, 64, 2)
     assert row["tiles.checkpoint_every"] == 1  # the host is this machine's: every input fits
     assert 0 <= row["tiles.alpha_min"] <= row["tiles.alpha_mean"] <= row["tiles.alpha_max"] <= 1
+    # keys, values and their float32 gradients: 256 tokens of 2 groups of 32; the input store
+    assert row["tiles.store_bytes"] == 4 * 256 * 64 * 4 + 256 * 256 * 4
     records = pd.read_json(tmp_path / "layers.jsonl", lines=True)
     tiles = records.dropna(subset=["tile"])
     assert tiles["tile"].tolist() == [0, 1, 2, 3]
