@@ -4,14 +4,16 @@ For each length, depth and method it builds the model as a job does, runs one st
 (timed, as the next), then records the next step's forward and backward pass with the allocation
 recorder (real CPU tensors, every storage a request) and prints, at the instant of most bytes in use:
 
-* skeletal bytes held on the device: requests kept for a layer's backward, plus MEMO's two
-  rounding buffers (allocated before the step, so not requests), against two layers' worth;
-* peak live bytes: all requests then alive, plus the rounding buffers;
+* skeletal bytes held on the device: requests kept for a layer's backward, plus MEMO's rounding
+  (or tile) buffers (allocated before the recorded step, so not requests), against two layers'
+  worth;
+* peak live bytes: all requests then alive, plus the rounding buffers, and for tiles the
+  whole-sequence stores (keys, values, their gradients, the input store), made in the first step;
 * the step's time (forward and backward, unrecorded) over ``none``'s.
 
 The methods are ``none``, ``megatron_full_recompute``, ``full_recompute``, ``memo`` (whole layers,
-``--alpha``) and ``memo`` walking its layers in tiles of ``--tile`` tokens (``memo tiles``, nothing
-swapped). Weights, gradients (Megatron keeps them in one buffer made before training) and
+``--alpha``) and ``memo`` walking its layers in tiles of ``--tile`` tokens (``memo tiles``, swapped
+with α per tile and the checkpoint interval solved on this machine, printed after the row). Weights, gradients (Megatron keeps them in one buffer made before training) and
 optimizer states are the same for every method and are not counted. A benchmark, not a test: it
 takes minutes at the paper's depth.
 
@@ -37,7 +39,7 @@ from memo.fit.memory import split_peak  # noqa: E402
 from memo.model import build_gpt  # noqa: E402
 from memo.profile.recorder import record  # noqa: E402
 from memo.profile.trace import Trace  # noqa: E402
-from memo.swap import SwapRuntime, prepare_swap  # noqa: E402
+from memo.swap import SwapRuntime, TileReport, prepare_swap  # noqa: E402
 
 METHODS = {  # the rows: name -> overrides
     "none": ["method=none"],
@@ -55,8 +57,9 @@ def recorded_step(overrides: list[str]) -> dict:
     workload = run.workload
     torch.manual_seed(run.train.seed)
     model = build_gpt(workload, "cpu").module
-    placement, _ = prepare_swap(model, workload, torch.device("cpu"), 2**50, run.alpha)
+    placement, report = prepare_swap(model, workload, torch.device("cpu"), 2**50, run.alpha)
     runtime = placement if isinstance(placement, SwapRuntime) else None
+    tiles = report if isinstance(report, TileReport) else None
     seq = workload.seq
     batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1,
                             torch.device("cpu"))
@@ -81,13 +84,14 @@ def recorded_step(overrides: list[str]) -> dict:
     # counts them: they are left out here, like weights.
     gradients = {recorder.request_of(p.grad) for p in model.parameters() if p.grad is not None}
     peak, phase, kinds = split_peak(Trace([e for e in recorder.events if e.id not in gradients]))
-    buffers = runtime.rounding_buffer_bytes if runtime else 0
+    buffers = runtime.rounding_buffer_bytes if runtime else tiles.tile_buffer_bytes if tiles else 0
     return {
         "skeletal": kinds["skeletal"] + buffers,
         "two_layers": 2 * runtime.layout.bytes_kept if runtime else None,
-        "peak": peak + buffers,
+        "peak": peak + buffers + (tiles.store_bytes if tiles else 0),
         "phase": phase,
         "seconds": seconds,
+        "tiles": tiles,
     }
 
 
@@ -125,6 +129,10 @@ def main() -> None:
                         print(f"{seq:>7} {layers:>6} {name:<24} {r['skeletal'] / mib:14.1f} {two} "
                               f"{r['peak'] / mib:10.1f} {r['peak'] / reference:11.3f} "
                               f"{r['seconds'] / none:12.2f}  {r['phase']}", flush=True)
+                        if r["tiles"] is not None:
+                            t = r["tiles"]
+                            print(f"{'':>15} alpha per tile {', '.join(f'{a:.2f}' for a in t.alphas)}; a "
+                                  f"checkpoint layer every {t.checkpoint_every}", flush=True)
         finally:
             distributed.shutdown()
 
