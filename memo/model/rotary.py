@@ -35,34 +35,33 @@ class RotaryTable:
 
     def __call__(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin`` of ``freqs`` in ``dtype``, made now if not yet. Angles that are a
-        contiguous run of a larger angle tensor (a sequence tile's rows) get that run of its
-        table: a tile's graph, kept until its backward, then holds views of one table, not a
-        table of its own."""
-        span = _span_of_base(freqs)
-        if span is not None:
-            cos, sin = self(freqs._base, dtype)
-            return tuple(t.reshape(-1)[span].view(freqs.shape) for t in (cos, sin))
-        self.fill(freqs, dtype)
-        return self._tables[(id(freqs), dtype)]
+        contiguous run of a larger angle tensor (Megatron's ``[s, 1, 1, d]`` view of its angles,
+        a sequence tile's rows, a recomputation's) get that run of the larger one's table: one
+        table per sequence length, of which a tile's graph, kept until its backward, holds views."""
+        root = _root(freqs)
+        self.fill(root, dtype)
+        cos, sin = self._tables[(id(root), dtype)]
+        if root is freqs:
+            return cos, sin
+        start = freqs.storage_offset() - root.storage_offset()
+        return tuple(t.reshape(-1)[start:start + freqs.numel()].view(freqs.shape) for t in (cos, sin))
 
     def fill(self, freqs: torch.Tensor, dtype: torch.dtype) -> None:
-        """Make the table of ``freqs`` in ``dtype`` if there is none yet."""
-        key = (id(freqs), dtype)
+        """Make the table of ``freqs`` (of the tensor it is a run of) in ``dtype`` if there is none yet."""
+        root = _root(freqs)
+        key = (id(root), dtype)
         if key not in self._tables:
-            self._tables[key] = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
-            weakref.finalize(freqs, self._tables.pop, key, None)
+            self._tables[key] = (torch.cos(root).to(dtype), torch.sin(root).to(dtype))
+            weakref.finalize(root, self._tables.pop, key, None)
 
 
-def _span_of_base(freqs: torch.Tensor) -> Optional[slice]:
-    """The elements of its (contiguous) base tensor that contiguous ``freqs`` is, when it is a part
-    of it; else ``None``."""
+def _root(freqs: torch.Tensor) -> torch.Tensor:
+    """The contiguous tensor that contiguous ``freqs`` is a run of elements of (its base), or
+    ``freqs`` itself."""
     base = freqs._base
     if base is None or not (base.is_contiguous() and freqs.is_contiguous()):
-        return None
-    start = freqs.storage_offset() - base.storage_offset()
-    if freqs.numel() == base.numel():
-        return None  # all of it: its own table
-    return slice(start, start + freqs.numel())
+        return freqs
+    return base
 
 
 class _Rotate(torch.autograd.Function):

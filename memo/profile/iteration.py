@@ -145,8 +145,9 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, seq)
 
         # a trace follows no swapping (refused above): a walk in tiles, or the layers as built
-        # (a walk that swaps puts its host memory outside the trace, which follows the device)
-        walk, _ = prepare_swap(gpt, workload, torch.device(device), host_budget=2**60)
+        # A walk that swaps puts its host memory outside the trace, which follows the device:
+        # the least of it (α = 0), and on a GPU none of it page-locked.
+        walk, _ = prepare_swap(gpt, workload, torch.device(device), host_budget=2**60, alpha=0.0, pin=False)
 
         def run(marker: PhaseMarker) -> None:
             if walk is not None:

@@ -100,12 +100,14 @@ def _bandwidth(runtime: SwapRuntime, device: torch.device, repeats: int = 3) -> 
     return n / best
 
 
-def _min_over(value: int, device: torch.device, group) -> int:
-    if group is None or dist.get_world_size(group) == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
+def _min_over(value: Union[int, list[int]], device: torch.device, group) -> Union[int, list[int]]:
+    """The smallest ``value`` (each, of a list: one collective) over the processes of ``group``."""
+    values = value if isinstance(value, list) else [value]
+    if group is not None and dist.get_world_size(group) > 1:
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        values = [int(v) for v in t.tolist()]
+    return values if isinstance(value, list) else values[0]
 
 
 log = logging.getLogger("memo")
@@ -151,7 +153,7 @@ def host_budget(hw: Hardware, device: torch.device) -> float:
 
 def prepare_swap(model, workload: Workload, device: torch.device, host_budget: float,
                  alpha: Optional[float] = None, streams: Optional[Streams] = None,
-                 group=None) -> tuple[Optional[LayerRuntime], Union["SwapReport", "TileReport", None]]:
+                 group=None, pin: bool = True) -> tuple[Optional[LayerRuntime], Union["SwapReport", "TileReport", None]]:
     """Give ``model``'s layers (``workload``'s Megatron ``GPTModel``) their placement and get it
     ready to train ``workload.micro_batch_size`` sequences of ``workload.seq`` tokens (all
     tensor-parallel ranks together) per micro-batch.
@@ -169,6 +171,7 @@ def prepare_swap(model, workload: Workload, device: torch.device, host_budget: f
         streams: the copy streams; by default CUDA streams on a GPU, inline copies on the CPU.
         group: the processes whose recomputations exchange tokens (the tensor-parallel group),
             which must keep the same ``k``; ``None`` for a process alone.
+        pin: page-lock the host memory of tiles that swap, on a GPU (a trace does not).
 
     Raises:
         HostMemoryError: if the swapped activations cannot fit in ``host_budget``.
@@ -178,7 +181,7 @@ def prepare_swap(model, workload: Workload, device: torch.device, host_budget: f
     if workload.tiled:
         if workload.method.swaps and parallel.cp == 1:
             walk = swapping_walk(workload, len(layers), streams or streams_for(device), device)
-            return walk, ready_tiles(walk, model, workload, alpha, host_budget, group)
+            return walk, ready_tiles(walk, model, workload, alpha, host_budget, group, pin=pin)
         walk = TiledLayers(workload.tile_tokens, keep_attention=workload.method.swaps,
                            sequence_chunks=sequence_chunks(parallel))
         walk.attach(layers)
@@ -262,7 +265,8 @@ class TileReport:
 
     def tile_records(self) -> list[dict]:
         """One record per tile: its α, tokens kept, what bound it, its bandwidth bound and time."""
-        return [{"tile": t, "alpha": a, "keep_tokens": k, "binding": b, "alpha_bandwidth": bw, "tile_time_s": s}
+        return [{"tile": t, "alpha": a, "keep_tokens": k, "binding": b,
+                 "alpha_bandwidth": bw if math.isfinite(bw) else None, "tile_time_s": s}
                 for t, (a, k, b, bw, s) in enumerate(zip(self.alphas, self.keep_tokens, self.binding,
                                                          self.alpha_bandwidth, self.tile_time_s, strict=True))]
 
@@ -279,7 +283,8 @@ def _tile_times(walk: TiledLayers, layer, kwargs: dict, tiles: int) -> list[floa
 
 
 def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None, float, Sequence[float]],
-                host_budget: float, group=None, checkpoint_every: Optional[int] = None) -> TileReport:
+                host_budget: float, group=None, checkpoint_every: Optional[int] = None,
+                pin: bool = True) -> TileReport:
     """Attach ``walk`` (made by :func:`swapping_walk`) to ``model``'s layers, find a tile's layout,
     solve α per tile and k (:mod:`memo.swap.tile_alpha`; ``alpha`` fixes α, one for all tiles or
     one per tile; ``checkpoint_every`` fixes k) and allocate the host slab of every tile's swapped
@@ -290,8 +295,19 @@ def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None,
     Raises:
         HostMemoryError: if even α = 0 fits the host with no checkpoint interval.
     """
+    try:
+        return _ready_tiles(walk, model, workload, alpha, host_budget, group, checkpoint_every, pin)
+    except BaseException:
+        walk.release()  # a registered slab must not outlive the failure
+        raise
+
+
+def _ready_tiles(walk: TiledLayers, model, workload: Workload, alpha, host_budget: float, group,
+                 checkpoint_every: Optional[int], pin: bool) -> TileReport:
     runtime = walk.swap
     device = runtime.device
+    # the ranks that must agree solve with the same budget, so that none refuses alone
+    host_budget = _min_over(int(min(host_budget, 2**62)), device, group)
     layers = list(model.decoder.layers)
     walk.attach(layers)
     kwargs = _layer_arguments(model, workload, runtime)
@@ -303,11 +319,12 @@ def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None,
     shape = TileShape(sizes, len(layers), tiles, runtime.buffer_count)
     times = _tile_times(walk, layers[0], kwargs, tiles)
     fixed = None if alpha is None else tile_alphas(alpha, tiles)
-    pin = device.type == "cuda"
+    pin = pin and device.type == "cuda"
 
     def allocate(solution) -> tuple[list[int], int]:
-        keeps = [_min_over(math.floor(a * segment + 1e-9), device, group) for a in solution.alphas]
-        k = -_min_over(-solution.checkpoint_every, device, group)
+        *keeps, k = _min_over([math.floor(a * segment + 1e-9) for a in solution.alphas]
+                              + [-solution.checkpoint_every], device, group)
+        keeps, k = list(keeps), -k
         if keeps * len(layers) != list(runtime.keeps):
             runtime.allocate(layout, keeps * len(layers), pin)
         return keeps, k
@@ -339,6 +356,15 @@ def ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Option
     """Attach ``runtime`` to ``model``'s layers, measure a layer, solve α and allocate the
     buffers and the slab (steps 1–4 above): :func:`prepare_swap`'s work on a runtime it did not
     make (one with another segment count, in the tests)."""
+    try:
+        return _ready_runtime(runtime, model, workload, alpha, host_budget, group)
+    except BaseException:
+        runtime.release()  # a registered slab must not outlive the failure
+        raise
+
+
+def _ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float],
+                   host_budget: float, group) -> SwapReport:
     device = runtime.device
     layers = list(model.decoder.layers)
     runtime.attach(layers)

@@ -207,7 +207,7 @@ class SwapRuntime:
         self._region_starts = starts
         self.roles = {slot.role: j for j, slot in enumerate(layout.slots) if slot.role}
         self.born = {slot.born: j for j, slot in enumerate(layout.slots) if slot.born is not None}
-        self.slab = torch.empty(total, dtype=torch.uint8)
+        self.slab = host_memory(total, torch.uint8, pin)
         if pin and self.slab.numel():
             register(self.slab)
             self._pinned = True
@@ -248,7 +248,8 @@ class SwapRuntime:
         self._accounting = {}
         return rows
 
-    def _account(self, unit: int, key: str, nbytes: int) -> None:
+    def account(self, unit: int, key: str, nbytes: int) -> None:
+        """Add ``nbytes`` to unit ``unit``'s layer's ``key`` ("device", "host", "recomputed") bytes."""
         entry = self._accounting.setdefault(unit // self.units_per_layer, {"device": 0, "host": 0, "recomputed": 0})
         entry[key] += nbytes
 
@@ -323,7 +324,7 @@ class SwapRuntime:
                 f"unit {index} saved {capture.cursor} tensors, its layout has {len(self.layout.slots)}"
             )
         if self.resident(index):
-            self._account(index, "device", self.layout.bytes_kept)
+            self.account(index, "device", self.layout.bytes_kept)
         else:
             self._offload(state)
         self._states[index] = state
@@ -355,7 +356,7 @@ class SwapRuntime:
             if slot.kind not in BYTELESS:
                 _copy_blocks(s, s.d2h, self._host_view(state, slot), self.swapped_part(state, j))
         self._buffer_free[b] = s.record(s.d2h)
-        self._account(state.index, "host", self.layout.host_bytes(state.keep))
+        self.account(state.index, "host", self.layout.host_bytes(state.keep))
 
     def saved(self, handle) -> torch.Tensor:
         """The tensor a forward's pack handle ``(state, slot)`` stands for, for the backward pass."""
@@ -452,7 +453,7 @@ class SwapRuntime:
             )
         _, tail = self.split(self.slot_tensor(self.buffer_of(state), j), slot, state.keep)
         tail.copy_(token_major.reshape(tail.shape))
-        self._account(state.index, "recomputed", token_major.numel() * token_major.element_size())
+        self.account(state.index, "recomputed", token_major.numel() * token_major.element_size())
 
     # ---------------------------------------------------------------- views
 
@@ -535,6 +536,21 @@ def _copy_blocks(streams: Streams, stream, dst: torch.Tensor, src: torch.Tensor)
 def unregister(slab: torch.Tensor) -> None:
     """Undo :func:`register`: the memory can then be registered again, or freed."""
     torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+
+
+PAGE = 4096  # bytes
+
+
+def host_memory(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """``numel`` elements of host memory; to be page-locked (``pin``), on whole pages of their
+    own: two registrations must never share a page (CUDA refuses the second), which two small
+    allocations from the C heap may."""
+    if not pin:
+        return torch.empty(numel, dtype=dtype)
+    nbytes = numel * dtype.itemsize
+    raw = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    return raw[start:start + nbytes].view(dtype)
 
 
 def register(slab: torch.Tensor) -> None:

@@ -68,7 +68,7 @@ from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
 from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS
 from memo.model.tiles import batch_in_tile_order
-from memo.swap.runtime import SwapRuntime, register, unregister
+from memo.swap.runtime import SwapRuntime, host_memory, register, unregister
 from memo.swap.streams import Streams
 
 # the walk's modes, named as its phases are: a tile's forward, the keys and values made again
@@ -399,6 +399,7 @@ class TiledLayers:
             self.inputs.kept[index] = x
         elif index % self.checkpoint_every == 0:
             self.inputs.offload(index // self.checkpoint_every, x, self.swap.streams)
+            self.swap.account(index * self._count, "host", x.numel() * x.element_size())
         out = torch.empty_like(x)
         ends = []
         for t, rows, j in self._tiles(x.shape[0]):
@@ -671,7 +672,7 @@ class LayerInputs:
 
     @classmethod
     def empty(cls, layers: int, x: torch.Tensor, pin: bool) -> "LayerInputs":
-        host = torch.empty((layers, *x.shape), dtype=x.dtype)
+        host = host_memory(layers * x.numel(), x.dtype, pin).view(layers, *x.shape)
         if pin and host.numel():
             register(host)
         return cls(host, pin and bool(host.numel()))

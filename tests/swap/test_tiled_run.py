@@ -28,6 +28,9 @@ def test_a_run_records_alpha_per_tile_and_the_checkpoint_interval(tmp_path):
     assert (steps["skeletal_device_bytes"] == row["tiles.tile_buffer_bytes"]).all()
     layers = records.dropna(subset=["host_bytes"])
     assert sorted(layers["layer"].unique()) == [0, 1]
-    # every tile but the last layer's last two sends its part out, each step
+    # every tile but the last layer's last two sends its part out, and both layers their input
+    # (256 tokens of 256 in fp32), each step
     per_tile = row["tiles.skeletal_attention_bytes"] + row["tiles.skeletal_other_bytes"] * tiles["keep_tokens"] // 64
-    assert layers.groupby("step")["host_bytes"].sum().tolist() == [per_tile.sum() + per_tile[:2].sum()] * 2
+    inputs = 2 * 256 * 256 * 4
+    assert layers.groupby("step")["host_bytes"].sum().tolist() == [per_tile.sum() + per_tile[:2].sum() + inputs] * 2
+    assert row["tiles.host_bytes"] == per_tile.sum() + per_tile[:2].sum() + inputs
