@@ -66,17 +66,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _layer_time(layer, kwargs: Optional[dict], device: torch.device, repeats: int = 2, run=None) -> float:
-    """Seconds of one forward of ``layer`` with autograd recording (or of ``run()``), best of
-    ``repeats``."""
+def _best_seconds(run, device: torch.device, repeats: int = 2) -> float:
+    """Seconds of ``run()`` (a forward with autograd recording), best of ``repeats``."""
     best = math.inf
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
-        if run is not None:
-            run()
-        else:
-            layer.run(**kwargs)
+        run()
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return best
@@ -275,7 +271,7 @@ def _tile_times(walk: TiledLayers, layer, kwargs: dict, tiles: int) -> list[floa
     """T_f(t) of every tile: the first and the last timed (a forward with autograd recording,
     as training runs it), the others on the line between (attention grows linearly with t)."""
     device = walk.swap.device
-    first, last = (_layer_time(None, None, device, run=functools.partial(walk.time_tile, layer, kwargs, t))
+    first, last = (_best_seconds(functools.partial(walk.time_tile, layer, kwargs, t), device)
                    for t in (0, tiles - 1))
     if tiles == 1:
         return [first]
@@ -370,7 +366,7 @@ def _ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Optio
     runtime.attach(layers)
     kwargs = _layer_arguments(model, workload, runtime)
     layout = runtime.discover(layers[0], kwargs)
-    layer_time = _layer_time(layers[0], kwargs, device)
+    layer_time = _best_seconds(lambda: layers[0].run(**kwargs), device)
     del kwargs
     sizes = SkeletalBytes(layout.bytes_of(INPUT), layout.bytes_of(ATTENTION), layout.bytes_of(TOKENS))
     n = len(layers)

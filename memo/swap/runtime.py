@@ -354,7 +354,7 @@ class SwapRuntime:
         s.wait(s.d2h, s.record(s.compute))
         for j, slot in enumerate(self.layout.slots):
             if slot.kind not in BYTELESS:
-                _copy_blocks(s, s.d2h, self._host_view(state, slot), self.swapped_part(state, j))
+                _copy_blocks(s, s.d2h, self._host_view(state.index, slot), self.swapped_part(state, j))
         self._buffer_free[b] = s.record(s.d2h)
         self.account(state.index, "host", self.layout.host_bytes(state.keep))
 
@@ -400,7 +400,7 @@ class SwapRuntime:
         self._buffer_owner[b] = state
         for j, slot in enumerate(self.layout.slots):
             if slot.kind not in BYTELESS:
-                _copy_blocks(s, s.h2d, self.swapped_part(state, j), self._host_view(state, slot))
+                _copy_blocks(s, s.h2d, self.swapped_part(state, j), self._host_view(state.index, slot))
         state.prefetched = s.record(s.h2d)
 
     def input_of(self, state: UnitState) -> torch.Tensor:
@@ -507,13 +507,14 @@ class SwapRuntime:
             return self.slot_tensor(index % self.buffer_count, j)
         s = self.streams
         s.wait(s.h2d, s.record(s.compute))
-        s.copy(s.h2d, staging, self._host_view(UnitState(index, None, self.keeps[index], {}), self.layout.slots[j]))
+        s.copy(s.h2d, staging, self._host_view(index, self.layout.slots[j]))
         s.wait(s.compute, s.record(s.h2d))
         return staging
 
-    def _host_view(self, state: UnitState, slot: Slot) -> torch.Tensor:
-        tokens, k = self.layout.segment_tokens, state.keep
-        start = self._region_starts[state.index] + self.layout.host_offset(slot, k)
+    def _host_view(self, index: int, slot: Slot) -> torch.Tensor:
+        """Slot ``slot``'s part of unit ``index``'s host region."""
+        tokens, k = self.layout.segment_tokens, self.keeps[index]
+        start = self._region_starts[index] + self.layout.host_offset(slot, k)
         raw = self.slab[start: start + slot.swapped_bytes(k, tokens)]
         if slot.kind == TOKENS:
             return raw.view(slot.dtype).view(slot.chunks * self.segments, k, *slot.shape[1:])

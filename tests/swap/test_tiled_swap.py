@@ -84,7 +84,6 @@ def test_the_host_holds_exactly_its_formula_and_the_device_r_tile_buffers(parall
     # the inputs of layers 0, k, 2k, ... in fp32
     assert walk.inputs.host.numel() * walk.inputs.host.element_size() == -(-4 // k) * SEQ * h * 4
     assert [b.numel() for b in runtime.buffers] == [layout.buffer_bytes] * 3
-    assert runtime.rounding_buffer_bytes == 3 * layout.buffer_bytes
     walk.release()
 
 
