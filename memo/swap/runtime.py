@@ -555,14 +555,16 @@ def host_memory(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
 
 def register(slab: torch.Tensor) -> None:
-    """Page-lock ``slab`` in place: one registration of the exact size, where the pinned
-    allocator would round a request up to a power of two."""
+    """Page-lock ``slab`` in place: one registration of its exact size in bytes, where the pinned
+    allocator would round a request up to a power of two. (A slab registered in part makes a
+    copy that spans both parts fail with CUDA's "invalid argument".)"""
+    nbytes = slab.numel() * slab.element_size()
     cudart = torch.cuda.cudart()
-    error = cudart.cudaHostRegister(slab.data_ptr(), slab.numel(), 0)
+    error = cudart.cudaHostRegister(slab.data_ptr(), nbytes, 0)
     if int(error) != 0:
         if hasattr(cudart, "cudaGetLastError"):  # not bound by every PyTorch build
             cudart.cudaGetLastError()  # the failure must not surface at the next CUDA call
         raise HostMemoryError(
-            f"cudaHostRegister of {slab.numel() / 2**30:.2f} GiB failed (error {int(error)}): "
+            f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (error {int(error)}): "
             "raise the locked-memory limit (ulimit -l) or lower hardware.host_memory_gib"
         )

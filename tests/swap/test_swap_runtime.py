@@ -482,3 +482,16 @@ def test_a_refused_registration_is_out_of_host_memory_and_clears_cudas_error(par
     assert [c[0] for c in cudart.calls] == ["register", "get_last_error"]
     runtime.release()
     assert [c[0] for c in cudart.calls] == ["register", "get_last_error"]  # nothing to unregister
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+def test_a_registration_page_locks_every_byte_of_the_slab(monkeypatch, dtype):
+    """A layer-input slab is bf16: registering its element count would lock half of it."""
+    from memo.swap.runtime import host_memory, register
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    slab = host_memory(3 * 1000, dtype, pin=True)
+    register(slab)
+    assert cudart.calls == [("register", slab.data_ptr(), 3 * 1000 * dtype.itemsize)]
+    assert slab.data_ptr() % 4096 == 0
