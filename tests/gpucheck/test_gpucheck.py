@@ -187,7 +187,7 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     assert (models["status"] == "ok").all() and (models["predicted_peak_bytes"] > 0).all()
     assert (models["model.name"] == "tiny_llama").all() and models["time_error"].notna().all()
     tiles = pd.read_csv(tmp_path / "tiles.csv")  # tiled memo, swapped, with what the walk declared
-    assert list(tiles["job"]) == ["memo-256-2l"] and (tiles["status"] == "ok").all()
+    assert list(tiles["job"]) == ["memo-tiny_llama-256-2l"] and (tiles["status"] == "ok").all()
     assert (tiles["tiles.tiles"] == 4).all() and (tiles["declared_device_bytes"] > 0).all()
     assert tiles["tiles.alpha_mean"].between(0, 1).all()
 
