@@ -1,8 +1,11 @@
 """Pack step ``overlap``: how much of MEMO's host copies hides behind compute, from a
-``torch.profiler`` trace of two training steps at a length where swapping should hide.
+``torch.profiler`` trace of two training steps at a length where swapping should hide, for
+whole layers (``model=1.3b`` at 32K) and for layers walked in tiles (64K in tiles of 8K, α per
+tile solved on the machine).
 
-Per copy direction: its total time and the fraction of it during which some compute kernel runs;
-and the time the GPU computes nothing while a copy is in flight (what the step waits on copies).
+Per job and copy direction: its total time and the fraction of it during which some compute
+kernel runs; and the time the GPU computes nothing while a copy is in flight (what the step waits
+on copies).
 
     python -m memo.gpucheck.overlap --out DIR [--cpu]
 """
@@ -49,6 +52,20 @@ def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
     if args.cpu:
         return skip(args.out, "overlap", "needs a GPU: copies on CUDA streams beside compute kernels")
+    torch.cuda.set_device(0)
+    rows = []
+    for walk, overrides in (("layers", ("seq=32k",)), ("tiles", ("seq=64k", "method.tile_tokens=8k"))):
+        copies, kernels, figures, trace = _profiled_steps(overrides)
+        rows += [r | {"walk": walk} | figures for r in overlap_rows(copies, kernels)]
+        trace.export_chrome_trace(str(args.out / f"overlap_trace_{walk}.json.gz"))
+        write_rows(args.out, "overlap", rows)  # a step cut short by its budget keeps the first job's
+    return 0
+
+
+def _profiled_steps(overrides: tuple[str, ...]):
+    """Two profiled training steps of ``model=1.3b`` with memo and ``overrides``: the copies'
+    spans per direction and the compute kernels' (microseconds), the job's figures (``seq`` in
+    tokens, α: the mean over tiles for a walk in tiles) and the profiler's trace."""
     from torch.profiler import ProfilerActivity, profile
 
     from memo.config import resolve
@@ -56,20 +73,21 @@ def main(argv=None) -> int:
     from memo.execute import distributed
     from memo.execute.distributed import ProcessInfo
     from memo.execute.data import SyntheticTokens, micro_batches
+    from memo.swap import TileReport
 
-    torch.cuda.set_device(0)
-    device, seq = torch.device("cuda", 0), 32 * 1024
-    run = resolve(compose("model=1.3b", "method=memo", "seq=32k", "train.dtype=bf16", "train.loss=tiled"),
+    device = torch.device("cuda", 0)
+    run = resolve(compose("model=1.3b", "method=memo", "train.dtype=bf16", "train.loss=tiled", *overrides),
                   gpu_visible=True)
     workload = run.workload
     distributed.initialize(workload.parallel, "cuda", ProcessInfo(0, 1, 0))
     try:
         torch.manual_seed(0)
-        model, runtime, report = placed_model(workload, device, host_budget=64 * 2**30)
-        batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1, device)
+        model, placement, report = placed_model(workload, device, host_budget=64 * 2**30)
+        batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), workload.seq, 1, 1, 0, 1, device)
 
         def step():
             (batch,) = next(batches)
+            batch = placement.token_order(batch)
             loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
             loss.float().mean().backward()
 
@@ -79,7 +97,7 @@ def main(argv=None) -> int:
             step()
             step()
             torch.cuda.synchronize()
-        runtime.release()
+        placement.release()
     finally:
         distributed.shutdown()
     copies: dict[str, list] = {"d2h": [], "h2d": []}
@@ -94,10 +112,8 @@ def main(argv=None) -> int:
             copies["h2d"].append(span)
         elif "Memcpy" not in event.name and "Memset" not in event.name:
             kernels.append(span)
-    rows = [r | {"alpha": report.alpha, "seq": seq} for r in overlap_rows(copies, kernels)]
-    trace.export_chrome_trace(str(args.out / "overlap_trace.json.gz"))
-    write_rows(args.out, "overlap", rows)
-    return 0
+    alpha = report.row()["alpha_mean"] if isinstance(report, TileReport) else report.alpha
+    return copies, kernels, {"alpha": alpha, "seq": workload.seq}, trace
 
 
 if __name__ == "__main__":
