@@ -10,6 +10,7 @@ on copies).
     python -m memo.gpucheck.overlap --out DIR [--cpu]
 """
 
+import gc
 import sys
 
 import torch
@@ -56,6 +57,8 @@ def main(argv=None) -> int:
     rows = []
     for walk, overrides in (("layers", ("seq=32k",)), ("tiles", ("seq=64k", "method.tile_tokens=8k"))):
         copies, kernels, figures, trace = _profiled_steps(overrides)
+        gc.collect()  # the job's model and placement, before the next job's
+        torch.cuda.empty_cache()
         rows += [r | {"walk": walk} | figures for r in overlap_rows(copies, kernels)]
         trace.export_chrome_trace(str(args.out / f"overlap_trace_{walk}.json.gz"))
         write_rows(args.out, "overlap", rows)  # a step cut short by its budget keeps the first job's

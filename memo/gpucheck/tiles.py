@@ -5,7 +5,7 @@ solved on the machine), as many layers as one GPU holds beside the whole optimiz
 within the step's budget: ``model=7b`` with 4 layers at 256K, ``model=llama3_8b`` with 1 at 1M.
 7b's 32 key-value heads do not fit at 1M on 80 GiB: its whole-sequence stores alone (keys and
 values, their float32 gradient accumulators, the input store) are 56 GiB, and a fake-tensor trace
-of one layer peaks at 78.3 GiB of activations before 6.8 GiB of model states; Llama-3-8B's 8
+of one layer peaks at 78.3 GiB of activations before 6.8 GiB of model states; Llama-3.1-8B's 8
 key-value heads make that 44.5 GiB beside 21.3 GiB (its 128K vocabulary). Per job: MFU, the peak
 memory, and what the walk declared on the device (its whole-sequence stores and tile buffers,
 ``tiles.store_bytes + tiles.tile_buffer_bytes``) with α, k, the measured bandwidth and tile times.

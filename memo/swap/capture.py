@@ -145,12 +145,15 @@ class Discover(_Saving):
     def pack(self, t: torch.Tensor):
         slot = self.classify(t)
         if slot is None:
-            return t
+            return t.detach()  # (see below)
         slot.born = self._request_of(canonical(t, slot.token_dim)) if slot.kind != ALIAS else None
         slot.saved_stride = t.stride()
         self.slots.append(slot)
         self.remember_product(len(self.slots) - 1, slot, t)
-        return t
+        # detached: the pass's graph is never taken backward, and a node's own output packed as
+        # itself would hold that node (and through these hooks the runtime, its layers and their
+        # weights) in a cycle through C++ that no garbage collection frees
+        return t.detach()
 
     def unpacker(self) -> Callable:
         return _as_saved

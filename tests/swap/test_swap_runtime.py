@@ -495,3 +495,20 @@ def test_a_registration_page_locks_every_byte_of_the_slab(monkeypatch, dtype):
     register(slab)
     assert cudart.calls == [("register", slab.data_ptr(), 3 * 1000 * dtype.itemsize)]
     assert slab.data_ptr() % 4096 == 0
+
+
+@pytest.mark.parametrize("tiles", [[], ["method.tile_tokens=64"]])
+def test_a_released_placement_and_its_model_are_freed(parallel_state, tiles):
+    """A sweep runs its jobs in one process: nothing of a job's layers may outlive it (the pass
+    that finds the layout keeps no graph, whose hooks would hold the runtime and its layers)."""
+    import gc
+    import weakref
+
+    workload = resolve_config("method=memo", "model=tiny_llama", "seq=256", *tiles).workload
+    model = build_gpt(workload, "cpu").module
+    placement, _ = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.5, InlineStreams())
+    alive = [weakref.ref(placement), weakref.ref(model.decoder.layers[0])]
+    placement.release()
+    del placement, model
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True]
