@@ -1,8 +1,7 @@
 """Under torchrun: layers walked in tiles against keeping everything, with tensor parallelism
 (``tp2``), tensor and sequence parallelism (``tp2-sp``, the tokens in tile order) or context
 parallelism (``cp2``, tiles of each rank's two chunks), for both layer types, both tiled methods
-(memo's tiles swapped, with α per tile and checkpoint layers, but under context parallelism) and
-three tile sizes: losses and every gradient over three steps in
+(memo's tiles swapped, with α per tile and checkpoint layers) and three tile sizes: losses and every gradient over three steps in
 float64 (tests/swap/test_tiled_layer.py says why). Under sequence parallelism a rank's tokens are
 others than keeping everything's, so the gradients of weights applied per token are compared summed
 over both ranks. A check of ``tests/checks_worker.py``."""
@@ -21,14 +20,14 @@ MODELS = {"tiny": [], "tiny_llama": ["model=tiny_llama"]}
 RAMP = [0.0, 0.25, 0.5, 1.0]
 # (model, method, tokens per tile, memo's α of each tile and checkpoint interval k, or None for
 # the solved ones) of each layout: both layer types and methods, several tiles under sequence
-# parallelism (whose tile order is the identity for one tile of the sequence); memo swaps its
-# tiles but under context parallelism, where it keeps them on the device
+# parallelism (whose tile order is the identity for one tile of the sequence)
 RUNS = {
     "tp2": [("tiny_llama", "memo", SEQ // 4, (RAMP, 2)), ("tiny", "full_recompute", SEQ // 8, None)],
     "tp2-sp": [("tiny", "memo", SEQ // 8, ([0.5] * 8, 1)), ("tiny_llama", "memo", SEQ // 4, (RAMP[::-1], 4)),
                ("tiny", "full_recompute", SEQ, None)],
     # a rank's two chunks of 64 tokens: two tiles each, or one
-    "cp2": [("tiny_llama", "memo", SEQ // 8, None), ("tiny", "full_recompute", SEQ // 4, None)],
+    "cp2": [("tiny_llama", "memo", SEQ // 8, (RAMP, 2)), ("tiny", "memo", SEQ // 4, ([0.5, 1.0], 4)),
+            ("tiny", "full_recompute", SEQ // 4, None)],
 }
 
 

@@ -281,16 +281,10 @@ def _check_tiles(cfg, m, seq: Optional[int]) -> None:
     if not m.walks_tiles:
         raise ConfigError(f"method.tile_tokens={m.tile_tokens} walks the layers of method=memo, full_swap "
                           f"or full_recompute, not method={m.name}; choose one of them {keep}")
-    if m.swaps and m.alpha is not None and p.cp > 1:
-        raise ConfigError(f"method={m.name} swaps every token, which layers walked in tiles under context "
-                          f"parallelism do not do yet; use method=memo {keep}")
     if cfg.mode in ("fit", "plan") or cfg.plan:
         what = "plan=true" if cfg.plan and cfg.mode == "train" else f"mode={cfg.mode}"
         raise ConfigError(f"{what} does not model layers walked in tiles yet; use "
                           f"method.tile_tokens={WHOLE_LAYERS}")
-    if parse_alpha(cfg.alpha) is not None and p.cp > 1:
-        raise ConfigError(f"alpha={cfg.alpha}: layers walked in tiles under context parallelism keep what "
-                          f"they save on the device (nothing is swapped yet); drop alpha {keep}")
     if p.cp > 1 and p.sequence_parallel:
         raise ConfigError(f"method.tile_tokens={m.tile_tokens} runs context parallelism without sequence "
                           f"parallelism so far; set parallel.sequence_parallel=false {keep}")

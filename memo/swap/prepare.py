@@ -175,11 +175,10 @@ def prepare_swap(model, workload: Workload, device: torch.device, host_budget: f
     layers = list(model.decoder.layers)
     parallel = workload.parallel
     if workload.tiled:
-        if workload.method.swaps and parallel.cp == 1:
+        if workload.method.swaps:
             walk = swapping_walk(workload, len(layers), streams or streams_for(device), device)
             return walk, ready_tiles(walk, model, workload, alpha, host_budget, group, pin=pin)
-        walk = TiledLayers(workload.tile_tokens, keep_attention=workload.method.swaps,
-                           sequence_chunks=sequence_chunks(parallel))
+        walk = TiledLayers(workload.tile_tokens, sequence_chunks=sequence_chunks(parallel))
         walk.attach(layers)
         return walk, None
     if not workload.swaps:
@@ -207,7 +206,7 @@ def swapping_walk(workload: Workload, num_layers: int, streams: Streams, device:
     chunks = sequence_chunks(workload.parallel)
     tiles = workload.seq // (workload.parallel.cp * workload.tile_tokens)
     runtime = SwapRuntime(num_layers * tiles, streams, device, chunks, buffers=buffers, units_per_layer=tiles)
-    return TiledLayers(workload.tile_tokens, keep_attention=False, sequence_chunks=chunks, swap=runtime)
+    return TiledLayers(workload.tile_tokens, sequence_chunks=chunks, swap=runtime)
 
 
 def tile_alphas(alpha: Union[None, float, Sequence[float]], tiles: int) -> list[float]:
@@ -269,13 +268,16 @@ class TileReport:
 
 def _tile_times(walk: TiledLayers, layer, kwargs: dict, tiles: int) -> list[float]:
     """T_f(t) of every tile: the first and the last timed (a forward with autograd recording,
-    as training runs it), the others on the line between (attention grows linearly with t)."""
+    as training runs it), the others on the line between by the position of their block in the
+    sequence (attention grows linearly with it; under context parallelism a rank's tiles are two
+    runs of blocks, one from each end)."""
     device = walk.swap.device
     first, last = (_best_seconds(functools.partial(walk.time_tile, layer, kwargs, t), device)
                    for t in (0, tiles - 1))
     if tiles == 1:
         return [first]
-    return [first + (last - first) * t / (tiles - 1) for t in range(tiles)]
+    blocks = walk.blocks(kwargs["hidden_states"].shape[0])
+    return [first + (last - first) * (j - blocks[0]) / (blocks[-1] - blocks[0]) for j in blocks]
 
 
 def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None, float, Sequence[float]],

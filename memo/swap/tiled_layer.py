@@ -7,18 +7,17 @@ residuals and MLP, with their tensor-parallel collectives). Core attention is th
 the tile's keys and values are written into the **key/value store** and its queries attend over
 the store's blocks ``0 .. t`` (:mod:`memo.model.tiled_attention`).
 
-Forward of a layer (no graph is kept): for ``t = 0 .. T − 1`` run the layer on tile ``t``; the
-output rows go to the layer's output, the next layer's input. What the layer keeps for its
-backward pass is its input (as the next layer's input, the residual stream) and, for ``memo``,
-attention's output and log-sum-exp (MEMO's rule: attention is never recomputed); ``full_recompute``
-keeps the input alone.
+Without swapping (``full_recompute``), the forward of a layer keeps no graph: for ``t = 0 .. T − 1``
+run the layer on tile ``t``; the output rows go to the layer's output, the next layer's input. What
+the layer keeps for its backward pass is its input (as the next layer's input, the residual
+stream).
 
 Backward of a layer, given the gradient of its output:
 
 1. *Rebuild*: each tile runs up to core attention (norm, QKV, RoPE) without a graph, writing its
    keys and values into the store; the float32 **key/value gradient accumulators** are zeroed.
-2. For ``t = T − 1 .. 0``: the tile is run again with a graph; core attention hands back the kept
-   output (``memo``) or computes it from the store (``full_recompute``), and its backward runs
+2. For ``t = T − 1 .. 0``: the tile is run again with a graph; core attention computes its output
+   from the store, and its backward runs
    the blocks with the merged output and log-sum-exp, adding every block's key and value
    gradients into the accumulators. Only tiles ``≥ t`` see block ``t``, so after them block
    ``t``'s gradients are final and go back through RoPE and QKV with the rest of the tile: one
@@ -38,9 +37,8 @@ linear), to what one pass gives without context parallelism.
 
 The stores live as long as the walk: keys and values ``2·s·h_kv/tp`` elements in the activation
 dtype, their gradient accumulators as many in float32, for the whole sequence whatever cp is.
-Without swapping (``full_recompute``, and ``memo`` under context parallelism) each layer keeps its
-input (the residual stream, ``s·h/tp``) and ``memo`` its attention output and float32 log-sum-exp
-until the layer's backward; the gradient of a layer's input is a new ``s·h/tp`` tensor, the one of
+Without swapping each layer keeps its input (the residual stream, ``s·h/tp``) until the layer's
+backward; the gradient of a layer's input is a new ``s·h/tp`` tensor, the one of
 its output freed when the layer's backward returns.
 
 **Swapping** (``memo``, ``full_swap``; :class:`memo.swap.runtime.SwapRuntime` given as ``swap``):
@@ -109,15 +107,6 @@ class _Tile:
     block: int  # where the tile's tokens are in the store (t without context parallelism)
 
 
-@dataclass
-class _Kept:
-    """What ``memo`` keeps of one layer's attention: output ``[s, b, heads, d]`` (token-major, as
-    the kernels' block outputs are merged into) and float32 log-sum-exp ``[b, heads, s]``."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
-
-
 class _Rebuilt(Exception):
     """Raised by core attention in a rebuild, once the tile's keys and values are in the store."""
 
@@ -138,25 +127,20 @@ class TiledLayers:
         tile_tokens: ``c``, tokens per tile as attention sees them: gathered over the
             ``sequence_chunks`` ranks of sequence parallelism, of which each holds ``c /
             sequence_chunks`` rows of the layer input (rows that must divide its own).
-        keep_attention: keep attention's output and log-sum-exp (``memo``) rather than
-            recompute it in the backward pass (``full_recompute``).
         sequence_chunks: tp under sequence parallelism, else 1. The tokens must be in tile order
             (:func:`memo.model.tiles.tile_order`), so that a tile gathered over the ranks is
             ``c`` consecutive tokens of the sequence.
     """
 
-    def __init__(self, tile_tokens: int, keep_attention: bool, sequence_chunks: int = 1,
-                 swap: Optional[SwapRuntime] = None, checkpoint_every: int = 1):
+    def __init__(self, tile_tokens: int, sequence_chunks: int = 1, swap: Optional[SwapRuntime] = None,
+                 checkpoint_every: int = 1):
         if tile_tokens <= 0 or tile_tokens % sequence_chunks:
             raise ValueError(f"tile_tokens={tile_tokens} must be a positive multiple of {sequence_chunks}")
-        if swap is not None and keep_attention:
-            raise ValueError("a walk that swaps its tiles keeps attention's output in their buffers, not whole")
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every}: every k-th layer keeps its input, k >= 1")
         self.checkpoint_every = checkpoint_every  # k: layers 0, k, 2k, ... send their input to the host
         self.tile_tokens = tile_tokens
         self.tile_rows = tile_tokens // sequence_chunks
-        self.keep_attention = keep_attention
         self.swap = swap
         self.inputs: Optional[LayerInputs] = None  # under swapping: the layer inputs, on the host
         self._anchor = torch.empty(0, requires_grad=True)  # makes a tile's input require grad
@@ -169,7 +153,6 @@ class TiledLayers:
         self.layers: list = []
         self._index: dict[int, int] = {}
         self._tile: Optional[_Tile] = None
-        self._kept: Optional[_Kept] = None  # memo's kept attention of the layer being walked
         # called with (layer, part of its pass) as the walk goes: "fwd.t<t>", "rebuild" (before
         # the backward tiles, and under context parallelism before the forward ones too),
         # "bwd.t<t>", "bwd.kv.t<t>" (context parallelism), and the layer's own "fwd" or "bwd" when
@@ -241,9 +224,9 @@ class TiledLayers:
         """Run tile ``t`` of ``layer`` forward once, with autograd recording, as training does
         but for the swap runtime's copies (the stores as they are): for timing it."""
         x = kwargs["hidden_states"]
-        rows = slice(t * self.tile_rows, (t + 1) * self.tile_rows)
+        _, rows, j = self._tiles(x.shape[0])[t]
         self._allocate(layer, x)
-        self._tile = _Tile(FORWARD, 0, t, t)
+        self._tile = _Tile(FORWARD, 0, t, j)
         try:
             with torch.enable_grad():
                 layer.run(**self._tile_kwargs(kwargs, x[rows].detach().requires_grad_(True), t))
@@ -299,6 +282,11 @@ class TiledLayers:
         cp, rank, per_chunk = self.cp, self.cp_rank, count // 2
         starts = (rank * per_chunk, (2 * cp - 1 - rank) * per_chunk)
         return [(t, slice(t * r, (t + 1) * r), starts[t // per_chunk] + t % per_chunk) for t in range(count)]
+
+    def blocks(self, rows: int) -> list[int]:
+        """Where each of this rank's tiles is in the sequence, in blocks of ``c`` tokens, for a
+        layer input of ``rows`` rows."""
+        return [j for _, _, j in self._tiles(rows)]
 
     def _make_keys(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> None:
         """Every tile's keys and values into the store, without a graph, then (under context
@@ -356,9 +344,9 @@ class TiledLayers:
         finally:
             self._tile = None
 
-    def _allocate(self, layer, x: torch.Tensor) -> Optional[_Kept]:
-        """The stores (once, or again for another length) and ``memo``'s kept attention of the
-        layer, before its tiles: ``[tokens, b, heads, dim]`` from the layer's attention."""
+    def _allocate(self, layer, x: torch.Tensor) -> None:
+        """The stores (once, or again for another length), before the layer's tiles:
+        ``[tokens, b, groups, dim]`` from the layer's attention."""
         attention = layer.self_attention
         tokens = x.shape[0] // self.tile_rows * self.tile_tokens  # this rank's
         d, b = attention.hidden_size_per_attention_head, x.shape[1]
@@ -366,26 +354,17 @@ class TiledLayers:
         if self.stores is None or tuple(self.stores.keys.shape) != shape or self.stores.keys.dtype != x.dtype:
             self.stores = None  # the old ones go first
             self.stores = TileStores.empty(shape, x.dtype, x.device)
-        if not self.keep_attention:
-            return None
-        heads = attention.num_attention_heads_per_partition
-        return _Kept(torch.empty((tokens, b, heads, d), dtype=x.dtype, device=x.device),
-                     torch.empty((b, heads, tokens), dtype=blocks.wide(x.dtype), device=x.device))
 
-    def run_forward(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, Optional[_Kept]]:
-        """The layer's output, tile by tile, without a graph, and what ``memo`` keeps of its
-        attention for its backward pass."""
-        kept = self._kept = self._allocate(layer, x)
-        try:
-            if self.cp > 1:
-                self._make_keys(layer, index, x, kwargs)
-            out = torch.empty_like(x)
-            for t, rows, j in self._tiles(x.shape[0]):
-                out[rows] = self._run(layer, kwargs, x[rows], _Tile(FORWARD, index, t, j))
-        finally:
-            self._kept = None
+    def run_forward(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The layer's output, tile by tile, without a graph."""
+        self._allocate(layer, x)
+        if self.cp > 1:
+            self._make_keys(layer, index, x, kwargs)
+        out = torch.empty_like(x)
+        for t, rows, j in self._tiles(x.shape[0]):
+            out[rows] = self._run(layer, kwargs, x[rows], _Tile(FORWARD, index, t, j))
         self.on_phase(index, FORWARD)
-        return out, kept
+        return out
 
     def run_forward_swapped(self, layer, index: int, x: torch.Tensor, kwargs: dict
                             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -395,6 +374,8 @@ class TiledLayers:
         self._allocate(layer, x)
         self.inputs.ready_store(x)
         self.swap.ready_buffers()
+        if self.cp > 1:  # every rank's keys and values, before any tile attends over them
+            self._make_keys(layer, index, x, kwargs)
         if self._resident_layer(index):
             self.inputs.kept[index] = x
         elif index % self.checkpoint_every == 0:
@@ -436,6 +417,8 @@ class TiledLayers:
                 ends[t] = None  # the tile's graph, before the next one's
         finally:
             self._tile = self._input_grad = self._output_grad = None
+        if self.cp > 1:
+            self._key_gradients(layer, index, x, kwargs, grad_x)
         self.on_phase(index, BACKWARD)
         return grad_x
 
@@ -463,43 +446,43 @@ class TiledLayers:
         """``T``: tiles of one layer on this rank."""
         return self.swap.units_per_layer
 
-    def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor,
-                     kept: Optional[_Kept]) -> torch.Tensor:
-        """The gradient of the layer's input from that of its output (and ``kept``, what its
-        forward kept), adding the layer's weight gradients tile by tile."""
-        tiles = self._tiles(x.shape[0])
+    def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of the layer's input ``x`` from that of its output, adding the layer's
+        weight gradients tile by tile."""
         grad_x = torch.empty_like(x)  # the gradient stream below this layer
         self._make_keys(layer, index, x, kwargs)
         self.stores.key_grads.zero_()
         self.stores.value_grads.zero_()
-        self._kept = kept
-        try:
-            for t, rows, j in reversed(tiles):
-                tile_x = x[rows].detach().requires_grad_(True)
-                with torch.enable_grad():
-                    y = self._run(layer, kwargs, tile_x, _Tile(BACKWARD, index, t, j))
-                torch.autograd.backward(y, grad[rows])
-                grad_x[rows] = tile_x.grad
-                del y, tile_x  # the tile's graph, before the next one's
-        finally:
-            self._kept = None
+        for t, rows, j in reversed(self._tiles(x.shape[0])):
+            tile_x = x[rows].detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = self._run(layer, kwargs, tile_x, _Tile(BACKWARD, index, t, j))
+            torch.autograd.backward(y, grad[rows])
+            grad_x[rows] = tile_x.grad
+            del y, tile_x  # the tile's graph, before the next one's
         if self.cp > 1:
-            self._sum_gradients()
-            for t, rows, j in tiles:
-                tile_x = x[rows].detach().requires_grad_(True)
-                try:
-                    with torch.enable_grad():
-                        self._run(layer, kwargs, tile_x, _Tile(KEYS, index, t, j))
-                except _KeysMade as made:
-                    c = self.tile_tokens
-                    grads = [block(g, j, c).to(made.keys.dtype) for g in (self.stores.key_grads,
-                                                                            self.stores.value_grads)]
-                    torch.autograd.backward([made.keys, made.values], grads)
-                    del made, grads
-                grad_x[rows] += tile_x.grad
-                del tile_x
+            self._key_gradients(layer, index, x, kwargs, grad_x)
         self.on_phase(index, BACKWARD)
         return grad_x
+
+    def _key_gradients(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad_x: torch.Tensor) -> None:
+        """Under context parallelism, once every tile's queries have added their key and value
+        gradients: those summed over the ranks, each tile run again from its input ``x[rows]``
+        up to its keys and values, and their gradients taken back into ``grad_x``."""
+        self._sum_gradients()
+        for t, rows, j in self._tiles(x.shape[0]):
+            tile_x = x[rows].detach().requires_grad_(True)
+            try:
+                with torch.enable_grad():
+                    self._run(layer, kwargs, tile_x, _Tile(KEYS, index, t, j))
+            except _KeysMade as made:
+                c = self.tile_tokens
+                grads = [block(g, j, c).to(made.keys.dtype) for g in (self.stores.key_grads,
+                                                                        self.stores.value_grads)]
+                torch.autograd.backward([made.keys, made.values], grads)
+                del made, grads
+            grad_x[rows] += tile_x.grad
+            del tile_x
 
     # ---------------------------------------------------------- core attention
 
@@ -532,34 +515,19 @@ class TiledLayers:
         if tile.mode == REBUILD:
             raise _Rebuilt
         if tile.mode == FORWARD:
-            out, lse = tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.block, scale)
-            if self.keep_attention:
-                self._keep(tile, out, lse)
-            return out
+            return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.block, scale)[0]
         return _TileAttention.apply(q, k, v, self, tile, kernel, scale)
-
-    def _keep(self, tile: _Tile, out: torch.Tensor, lse: torch.Tensor) -> None:
-        c, kept = out.shape[2], self._kept
-        block(kept.out, tile.index, c).copy_(out)
-        kept.lse[..., tile.index * c:(tile.index + 1) * c].copy_(lse)
-
-    def _attention_of(self, tile: _Tile, q: torch.Tensor, kernel: str, scale: float):
-        """The tile's merged output and log-sum-exp: kept (memo) or computed from the store."""
-        if not self.keep_attention:
-            return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.block, scale)
-        kept, c = self._kept, q.shape[2]
-        return block(kept.out, tile.index, c), kept.lse[..., tile.index * c:(tile.index + 1) * c]
 
 
 class _TileAttention(torch.autograd.Function):
-    """A tile's core attention in the backward walk: its output as :meth:`TiledLayers._attention_of`
-    gives it; its backward runs the tile's blocks and returns the tile's query gradient and its
+    """A tile's core attention in the backward walk without swapping: its output from the store;
+    its backward runs the tile's blocks and returns the tile's query gradient and its
     own block's (then final) key and value gradients; under context parallelism the query
     gradient alone (the key and value gradients are final once summed over the ranks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, walk: TiledLayers, tile: _Tile, kernel: str, scale: float):
-        out, lse = walk._attention_of(tile, q, kernel, scale)
+        out, lse = tile_forward(kernel, q, walk.stores.keys, walk.stores.values, tile.block, scale)
         ctx.walk, ctx.tile, ctx.kernel, ctx.scale = walk, tile, kernel, scale
         ctx.q, ctx.out, ctx.lse = q, out, lse
         ctx.kv_dtype = k.dtype
@@ -587,8 +555,9 @@ class _SwappedTileAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, walk: TiledLayers, tile: _Tile, kernel: str, scale: float):
         c, stores = q.shape[2], walk.stores
-        block(stores.keys, tile.block, c).copy_(k)
-        block(stores.values, tile.block, c).copy_(v)
+        if walk.cp == 1:  # (under context parallelism the store was made, and gathered, first)
+            block(stores.keys, tile.block, c).copy_(k)
+            block(stores.values, tile.block, c).copy_(v)
         out, lse = tile_forward(kernel, q, stores.keys, stores.values, tile.block, scale)
         ctx.save_for_backward(q, out, lse)
         ctx.walk, ctx.block, ctx.kernel, ctx.scale, ctx.kv_dtype = walk, tile.block, kernel, scale, k.dtype
@@ -600,6 +569,8 @@ class _SwappedTileAttention(torch.autograd.Function):
         stores, j, c = ctx.walk.stores, ctx.block, q.shape[2]
         dq = tile_backward(ctx.kernel, dout, q, stores.keys, stores.values, out, lse, j, ctx.scale,
                            stores.key_grads, stores.value_grads)
+        if ctx.walk.cp > 1:  # final once summed over the ranks (:meth:`TiledLayers._key_gradients`)
+            return dq, None, None, None, None, None, None
         dk, dv = (block(g, j, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
         return dq, dk, dv, None, None, None, None
 
@@ -640,21 +611,19 @@ class _TiledLayer(torch.autograd.Function):
     def forward(ctx, hidden, walk: TiledLayers, layer, index: int, kwargs: dict):
         ctx.walk, ctx.layer, ctx.index, ctx.kwargs = walk, layer, index, kwargs
         if walk.swap is not None:  # the input goes to the host
-            out, ctx.kept = walk.run_forward_swapped(layer, index, hidden, kwargs)
+            out, ctx.ends = walk.run_forward_swapped(layer, index, hidden, kwargs)
             return out
         ctx.save_for_backward(hidden)
-        out, ctx.kept = walk.run_forward(layer, index, hidden, kwargs)
-        return out
+        return walk.run_forward(layer, index, hidden, kwargs)
 
     @staticmethod
     def backward(ctx, grad):
-        kept, ctx.kept = ctx.kept, None  # freed once the layer's backward is done
         if ctx.walk.swap is not None:
-            grad_x = ctx.walk.run_backward_swapped(ctx.layer, ctx.index, ctx.kwargs, grad.contiguous(), kept)
+            ends, ctx.ends = ctx.ends, None  # the tiles' graphs, freed as the layer's backward goes
+            grad_x = ctx.walk.run_backward_swapped(ctx.layer, ctx.index, ctx.kwargs, grad.contiguous(), ends)
             return grad_x, None, None, None, None
         (hidden,) = ctx.saved_tensors
-        grad_x = ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous(), kept)
-        return grad_x, None, None, None, None
+        return ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous()), None, None, None, None
 
 
 @dataclass

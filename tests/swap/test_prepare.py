@@ -50,7 +50,7 @@ def test_tiles_take_over_the_layer_and_its_core_attention_and_memo_swaps_the_res
                               "seq=128").workload
     model = build_gpt(workload, "cpu").module
     walk, report = prepare_swap(model, workload, CPU, 2**40)
-    assert isinstance(walk, TiledLayers) and not walk.keep_attention
+    assert isinstance(walk, TiledLayers) and (walk.swap is not None) == (method == "memo")
     assert isinstance(report, TileReport) if method == "memo" else report is None
     given = _placements(model)
     placed = {name for name, p in given.items() if p is walk}
