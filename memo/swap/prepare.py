@@ -155,8 +155,9 @@ def prepare_swap(model, workload: Workload, device: torch.device, host_budget: f
     tensor-parallel ranks together) per micro-batch.
 
     Returns ``(None, None)`` for a method that leaves its layers to Megatron (or to our layer's
-    own recomputation), ``(TiledLayers, None)`` for layers walked in tiles that keep what they
-    save on the device, ``(TiledLayers, TileReport)`` for tiles that swap (memo), and a
+    own recomputation), ``(TiledLayers, None)`` for layers walked in tiles that recompute what
+    they save (``full_recompute``), ``(TiledLayers, TileReport)`` for tiles that swap (``memo``,
+    ``full_swap``), and a
     :class:`SwapRuntime` with its :class:`SwapReport` for whole layers that swap. A training step's micro-batch
     goes through the placement's ``token_order``; ``release`` gives its memory back.
 

@@ -326,7 +326,8 @@ class TiledLayers:
 
     def _tile_kwargs(self, kwargs: dict, hidden: torch.Tensor, index: int) -> dict:
         rope, c = kwargs.get("rotary_pos_emb"), self.tile_tokens
-        # the angles of the tile's gathered tokens, positions t·c .. (t + 1)·c
+        # the angles of the tile's gathered tokens: rows t·c .. (t + 1)·c of this rank's table (under
+        # context parallelism Megatron's table holds the rank's two chunks, in its rows' order)
         return dict(kwargs, hidden_states=hidden,
                     rotary_pos_emb=None if rope is None else rope[index * c:(index + 1) * c])
 
