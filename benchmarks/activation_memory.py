@@ -18,6 +18,7 @@ optimizer states are the same for every method and are not counted. A benchmark,
 takes minutes at the paper's depth.
 
     python benchmarks/activation_memory.py --layers 4 --seq 8k,16k,32k --tile 1k
+    python benchmarks/activation_memory.py --layers 4 --seq 32k --methods "memo tiles"  # and the two references
 """
 
 import argparse
@@ -103,9 +104,14 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--alpha", type=float, default=0.5, help="memo's swapped fraction (default 0.5)")
     parser.add_argument("--loss", default="tiled", choices=("tiled", "megatron"), help="for every method")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated rows (default all; megatron_full_recompute and none are always run)")
     args = parser.parse_args()
     lengths = [parse_seq(n) for n in args.seq.split(",")]
     tile = parse_seq(args.tile, "--tile")
+    chosen = {"none", "megatron_full_recompute", *args.methods.split(",")}
+    if chosen - set(METHODS):
+        parser.error(f"--methods: unknown {', '.join(sorted(chosen - set(METHODS)))}; choose from {', '.join(METHODS)}")
 
     register_configs()
     mib = 2**20
@@ -119,6 +125,8 @@ def main() -> None:
                 for layers in (int(n) for n in args.layers.split(",")):
                     results = {}
                     for name, method in METHODS.items():
+                        if name not in chosen:
+                            continue
                         extra = {"memo": [f"alpha={args.alpha}"], "memo tiles": [f"method.tile_tokens={tile}"]}
                         overrides = [f"model={args.model}", f"model.num_layers={layers}", *method,
                                      f"train.loss={args.loss}", f"seq={seq}", *extra.get(name, [])]
