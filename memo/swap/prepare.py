@@ -16,6 +16,7 @@ processes solve α on their own: under context parallelism each rank swaps its o
 recomputes them without exchanging any, and its host budget is its share of its node's.
 """
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -294,10 +295,18 @@ def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None,
     Raises:
         HostMemoryError: if even α = 0 fits the host with no checkpoint interval.
     """
-    try:
+    with _released_on_failure(walk):
         return _ready_tiles(walk, model, workload, alpha, host_budget, group, checkpoint_every, pin)
+
+
+@contextlib.contextmanager
+def _released_on_failure(placement: LayerRuntime):
+    """Give ``placement``'s memory back if getting it ready fails: a registered slab must not
+    outlive the failure."""
+    try:
+        yield
     except BaseException:
-        walk.release()  # a registered slab must not outlive the failure
+        placement.release()
         raise
 
 
@@ -323,7 +332,7 @@ def _ready_tiles(walk: TiledLayers, model, workload: Workload, alpha, host_budge
     def allocate(solution) -> tuple[list[int], int]:
         *keeps, k = _min_over([math.floor(a * segment + 1e-9) for a in solution.alphas]
                               + [-solution.checkpoint_every], device, group)
-        keeps, k = list(keeps), -k
+        k = -k
         if keeps * len(layers) != list(runtime.keeps):
             runtime.allocate(layout, keeps * len(layers), pin)
         return keeps, k
@@ -355,11 +364,8 @@ def ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Option
     """Attach ``runtime`` to ``model``'s layers, measure a layer, solve α and allocate the
     buffers and the slab (steps 1–4 above): :func:`prepare_swap`'s work on a runtime it did not
     make (one with another segment count, in the tests)."""
-    try:
+    with _released_on_failure(runtime):
         return _ready_runtime(runtime, model, workload, alpha, host_budget, group)
-    except BaseException:
-        runtime.release()  # a registered slab must not outlive the failure
-        raise
 
 
 def _ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float],
