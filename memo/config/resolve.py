@@ -126,6 +126,8 @@ def resolve(cfg, gpu_visible: bool) -> Run:
                            parse_seq(cfg.fit.seq_limit, "fit.seq_limit"))
         seq = search.limit
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device_type == "cuda" else "fp32")
+    if cfg.mode == "train":
+        check_optimizer_offload(cfg.train.optimizer_offload, device_type, dtype)
     workload = Workload(
         model=OmegaConf.to_object(cfg.model),
         method=dataclasses.replace(method, loss=loss),
@@ -159,6 +161,27 @@ def _device_type(cfg, backend: str, gpu_visible: bool) -> str:
         return "cuda" if gpu_visible else "cpu"
     return "cpu" if cfg.hardware.name == "cpu" else "cuda"
 
+
+
+def check_optimizer_offload(offload: str, device_type: str, dtype: str) -> None:
+    """Refuse ``train.optimizer_offload=host`` where it cannot train: a run on the CPU (whose Adam
+    states are on the host already, and which has no device memory to free) and fp32 weights
+    (Megatron-core 0.16's HybridDeviceOptimizer cannot take the distributed optimizer's shards of
+    fp32 parameters, which are views still attached to autograd). ``dtype`` is a resolved
+    ``train.dtype`` ("fp32", "bf16", "fp16" or "fp64").
+
+    Raises:
+        ConfigError: in one line, saying what to set instead.
+    """
+    if offload != "host":
+        return
+    if device_type != "cuda":
+        raise ConfigError("train.optimizer_offload=host moves Adam's states off a GPU and this run trains on "
+                          "the CPU, where they are in host memory already; set train.optimizer_offload=none")
+    if dtype not in ("bf16", "fp16"):
+        raise ConfigError(f"train.optimizer_offload=host needs 16-bit weights (Megatron's offloaded "
+                          f"optimizer cannot take the shards of {dtype} parameters); set train.dtype=bf16 "
+                          "or train.optimizer_offload=none")
 
 
 def shards_optimizer(setting: Optional[bool], parallel: ParallelConfig) -> bool:

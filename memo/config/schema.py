@@ -58,6 +58,12 @@ class MethodConfig:
     recompute_method: Optional[str] = None  # "uniform" or "block" (full only)
     recompute_num_layers: Optional[int] = None  # layers per checkpointed chunk (full only)
     recompute_modules: Optional[list[str]] = None  # selective only, e.g. ["core_attn"]
+    # Megatron-core's fine-grained activation offloading (TransformerConfig's offload_modules):
+    # what autograd saves inside these modules of every layer is copied to the host after their
+    # forward and brought back for their backward; None offloads nothing. Of Megatron's names,
+    # those that act on the dense Transformer Engine layers: "qkv_linear" (input norm and QKV
+    # projection, fused there), "core_attn", "attn_proj" (needs core_attn).
+    offload_modules: Optional[list[str]] = None
     # Our own layer (memo.model.layer): "megatron" leaves activations to Megatron (and the
     # recompute_* fields above); "swap" is MEMO's token-wise swapping and recomputation;
     # "recompute" keeps each layer's input and recomputes the whole layer, attention included;
@@ -84,6 +90,11 @@ class MethodConfig:
     def ours(self) -> bool:
         """Runs memo's own transformer layer (the others are Megatron's, with its recomputation)."""
         return self.layer_activations != "megatron"
+
+    @property
+    def offloads(self) -> bool:
+        """Runs Megatron-core's fine-grained activation offloading (``offload_modules``)."""
+        return self.offload_modules is not None
 
     @property
     def swaps(self) -> bool:
@@ -162,6 +173,13 @@ class TrainConfig:
     # Megatron's distributed optimizer: Adam's states and the fp32 main weights sharded over the
     # dp·cp ranks (GPU). None: on wherever dp·cp > 1, as every Megatron-LM long-context recipe.
     distributed_optimizer: Optional[bool] = None
+    # "host": Adam's moments and the fp32 main weights live in host memory and Adam steps on the
+    # CPU (Megatron-core's HybridDeviceOptimizer; turns the distributed optimizer on; GPU runs with
+    # bf16 or fp16 weights only); "none": they stay on the device. memo.execute.optimizer_offload.
+    optimizer_offload: str = "none"
+    # With optimizer_offload=host: the share of this rank's parameters, in (0, 1], whose states go
+    # to the host (the first ones in the optimizer's order); the rest stay on the device.
+    optimizer_offload_fraction: float = 1.0
     # Output layer and cross entropy: auto (the method's `loss`), tiled (logits made per tile of
     # tokens, never for the whole sequence; memo.model.loss) or megatron (Megatron-core's own).
     loss: str = "auto"

@@ -122,6 +122,7 @@ def validate(cfg) -> Optional[int]:
     _choice("train.loss", t.loss, ("auto", *LOSSES))
     if t.loss_tile_tokens is not None:
         _positive("train.loss_tile_tokens", t.loss_tile_tokens)
+    _check_optimizer_offload(t)
     if t.data != "synthetic" and not Path(t.data).is_file():
         raise ConfigError(
             f"train.data={t.data} is neither 'synthetic' nor an existing text file"
@@ -133,6 +134,20 @@ def validate(cfg) -> Optional[int]:
     if cfg.mode == "fit":
         _check_fit(cfg.fit)
     return seq
+
+
+def _check_optimizer_offload(t) -> None:
+    _choice("train.optimizer_offload", t.optimizer_offload, ("none", "host"))
+    fraction = t.optimizer_offload_fraction
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"train.optimizer_offload_fraction={fraction} must be a fraction in (0, 1]: "
+                          "the share of parameters whose Adam states live on the host")
+    if t.optimizer_offload == "none" and fraction != 1:
+        raise ConfigError(f"train.optimizer_offload_fraction={fraction} applies to "
+                          "train.optimizer_offload=host only; drop it or set train.optimizer_offload=host")
+    if t.optimizer_offload == "host" and t.distributed_optimizer is False:
+        raise ConfigError("train.optimizer_offload=host runs inside Megatron's distributed optimizer "
+                          "and train.distributed_optimizer=false; drop that setting or set it true")
 
 
 def _check_known_keys(node, prefix: str = "") -> None:
@@ -247,7 +262,50 @@ def _check_alpha(cfg, m) -> None:
         raise ConfigError(f"alpha={cfg.alpha} applies to method=memo only; drop it or use method=memo")
 
 
+# Megatron-core's offload_modules that act on the dense Transformer Engine layers the method runs on.
+OFFLOAD_MODULES = ("qkv_linear", "core_attn", "attn_proj")
+# Megatron's other names, and why they do nothing on these models.
+_OFFLOAD_MODULES_WITHOUT_EFFECT = {
+    "attn_norm": "Megatron skips it on Transformer Engine's layers, whose input norm is fused into the "
+                 "QKV projection (qkv_linear offloads both)",
+    "mlp_norm": "Megatron skips it on Transformer Engine's dense layers, whose pre-MLP norm is fused "
+                "into FC1",
+    "expert_fc1": "it offloads mixture-of-experts layers, which these dense models do not have",
+    "moe_act": "it offloads mixture-of-experts layers, which these dense models do not have",
+}
+
+
+def _check_offload_modules(method) -> None:
+    modules = list(method.offload_modules)
+    allowed = ", ".join(OFFLOAD_MODULES)
+    if not modules:
+        raise ConfigError(f"method.offload_modules=[] offloads nothing; list some of: {allowed} "
+                          "(or use method=none)")
+    for name in modules:
+        if name in _OFFLOAD_MODULES_WITHOUT_EFFECT:
+            raise ConfigError(f"method.offload_modules: {name} has no effect here: "
+                              f"{_OFFLOAD_MODULES_WITHOUT_EFFECT[name]}; choose from: {allowed}")
+        if name not in OFFLOAD_MODULES:
+            raise ConfigError(f"method.offload_modules: {name} is not a module Megatron offloads; "
+                              f"choose from: {allowed}")
+    if "attn_proj" in modules and "core_attn" not in modules:
+        raise ConfigError("method.offload_modules: attn_proj's input is core_attn's output, which "
+                          "core_attn's backward needs on the device; add core_attn")
+    if method.layer_activations != "megatron":
+        raise ConfigError(f"method.offload_modules is Megatron's offloading, on Megatron's layers, and "
+                          f"cannot be combined with method.layer_activations={method.layer_activations}; "
+                          "set one of them")
+    if method.recompute_granularity is not None:
+        raise ConfigError(f"method.offload_modules cannot be combined with method.recompute_granularity="
+                          f"{method.recompute_granularity} here; set one of them")
+    if method.cp_attention != "memo":
+        raise ConfigError(f"method.offload_modules runs on Transformer Engine's attention, not "
+                          f"method.cp_attention={method.cp_attention}; set method.cp_attention=memo")
+
+
 def _check_method(method) -> None:
+    if method.offload_modules is not None:
+        _check_offload_modules(method)
     _choice("method.loss", method.loss, LOSSES)
     _choice("method.recompute_granularity", method.recompute_granularity, RECOMPUTE_GRANULARITIES)
     _choice("method.layer_activations", method.layer_activations, LAYER_ACTIVATIONS)

@@ -6,8 +6,12 @@ models, optional distributed optimizer, loss scaling for fp16). Those allocate o
 CPU :class:`HostOptimizer` does the same arithmetic with ``torch.optim.AdamW``: gradients
 averaged over data parallel, one global norm over tensor-parallel shards, clipped, then Adam
 with decoupled weight decay on matrices only (not on biases and norm weights).
+
+``train.optimizer_offload=host`` keeps Adam's states and the fp32 main weights of a GPU run in
+host memory (:mod:`memo.execute.optimizer_offload`).
 """
 
+import logging
 import math
 from typing import Protocol
 
@@ -18,6 +22,15 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from memo.config import ParallelConfig, TrainConfig, shards_optimizer
+from memo.config.resolve import check_optimizer_offload
+from memo.execute.optimizer_offload import NO_OFFLOAD, OffloadBytes, build_offloaded, built_offload_bytes, \
+    offload_config
+
+
+log = logging.getLogger("memo")
+
+# train.dtype's names of the weights' dtypes
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
 class StepOptimizer(Protocol):
@@ -25,6 +38,7 @@ class StepOptimizer(Protocol):
 
     name: str
     model: torch.nn.Module  # the module to run forward on (a DDP wrapper on GPUs)
+    offload: OffloadBytes  # what it keeps in host memory for a GPU (train.optimizer_offload=host)
 
     def zero_grad(self) -> None: ...
 
@@ -63,6 +77,7 @@ class HostOptimizer:
     """``torch.optim.AdamW`` with Megatron's data-parallel averaging and global-norm clipping."""
 
     name = "torch_adamw"
+    offload = NO_OFFLOAD  # its states are on the host, as the whole run is
 
     def __init__(self, module: torch.nn.Module, train: TrainConfig):
         self.model = module
@@ -110,7 +125,13 @@ class HostOptimizer:
 
 
 class MegatronStepOptimizer:
-    """Megatron-core's DDP and optimizer, stepped as Megatron-LM's ``train_step`` does."""
+    """Megatron-core's DDP and optimizer, stepped as Megatron-LM's ``train_step`` does: the
+    learning rate and weight decay of each parameter group set every step as its scheduler sets
+    them (no decay where Megatron's groups say ``wd_mult`` 0: biases and norm weights).
+
+    With ``train.optimizer_offload=host`` the optimizer is Megatron's ``HybridDeviceOptimizer``
+    inside its distributed optimizer, turned on for it (:mod:`memo.execute.optimizer_offload`);
+    :attr:`offload` gives its host bytes."""
 
     name = "megatron"
 
@@ -123,6 +144,9 @@ class MegatronStepOptimizer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = module.config
+        offload = train.optimizer_offload == "host"
+        sharded = sharded or offload
+        self.weight_decay = train.weight_decay
         self._finalize = finalize_model_grads
         self.model = DistributedDataParallel(
             config=config,
@@ -132,21 +156,29 @@ class MegatronStepOptimizer:
             ),
             module=module,
         )
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=train.lr,
-                weight_decay=train.weight_decay,
-                adam_beta1=train.adam_beta1,
-                adam_beta2=train.adam_beta2,
-                clip_grad=train.clip_grad,
-                bf16=config.bf16,
-                fp16=config.fp16,
-                params_dtype=config.params_dtype,
-                use_distributed_optimizer=sharded,
-            ),
-            [self.model],
+        fields = dict(
+            optimizer="adam",
+            lr=train.lr,
+            weight_decay=train.weight_decay,
+            adam_beta1=train.adam_beta1,
+            adam_beta2=train.adam_beta2,
+            clip_grad=train.clip_grad,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=sharded,
         )
+        if offload:
+            fraction = train.optimizer_offload_fraction
+            self.optimizer = build_offloaded(offload_config(fraction, **fields), [self.model])
+            self.offload = built_offload_bytes(self.optimizer, config.params_dtype.itemsize)
+            log.info("optimizer offload: Adam's states of %d parameters on the host, %.3f GiB (%.3f GiB "
+                     "page-locked), %.3f GiB less on the device", self.offload.offloaded_params,
+                     self.offload.host_bytes / 2**30, self.offload.pinned_bytes / 2**30,
+                     self.offload.device_bytes_removed / 2**30)
+        else:
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(**fields), [self.model])
+            self.offload = NO_OFFLOAD
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -158,7 +190,8 @@ class MegatronStepOptimizer:
     def step(self, lr: float) -> float:
         self._finalize([self.model])
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_mult"]
+            group["weight_decay"] = self.weight_decay * group["wd_mult"]
         _, grad_norm, _ = self.optimizer.step()
         return float("nan") if grad_norm is None else float(grad_norm)
 
@@ -166,7 +199,12 @@ class MegatronStepOptimizer:
 def build_optimizer(module: torch.nn.Module, train: TrainConfig, device_type: str,
                     parallel: ParallelConfig) -> StepOptimizer:
     """Megatron's optimizer on a GPU (distributed where :func:`memo.config.shards_optimizer`
-    says), :class:`HostOptimizer` on the CPU."""
+    says, or where ``train.optimizer_offload=host``), :class:`HostOptimizer` on the CPU.
+
+    Raises:
+        ConfigError: for ``train.optimizer_offload=host`` on the CPU or with fp32 weights.
+    """
+    check_optimizer_offload(train.optimizer_offload, device_type, _DTYPE_NAMES[module.config.params_dtype])
     if device_type == "cuda":
         return MegatronStepOptimizer(module, train, shards_optimizer(train.distributed_optimizer, parallel))
     return HostOptimizer(module, train)

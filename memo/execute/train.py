@@ -44,6 +44,7 @@ def run_steps(
     step_scope: Optional[Callable[[int], ContextManager[Optional[PhaseMarker]]]] = None,
     sequence_layout: str = "load_balanced",
     token_order: Callable[[dict], dict] = lambda micro_batch: micro_batch,
+    step_end: Callable[[], None] = lambda: None,
 ) -> None:
     """Train for ``train.steps`` steps, calling ``on_step`` with each step's record.
 
@@ -54,7 +55,8 @@ def run_steps(
     context parallelism each rank trains on its tokens of every micro-batch in
     ``sequence_layout`` (:func:`memo.model.context_parallel.sequence_layout`), put in
     ``token_order`` (layers walked in tiles under sequence parallelism need their tile order,
-    :func:`memo.model.tiles.batch_in_tile_order`).
+    :func:`memo.model.tiles.batch_in_tile_order`). ``step_end`` is called after the last
+    micro-batch's backward pass of every step (:attr:`memo.model.BuiltModel.step_end`).
     """
     model = optimizer.model
     model.train()
@@ -77,6 +79,7 @@ def run_steps(
                 optimizer.scale_loss(loss).backward()
                 loss_sum += loss.detach()
                 del per_token, loss  # freed within the step, as a recorded iteration has them
+            step_end()
             if marker is not None:
                 marker.optimizer()
             grad_norm = optimizer.step(lr)

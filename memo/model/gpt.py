@@ -13,7 +13,7 @@ keys and values, SwiGLU, RMSNorm and an output layer of their own (:class:`Model
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -22,6 +22,9 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
+)
+from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+    FineGrainedActivationOffloadingInterface,
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -62,6 +65,9 @@ class BuiltModel:
     # where no blocks run (one rank's sequence, Transformer Engine, DeepSpeed's exchange)
     attention_block_kernel: str
     params: int  # of the whole model, all shards
+    # Called after the last micro-batch's backward pass of every step, before the optimizer:
+    # Megatron's activation offloading starts its next iteration there, as its schedules do.
+    step_end: Callable[[], None] = lambda: None
 
 
 def torch_dtype(workload: Workload) -> torch.dtype:
@@ -161,6 +167,10 @@ def transformer_config(workload: Workload, device_type: str, local_spec: bool = 
         }
         if method.recompute_modules is not None:
             recompute["recompute_modules"] = list(method.recompute_modules)
+    offload = {}
+    if method.offloads and not local_spec:  # uses_transformer_engine refuses the local layers
+        offload = {"fine_grained_activation_offloading": True,
+                   "offload_modules": list(method.offload_modules)}
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -194,6 +204,7 @@ def transformer_config(workload: Workload, device_type: str, local_spec: bool = 
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         **recompute,
+        **offload,
     )
 
 
@@ -245,10 +256,30 @@ def uses_transformer_engine(
     MEMO's own layers (``method.layer_activations`` other than "megatron") are built on the
     local spec, whose attention and norms the swap runtime knows how to take apart.
 
+    Megatron's activation offloading (``method.offload_modules``) runs on Transformer Engine's
+    layers only: its manager copies on CUDA streams of its own and enters Transformer Engine's
+    CPU-offload context around every offloaded module.
+
     Raises:
-        ConfigError: if the run needs Transformer Engine (``attention_backend=te``) and it cannot
-            be used here.
+        ConfigError: if the run needs Transformer Engine (``attention_backend=te``, or Megatron's
+            offloading) and it cannot be used here.
     """
+    if method.offloads:
+        missing = [what for what, absent in (("a GPU", device_type != "cuda"),
+                                             ("Transformer Engine (pip install '.[gpu]')", not HAVE_TE))
+                   if absent]
+        if missing:
+            raise ConfigError(
+                f"method={method.name} is Megatron-core's fine-grained activation offloading, which needs "
+                f"{' and '.join(missing)} (it copies on CUDA streams inside Transformer Engine's CPU-offload "
+                "context), not here; use a method that does not offload"
+            )
+        if attention_backend not in ("auto", "te"):
+            raise ConfigError(
+                f"method={method.name} runs on Transformer Engine's layers and attention, so "
+                f"train.attention_backend={attention_backend} is not supported with it; use "
+                "train.attention_backend=auto"
+            )
     local = method.ours or method.cp_attention != "memo"
     if local and attention_backend == "te":
         raise ConfigError(
@@ -360,10 +391,17 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
     if not use_te:
         # The table is made with the angles (the embedding's phase), before any layer uses it.
         gpt.rotary_pos_emb.register_forward_hook(lambda _module, _args, freqs: rotary.fill(freqs, dtype))
+    step_end = lambda: None  # noqa: E731
+    if config.fine_grained_activation_offloading:
+        # a manager of this model's own: the one before (an earlier job of a sweep) holds that
+        # model's chunks, and would take this model's first step for a later one
+        FineGrainedActivationOffloadingInterface.reset_instance()
+        step_end = FineGrainedActivationOffloadingInterface.reset
     return BuiltModel(
         module=gpt,
         layer_spec="te" if use_te else "local",
         attention_backend=backend,
         attention_block_kernel=block_kernel,
         params=count_parameters(gpt),
+        step_end=step_end,
     )

@@ -165,8 +165,9 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device("cpu")
         tp_group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
-        # (only swapping fills the host: what may be pinned is not even looked at otherwise)
-        budget = host_budget(hw, device) if workload.method.swaps else 0
+        # (only swapping fills the host: what may be pinned is not even looked at otherwise;
+        # Adam's states offloaded to the host take their share of it first)
+        budget = host_budget(hw, device) - optimizer.offload.host_bytes if workload.method.swaps else 0
         placement, report = prepare_swap(built.module, workload, device, budget, run.alpha, group=tp_group)
         if isinstance(report, TileReport):
             row.update({f"tiles.{k}": finite(v) for k, v in report.row().items()})
@@ -237,7 +238,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         with step_progress(train.steps, show_bar=info.rank == 0) as progress:
             run_steps(optimizer, batches, train, device_type, on_step, runtime.step,
                       sequence_layout=sequence_layout(run.workload.method.cp_attention),
-                      token_order=placement.token_order if placement is not None else lambda mb: mb)
+                      token_order=placement.token_order if placement is not None else lambda mb: mb,
+                      step_end=built.step_end)
         row.update(runtime.finish())
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone
