@@ -235,6 +235,15 @@ class FitConfig:
     dp_comm_overlap: float = 0.0
     # Fraction of a link's nominal bandwidth a collective reaches.
     link_efficiency: float = 0.8
+    # train.optimizer_offload=host: bytes per second the host's Adam streams (GB/s; a node's cores
+    # shared by its devices' optimizers)
+    host_adam_gbps: float = 10.0
+    # parallel=search: besides the layouts, the layers' tiles tried for a method that walks tiles
+    # (memo, full_swap, full_recompute; "whole" or tokens as method.tile_tokens takes them) and the
+    # placements of Adam's states tried (train.optimizer_offload: none, host); a fixed layout
+    # predicts the run's own method.tile_tokens and train.optimizer_offload.
+    tile_tokens: list[str] = field(default_factory=lambda: ["whole", "8k", "16k", "32k"])
+    optimizer_offload: list[str] = field(default_factory=lambda: ["none"])
 
 
 @dataclass

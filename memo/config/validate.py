@@ -25,6 +25,7 @@ LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 LOSSES = ("tiled", "megatron")
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")  # as Megatron-core names them
 CP_ATTENTIONS = ("memo", "deepspeed")
+OPTIMIZER_OFFLOADS = ("none", "host")  # train.optimizer_offload: where Adam's states live
 ACTIVATIONS = ("gelu", "swiglu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -137,7 +138,7 @@ def validate(cfg) -> Optional[int]:
 
 
 def _check_optimizer_offload(t) -> None:
-    _choice("train.optimizer_offload", t.optimizer_offload, ("none", "host"))
+    _choice("train.optimizer_offload", t.optimizer_offload, OPTIMIZER_OFFLOADS)
     fraction = t.optimizer_offload_fraction
     if not 0 < fraction <= 1:
         raise ConfigError(f"train.optimizer_offload_fraction={fraction} must be a fraction in (0, 1]: "
@@ -230,6 +231,17 @@ def _check_fit(fit) -> None:
         value = getattr(fit, key)
         if not 0 <= value <= 1:
             raise ConfigError(f"fit.{key}={value} must be a fraction in [0, 1]")
+    if not fit.host_adam_gbps > 0:
+        raise ConfigError(f"fit.host_adam_gbps={fit.host_adam_gbps} must be positive (GB/s)")
+    if not fit.tile_tokens:
+        raise ConfigError("fit.tile_tokens is empty; list the tiles parallel=search tries, e.g. [whole,16k]")
+    for value in fit.tile_tokens:
+        if str(value).strip() != WHOLE_LAYERS:
+            parse_seq(value, "fit.tile_tokens")
+    if not fit.optimizer_offload:
+        raise ConfigError("fit.optimizer_offload is empty; list the placements parallel=search tries, e.g. [none,host]")
+    for value in fit.optimizer_offload:
+        _choice("fit.optimizer_offload", value, OPTIMIZER_OFFLOADS)
 
 
 def parse_alpha(value: object) -> Optional[float]:
@@ -339,9 +351,9 @@ def _check_tiles(cfg, m, seq: Optional[int]) -> None:
     if not m.walks_tiles:
         raise ConfigError(f"method.tile_tokens={m.tile_tokens} walks the layers of method=memo, full_swap "
                           f"or full_recompute, not method={m.name}; choose one of them {keep}")
-    if cfg.mode in ("fit", "plan") or cfg.plan:
-        what = "plan=true" if cfg.plan and cfg.mode == "train" else f"mode={cfg.mode}"
-        raise ConfigError(f"{what} does not model layers walked in tiles yet; use "
+    if cfg.mode == "plan" or cfg.plan:
+        what = "plan=true" if cfg.plan else f"mode={cfg.mode}"
+        raise ConfigError(f"{what} does not plan layers walked in tiles yet; use "
                           f"method.tile_tokens={WHOLE_LAYERS}")
     if p.cp > 1 and p.sequence_parallel:
         raise ConfigError(f"method.tile_tokens={m.tile_tokens} runs context parallelism without sequence "

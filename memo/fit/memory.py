@@ -21,14 +21,18 @@ Pipeline parallelism is predicted for its first stage holding ``pp`` micro-batch
 (1F1B), with the embedding, the head and the loss on the same stage: an upper bound.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from memo.config import Workload, shards_optimizer
+from memo.fit.megatron_offload import offloaded_bytes, offloaded_layers
 from memo.fit.template import INNER_LAYERS, IterationTemplate
-from memo.model.gpt import parameter_count
+from memo.execute.optimizer_offload import NO_OFFLOAD, OffloadBytes, offload_bytes
+from memo.model.gpt import parameter_count, parameter_numels
 from memo.swap.alpha import AlphaSolution, SkeletalBytes, choose_alpha
+from memo.swap.tile_alpha import TileShape, TileSolution, solve_tiles
 from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.dsa.caching_allocator import OutOfMemoryError, simulate
 from memo.profile.trace import Trace
@@ -38,28 +42,45 @@ _ALIGN = 256  # bytes: each tensor in a rounding buffer starts at a multiple
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes per device of what lives for the whole run."""
+    """Bytes per device of what lives for the whole run; ``offload`` is what Adam keeps on the
+    host for it (``train.optimizer_offload=host``)."""
 
     params: int  # parameters on this device (count)
     weights: int
     gradients: int
-    optimizer: int
+    optimizer: int  # on the device
+    offload: OffloadBytes = NO_OFFLOAD
 
     @property
     def total(self) -> int:
         return self.weights + self.gradients + self.optimizer
 
 
-def model_states(workload: Workload, distributed_optimizer: Optional[bool]) -> ModelStates:
+def model_states(workload: Workload, distributed_optimizer: Optional[bool],
+                 offload_fraction: float = 0.0) -> ModelStates:
     """Weights, gradients and Adam states of one device, bytes; the states sharded over dp·cp
-    where ``distributed_optimizer`` is true, or is None and dp·cp > 1."""
+    where ``distributed_optimizer`` is true, or is None and dp·cp > 1.
+
+    ``offload_fraction`` > 0: that share of the parameters' Adam states and fp32 main weights live
+    on the host (Megatron's ``HybridDeviceOptimizer``, which needs the distributed optimizer and
+    turns it on), counted as :func:`memo.execute.optimizer_offload.offload_bytes` counts what a run
+    allocates: for dp·cp = 1 exactly, tensor by tensor in the model's order; sharded over dp·cp
+    ranks, each tensor's share taken as its own.
+    """
     parallel = workload.parallel
     params = parameter_count(workload.model, parallel.tp, parallel.pp)
     element = workload.dtype_bytes
     # 16-bit training keeps fp32 main weights next to Adam's two fp32 moments.
     optimizer_per_param = 12 if element < 4 else 8
-    shards = parallel.dp * parallel.cp if shards_optimizer(distributed_optimizer, parallel) else 1
-    return ModelStates(params, params * element, params * 4, math.ceil(params * optimizer_per_param / shards))
+    sharded = offload_fraction > 0 or shards_optimizer(distributed_optimizer, parallel)
+    shards = parallel.dp * parallel.cp if sharded else 1
+    optimizer = math.ceil(params * optimizer_per_param / shards)
+    offload = NO_OFFLOAD
+    if offload_fraction > 0:
+        pieces = [-(-n // shards) for n in parameter_numels(workload.model, parallel.tp, parallel.pp)]
+        offload = offload_bytes(pieces, element, offload_fraction)
+    return ModelStates(params, params * element, params * 4, max(optimizer - offload.device_bytes_removed, 0),
+                       offload)
 
 
 @dataclass(frozen=True)
@@ -69,11 +90,11 @@ class Activations:
     The five kinds are taken at one instant, the peak, and add up to ``allocated_peak``.
     """
 
-    skeletal: int  # kept for a layer's backward, at the peak (the rounding buffers not included)
+    skeletal: int  # made in a forward pass, kept for a backward one, at the peak (rounding buffers not included)
     transient: int  # made and freed within one phase, at the peak
     head: int  # embedding, logits and loss buffers, at the peak
     persistent: int  # kept from one iteration to the next: all-gather buffer, RoPE tables
-    other: int  # the rest at the peak: gradients handed between layers
+    other: int  # the rest at the peak: gradients (and, walked in tiles, outputs) handed between layers
     allocated_peak: int  # the sum of the five
     peak_phase: str  # the phase of the iteration in which the peak falls
     held: int  # what the allocator holds for them: caching reserved, or the planned arena
@@ -92,6 +113,11 @@ def _phase_kind(phase: Optional[str]) -> str:
     return "head" if phase is not None and phase.split(".")[0] in ("embedding", "head", "loss") else "layer"
 
 
+def _forward(phase: str) -> bool:
+    """Whether ``phase`` is part of a forward pass (a layer's, or one of its tiles')."""
+    return ".fwd" in phase and ".bwd" not in phase
+
+
 def split_peak(trace: Trace) -> tuple[int, str, dict[str, int]]:
     """The most bytes in use at one instant, the phase of that instant, and those bytes by kind
     (see :class:`Activations`)."""
@@ -108,7 +134,8 @@ def split_peak(trace: Trace) -> tuple[int, str, dict[str, int]]:
             kind = "persistent"
         elif r.malloc_phase == r.free_phase:
             kind = "transient"
-        elif r.malloc_phase.endswith(".fwd") and r.free_phase.split(".")[0] in ("layer", INNER_LAYERS):
+        elif _forward(r.malloc_phase) and r.free_phase.split(".")[0] in ("layer", INNER_LAYERS) \
+                and not _forward(r.free_phase):
             kind = "skeletal"
         elif "head" in (_phase_kind(r.malloc_phase), _phase_kind(r.free_phase)):
             kind = "head"
@@ -228,3 +255,92 @@ def host_plan(
     solution = choose_alpha(sizes, layers, layer_time_s, bandwidth, budget, alpha)
     per_device = max(layers - 2, 0) * math.ceil(sizes.swapped(solution.alpha))
     return HostPlan(solution, per_device)
+
+
+def tiled_context_parallel_stores(workload: Workload) -> int:
+    """Bytes a context-parallel rank's walk in tiles holds beyond a rank alone with its tokens:
+    the stores of keys, values and their float32 accumulators hold the whole sequence on every
+    rank (``2·b·(s − s/cp)·g·(e + 4)`` more, ``g`` the key/value channels of a tensor-parallel
+    rank), and the gather of keys and values stages one chunk (``b·s/(2·cp)·g·e``); 0 without
+    context parallelism. The all-reduce of the accumulators runs in place (gloo and NCCL may
+    stage parts of it, not counted)."""
+    model, parallel, b, e = workload.model, workload.parallel, workload.micro_batch_size, workload.dtype_bytes
+    cp, s = parallel.cp, workload.seq
+    if cp == 1:
+        return 0
+    groups = model.num_query_groups or model.num_attention_heads
+    g = model.hidden_size // model.num_attention_heads * groups // parallel.tp
+    wide = 8 if e == 8 else 4
+    return 2 * b * (s - s // cp) * g * (e + wide) + b * s // (2 * cp) * g * e
+
+
+def tile_blocks(workload: Workload) -> list[int]:
+    """Where rank 0's tiles are in the sequence, in tiles: all of them without context
+    parallelism, else those of its two chunks (the first and the last of ``2·cp``)."""
+    c, cp, s = workload.tile_tokens, workload.parallel.cp, workload.seq
+    if cp == 1:
+        return list(range(s // c))
+    per_chunk = s // (2 * cp * c)
+    return [*range(per_chunk), *range((2 * cp - 1) * per_chunk, 2 * cp * per_chunk)]
+
+
+@dataclass(frozen=True)
+class TileHostPlan:
+    """MEMO in tiles on one device: α per tile and k, the host bytes, the copies' exposed time."""
+
+    solution: TileSolution
+    shape: TileShape
+    per_device: int  # bytes on the host
+    exposed_copy_s: float  # a layer's copies not hidden behind the next tiles' forward, seconds
+
+
+def tile_host_plan(sizes: SkeletalBytes, layers: int, tile_times_s: list[float], alpha: Optional[float],
+                   bandwidth: float, budget: float, buffers: int = 2) -> TileHostPlan:
+    """α per tile (given for all, or solved) and k as :mod:`memo.swap.tile_alpha` solves them for
+    training, with ``sizes`` one tile's skeletal bytes, ``tile_times_s`` each tile's forward,
+    ``bandwidth`` the device-to-host bytes/s and ``budget`` the host bytes of this device.
+
+    Raises:
+        HostMemoryError: if even α = 0 fits with no checkpoint interval (naming the host term).
+    """
+    tiles = len(tile_times_s)
+    shape = TileShape(sizes, layers, tiles, buffers)
+    solution = solve_tiles(shape, tile_times_s, bandwidth, budget, None if alpha is None else [alpha] * tiles)
+    exposed = sum(max(0.0, (sizes.attention + sizes.input + a * sizes.other) / bandwidth
+                      - tile_times_s[(t + 1) % tiles]) for t, a in enumerate(solution.alphas))
+    return TileHostPlan(solution, shape, math.ceil(solution.host_bytes), exposed)
+
+
+@dataclass(frozen=True)
+class MegatronOffload:
+    """Megatron's fine-grained activation offloading on one device: bytes and the copies' time."""
+
+    host_bytes: int  # every offloading layer's copies, at once (the peak of the forward's end)
+    device_freed: int  # the offloaded layers' tensors off the device at the activations' peak
+    exposed_copy_s: float  # a layer's copies not hidden behind its forward and backward, a mean
+
+
+def megatron_offload(workload: Workload, layers: int, bandwidth: float, forward_s: float,
+                     backward_s: float) -> MegatronOffload:
+    """``method=megatron_offload`` on ``layers`` layers of one device (:mod:`memo.fit.megatron_offload`).
+
+    The activations peak as the backward pass begins, every layer's tensors made: every
+    offloading layer (all but the last, :func:`offloaded_layers`) then has its copies on the host,
+    and the one whose backward comes next is brought back one group ahead, so ``layers − 2``
+    layers' freed bytes are off the device at the peak. A layer's copies to the host run beside
+    its forward, and back beside the backward of the layer after it: what takes longer than those
+    is exposed (``bandwidth`` bytes/s; ``forward_s``, ``backward_s`` one layer's passes).
+    """
+    per_layer = offloaded_bytes(workload)
+    offloading = offloaded_layers(layers)
+    copy = per_layer.per_layer_host / bandwidth
+    exposed = (max(0.0, copy - forward_s) + max(0.0, copy - backward_s)) * offloading / max(layers, 1)
+    return MegatronOffload(offloading * per_layer.per_layer_host,
+                           max(offloading - 1, 0) * per_layer.per_layer_device_freed, exposed)
+
+
+def less_offloaded(acts: Activations, freed: int) -> Activations:
+    """``acts`` (of the iteration without offloading) with ``freed`` bytes of its skeletal tensors
+    off the device at the peak, which falls where it did (the start of the backward pass)."""
+    return dataclasses.replace(acts, skeletal=acts.skeletal - freed, allocated_peak=acts.allocated_peak - freed,
+                               held=acts.held - freed)

@@ -53,9 +53,11 @@ def layouts(
     return found
 
 
-def seq_grid_step(step: int, parallel: ParallelConfig) -> int:
-    """The smallest multiple of ``step`` that ``parallel`` can split (tokens)."""
-    return math.lcm(step, sequence_divisor(parallel.tp, parallel.cp, parallel.sequence_parallel))
+def seq_grid_step(step: int, parallel: ParallelConfig, tile_tokens: Optional[int] = None) -> int:
+    """The smallest multiple of ``step`` that ``parallel`` can split (tokens), into whole tiles of
+    ``tile_tokens`` (each of the ``2·cp`` chunks under context parallelism) where given."""
+    grid = math.lcm(step, sequence_divisor(parallel.tp, parallel.cp, parallel.sequence_parallel))
+    return grid if tile_tokens is None else math.lcm(grid, tile_tokens * (2 * parallel.cp if parallel.cp > 1 else 1))
 
 
 def longest(
@@ -77,14 +79,32 @@ def longest(
 
 
 @dataclass(frozen=True)
-class LayoutResult:
-    """One layout's outcome: its longest sequence (``best``; None if none fits), or the first
-    prediction that did not fit; ``unrunnable`` says why training cannot run it (None: it can)."""
+class Candidate:
+    """A way to run the job to try: a layout, the layers' tiles (None: whole layers), the share
+    of Adam's states on the host; and why training cannot run it for the method (None: it can)."""
 
     parallel: ParallelConfig
+    unrunnable: Optional[str] = None
+    tile_tokens: Optional[int] = None
+    optimizer_offload: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    """One candidate's outcome: its longest sequence (``best``; None if none fits), or the first
+    prediction that did not fit."""
+
+    candidate: Candidate
     best: Optional[Prediction]
     failed: Optional[Prediction]
-    unrunnable: Optional[str] = None
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.candidate.parallel
+
+    @property
+    def unrunnable(self) -> Optional[str]:
+        return self.candidate.unrunnable
 
     @property
     def shown(self) -> Prediction:
@@ -98,16 +118,16 @@ class LayoutResult:
         return (0, -self.best.seq, -self.best.time.mfu, self.parallel.pp)
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A layout to try, and why training cannot run it for the method (None: it can)."""
-
-    parallel: ParallelConfig
-    unrunnable: Optional[str] = None
-
-
 def layout_label(parallel: ParallelConfig) -> str:
     """``tp4 cp2 pp1 dp1`` (``+sp`` with sequence parallelism, then the context-parallel exchange)."""
     p = parallel
     return (f"tp{p.tp} cp{p.cp} pp{p.pp} dp{p.dp}" + (" +sp" if p.sequence_parallel else "")
             + (f" {p.cp_comm_type}" if p.cp > 1 else ""))
+
+
+def candidate_label(candidate: Candidate) -> str:
+    """:func:`layout_label`, then ``tiles 16384`` for layers walked in tiles and ``adam@host 1``
+    for Adam's states on the host (the share)."""
+    return (layout_label(candidate.parallel)
+            + (f" tiles {candidate.tile_tokens}" if candidate.tile_tokens else "")
+            + (f" adam@host {candidate.optimizer_offload:g}" if candidate.optimizer_offload else ""))

@@ -24,6 +24,17 @@ tracing each would take seconds. Two facts make them cheap and exact:
   embedding's backward pass runs in tiles of its own the same way: a request made and freed
   inside ``embedding.bwd`` is sized at one of those.
 
+* Layers walked in sequence tiles (``method.tile_tokens``) are traced as three tiles a layer, at
+  two tile sizes: a request is sized by the sequence (the stores of keys, values and their
+  gradients, the input store, the layers' outputs and their gradients), or by the tile (what a tile
+  phase, a rebuild or a chain makes, and the swap runtime's tile buffers). Tiles after the first
+  repeat the second's requests, their attention one block more each, made and freed within the
+  tile; and no layer keeps a request on the device from its forward to its backward (its kept
+  tensors are in the tile buffers and on the host), so three layers stand for any number. The
+  iteration of three layers of three tiles, every request sized at the run's length or tile, has
+  the peak of live bytes of the iteration of any number of layers and tiles (tested against
+  direct traces; the trace is at α = 0 and k = 1, its recomputation the most a tile makes).
+
 Gradients are left out: Megatron keeps them in one buffer allocated before training, which
 :mod:`memo.fit.memory` counts with the model states. Other requests alive at the end of the traced
 iteration (Megatron's persistent sequence-parallel all-gather buffer, RoPE's angles and cos/sin
@@ -33,6 +44,7 @@ table) persist from one iteration to the next and are counted from where the tra
 import dataclasses
 import functools
 import itertools
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
@@ -40,17 +52,30 @@ from typing import Optional
 import torch
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
+from memo.fit.megatron_offload import without_offloading
 from memo.model.gpt import padded_vocab_size
 from memo.model.tiles import auto_tile_tokens, eighth_tile_tokens
 from memo.profile.iteration import trace_iteration
 from memo.profile.trace import Event, Trace, layer_phase
+from memo.swap.alpha import SkeletalBytes
 
 TEMPLATE_LAYERS = 5
-MIDDLE = 2  # the template layer that stands for every inner layer
+# A walk in tiles keeps no layer's tensors on the device once its tiles are done (they are in the
+# tile buffers and on the host), so three layers stand for any number: the first, one between
+# (the middle), the last (whose last tiles stay in the buffers).
+TILED_TEMPLATE_LAYERS = 3
 # The phases of the extra layers' requests, apart from the middle layer's own, so that every
 # traced layer still allocates alike (the planner checks it).
 INNER_LAYERS = "inner_layers"
 _TRACED_TOKENS = (2048, 4096)  # per sequence-parallel chunk
+TRACED_TILES = 3  # tiles a layer of a walk in tiles is traced with: the first, one between, the last
+# The smallest tile traced, per sequence-parallel chunk: the norms and the embedding's backward
+# work in eighths of at least 64 tokens, so from 512 tokens on a tile twice as long makes as many
+# requests, each twice as long.
+MIN_TRACED_TILE = 512
+# phases of a walk in tiles whose requests are sized by the tile: a tile's forward or backward, a
+# layer's rebuild of its keys and values, a chain (tile by tile)
+_TILE_PHASE = re.compile(r"\.t\d+$|\.(rebuild|chain)$")
 
 
 @dataclass(frozen=True)
@@ -70,12 +95,21 @@ def _affine(events_a: list[Event], events_b: list[Event], tokens: tuple[int, int
             "the traced iteration allocates in a different order at different lengths, "
             "so it cannot be scaled; use mode=plan at the length you need"
         )
-    dt = tokens[1] - tokens[0]
-    sizes = []
-    for a, b in zip(events_a, events_b):
-        slope = Fraction(b.size - a.size, dt)
-        sizes.append(_Affine(a.size - slope * tokens[0], slope))
-    return sizes
+    return [_Affine(*_line(a.size, b.size, tokens)) for a, b in zip(events_a, events_b)]
+
+
+def _of_layer(phase: str, layer: int, direction: str) -> bool:
+    """Whether ``phase`` is part of ``layer``'s forward (``direction`` "fwd": the layer's own and
+    its tiles') or backward pass ("bwd": also its rebuild and its chain)."""
+    own = layer_phase(layer, direction)
+    parts = (own, f"layer.{layer}.rebuild", f"layer.{layer}.chain") if direction == "bwd" else (own,)
+    return phase in parts or phase.startswith(own + ".")
+
+
+def _line(a: int, b: int, tokens: tuple[int, int]) -> tuple[Fraction, Fraction]:
+    """Base and slope of the line through ``(tokens[0], a)`` and ``(tokens[1], b)``."""
+    slope = Fraction(b - a, tokens[1] - tokens[0])
+    return a - slope * tokens[0], slope
 
 
 class IterationTemplate:
@@ -86,7 +120,11 @@ class IterationTemplate:
     """
 
     def __init__(self, small: Trace, large: Trace, tokens: tuple[int, int], layers: int):
-        self.layers = layers  # layers traced: TEMPLATE_LAYERS, or the model's own if fewer
+        self.layers = layers  # layers traced: TEMPLATE_LAYERS (tiled: 3), or the model's own if fewer
+        self._tokens = tokens
+        self.tiled = small.meta["tile_tokens"] is not None
+        self.full = TILED_TEMPLATE_LAYERS if self.tiled else TEMPLATE_LAYERS
+        self.middle = self.full // 2  # the template layer that stands for every inner layer
         self.meta = small.meta
         self.events = small.events
         self.sizes = _affine(small.events, large.events, tokens)
@@ -112,18 +150,31 @@ class IterationTemplate:
         }
         # What each extra layer holds from its forward to its backward: the middle layer's
         # requests made in its forward that live on into a backward phase.
-        middle = layer_phase(MIDDLE, "fwd")
+        # (Empty tensors, such as the ends of the tiles' kept graphs, hold nothing.)
+        self._size_of = {e.id: s for e, s in zip(self.events, self.sizes) if e.op == "malloc"}
         self.carried = (
             [
                 r.id
                 for r in requests
-                if r.malloc_phase == middle and r.free_phase is not None and r.free_phase.endswith(".bwd")
+                if _of_layer(r.malloc_phase, self.middle, "fwd") and r.free_phase is not None
+                and ".bwd" in r.free_phase and (self.sizes_of(r.id) != (0, 0))
             ]
-            if layers == TEMPLATE_LAYERS
+            if layers == self.full
             else []
         )
-        self._size_of = {e.id: s for e, s in zip(self.events, self.sizes) if e.op == "malloc"}
         self._made_in = {r.id: r.malloc_phase for r in requests}
+        # A walk in tiles: the requests sized by the tile rather than by the sequence, and one
+        # tile's skeletal bytes (the swap runtime's), both traced at TRACED_TILES tiles a layer.
+        self.tile_sized = set(small.meta.get("tile_buffer_requests") or ()) | {
+            r.id for r in requests if _TILE_PHASE.search(r.malloc_phase)} if self.tiled else set()
+        skeletal = [small.meta.get("tile_skeletal_bytes"), large.meta.get("tile_skeletal_bytes")]
+        self._tile_skeletal = None if None in skeletal else [
+            _Affine(*_line(a, b, tokens)) for a, b in zip(*skeletal, strict=True)]
+
+    def sizes_of(self, request_id: int) -> tuple[int, int]:
+        """Bytes of one request in the two traces the template was made of."""
+        line = self._size_of[request_id]
+        return line.at(self._tokens[0]), line.at(self._tokens[1])
 
     def size(self, request_id: int, tokens: int) -> int:
         """Bytes of one request of the template at ``tokens``."""
@@ -135,7 +186,7 @@ class IterationTemplate:
 
     def input_bytes(self, tokens: int) -> int:
         """Bytes of a layer's input as kept for its backward (made by the layer before)."""
-        layer = min(MIDDLE, self.layers - 1)
+        layer = min(self.middle, self.layers - 1)
         before = layer_phase(layer - 1, "fwd") if layer else "embedding.fwd"
         return sum(self.size(i, tokens) for i in self.kept[layer] if self._made_in[i] == before)
 
@@ -159,19 +210,31 @@ class IterationTemplate:
         tile = loss_tile_tokens or eighth_tile_tokens(tokens // chunks)
         return min(tokens, tile * chunks)
 
+    def tile_skeletal(self, tile_tokens: int) -> SkeletalBytes:
+        """One tile's skeletal bytes as the swap runtime keeps them (its share of the layer input,
+        attention's output and log-sum-exp, the rest), for tiles of ``tile_tokens`` tokens (all
+        tensor-parallel ranks together) of a walk that swaps."""
+        if self._tile_skeletal is None:
+            raise ValueError("the template is not of a walk in tiles that swaps")
+        return SkeletalBytes(*(a.at(TRACED_TILES * tile_tokens) for a in self._tile_skeletal))
+
     def instance(self, tokens: int, num_layers: int, swap: bool = False, recompute_bytes: int = 0,
-                 loss_tile_tokens: Optional[int] = None) -> Trace:
+                 loss_tile_tokens: Optional[int] = None, tile_tokens: Optional[int] = None) -> Trace:
         """The iteration of ``num_layers`` layers at ``tokens``, gradients left out.
 
         Args:
             loss_tile_tokens: ``train.loss_tile_tokens`` (``None``: its default), for the tiled loss.
+            tile_tokens: a walk in tiles: tokens of a tile (all tensor-parallel ranks together);
+                the tile-sized requests are sized at it, the three traced tiles standing for all.
             swap: MEMO's rounding buffers hold the kept tensors of every layer, the last two
                 included, so those leave the allocator (and so do the extra layers').
             recompute_bytes: with ``swap``, bytes a swapped layer allocates at the start of its
                 backward pass to recompute its dropped tokens.
         """
-        if num_layers < self.layers or (num_layers > self.layers and self.layers < TEMPLATE_LAYERS):
+        if num_layers < self.layers or (num_layers > self.layers and self.layers < self.full):
             raise ValueError(f"a template of {self.layers} layers cannot stand for {num_layers}")
+        if self.tiled != (tile_tokens is not None):
+            raise ValueError("a template of a walk in tiles needs tile_tokens, and only such a template")
         # Every layer's kept tensors live in the rounding buffers (the last two layers' too);
         # all but the last two recompute their dropped tokens at the start of their backward.
         buffered = range(self.layers) if swap else range(0)
@@ -179,7 +242,11 @@ class IterationTemplate:
         dropped = self.gradients.union(*(self.kept[layer] for layer in buffered))
         extra = num_layers - self.layers
         carried = [] if swap else [self.size(i, tokens) for i in self.carried] * extra
-        start, end = layer_phase(MIDDLE, "fwd"), layer_phase(MIDDLE, "bwd")
+        # from the middle layer's first forward event to its last backward one
+        start = next(i for i, e in enumerate(self.events) if _of_layer(e.phase, self.middle, "fwd")) \
+            if carried else -1
+        end = max(i for i, e in enumerate(self.events) if _of_layer(e.phase, self.middle, "bwd")) \
+            if carried else -1
         recompute = {layer_phase(layer, "bwd") for layer in swapped} if recompute_bytes else set()
         tiles = {"loss": self.tile_tokens(tokens, loss_tile_tokens),
                  "embedding": self.embedding_tile_tokens(tokens, loss_tile_tokens)}
@@ -187,17 +254,11 @@ class IterationTemplate:
         carried_ids = [next(fresh) for _ in carried]
         events: list[Event] = []
         phase = None
-        for event, size in zip(self.events, self.sizes):
+        for position, (event, size) in enumerate(zip(self.events, self.sizes)):
+            if position == start:
+                events.extend(Event("malloc", i, s, f"{INNER_LAYERS}.fwd") for i, s in zip(carried_ids, carried))
             if event.phase != phase:
-                if phase == end:  # leaving the middle layer's backward
-                    events.extend(
-                        Event("free", i, s, f"{INNER_LAYERS}.bwd") for i, s in zip(carried_ids, carried)
-                    )
                 phase = event.phase
-                if phase == start:
-                    events.extend(
-                        Event("malloc", i, s, f"{INNER_LAYERS}.fwd") for i, s in zip(carried_ids, carried)
-                    )
                 if phase in recompute:
                     rid = next(fresh)
                     events += [
@@ -205,8 +266,13 @@ class IterationTemplate:
                         Event("free", rid, recompute_bytes, phase),
                     ]
             if event.id not in dropped:
-                at = tiles[self.per_tile[event.id]] if event.id in self.per_tile else tokens
+                if event.id in self.per_tile:
+                    at = tiles[self.per_tile[event.id]]
+                else:
+                    at = TRACED_TILES * tile_tokens if event.id in self.tile_sized else tokens
                 events.append(Event(event.op, event.id, size.at(at), event.phase))
+            if position == end:
+                events.extend(Event("free", i, s, f"{INNER_LAYERS}.bwd") for i, s in zip(carried_ids, carried))
         return Trace(
             events, {**self.meta, "seq": tokens, "model": {**self.meta["model"], "num_layers": num_layers}}
         )
@@ -214,25 +280,47 @@ class IterationTemplate:
 
 def iteration_template(workload: Workload, num_layers: int) -> IterationTemplate:
     """The template of ``num_layers`` layers of ``workload``'s model on one rank of its tensor-
-    parallel layout; the rest of the layout, the length and the loss tile do not change it.
+    parallel layout; the rest of the layout, the length and the loss tile do not change it, nor,
+    for a walk in tiles, the tile (but for the eighths of it the norms work in, see
+    :func:`traced_tile_tokens`).
 
-    Swapping methods are traced with ``method.layer_activations=keep`` (the same layer,
-    everything kept): the instance then takes their kept tensors out
-    (:meth:`IterationTemplate.instance`).
+    Swapping methods on whole layers are traced with ``method.layer_activations=keep`` (the same
+    layer, everything kept): the instance then takes their kept tensors out
+    (:meth:`IterationTemplate.instance`). A walk in tiles is traced as it runs. Megatron's
+    offloading is traced without it (:mod:`memo.fit.megatron_offload` takes its bytes out).
     Templates are cached per process, so a sweep traces each shape once.
     """
     method = workload.method
     traced_method = MethodConfig(name=method.name, layer_activations="keep", loss=method.loss) \
-        if method.swaps else method
+        if workload.swaps else without_offloading(method)
+    chunk = workload.parallel.tp if workload.parallel.sequence_parallel else 1
     return _template(
         _frozen(workload.model),
         _frozen(traced_method),
         workload.parallel.tp,
         workload.parallel.sequence_parallel,
-        min(num_layers, TEMPLATE_LAYERS),
+        min(num_layers, TILED_TEMPLATE_LAYERS if workload.tiled else TEMPLATE_LAYERS),
         workload.micro_batch_size,
         workload.dtype,
+        traced_tile_tokens(workload.tile_tokens // chunk) if workload.tiled else None,
     )
+
+
+def traced_tile_tokens(tile_tokens: int) -> int:
+    """The smaller tile a template of tiles of ``tile_tokens`` tokens (per sequence-parallel chunk)
+    is traced at: the tile halved while it stays a whole number of at least
+    :data:`MIN_TRACED_TILE` tokens (the template's second trace doubles it), so that its norms'
+    eighths are as many as the run's.
+
+    Raises:
+        ConfigError: for a tile below :data:`MIN_TRACED_TILE` tokens.
+    """
+    if tile_tokens < MIN_TRACED_TILE:
+        raise ConfigError(f"mode=fit models tiles of at least {MIN_TRACED_TILE} tokens per sequence-parallel "
+                          f"rank, not {tile_tokens}; choose a larger method.tile_tokens")
+    while tile_tokens % 2 == 0 and tile_tokens // 2 >= MIN_TRACED_TILE:
+        tile_tokens //= 2
+    return tile_tokens
 
 
 def _frozen(config) -> tuple:
@@ -251,15 +339,19 @@ def _template(
     layers: int,
     micro_batch_size: int,
     dtype: str,
+    tile: Optional[int],
 ) -> IterationTemplate:
     shape = ModelConfig(**{**dict(model), "num_layers": layers})
     method_config = MethodConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in method})
     parallel = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel)
     chunk = tp if sequence_parallel else 1
-    tokens = tuple(t * chunk for t in _TRACED_TOKENS)
+    # whole layers at two lengths; tiles as TRACED_TILES tiles a layer at two tile sizes
+    per_chunk = _TRACED_TOKENS if tile is None else (TRACED_TILES * tile, 2 * TRACED_TILES * tile)
+    tokens = tuple(t * chunk for t in per_chunk)
+    tiles = (None, None) if tile is None else (tile * chunk, 2 * tile * chunk)
     # one tile of the tiled loss per pass (every token of the rank): see the module docstring
     small, large = (
         trace_iteration(Workload(shape, method_config, parallel, t, micro_batch_size, dtype,
-                                 loss_tile_tokens=t // chunk)) for t in tokens
+                                 loss_tile_tokens=t // chunk, tile_tokens=c)) for t, c in zip(tokens, tiles)
     )
     return IterationTemplate(small, large, tokens, layers)

@@ -33,6 +33,7 @@ a share ``dp_comm_overlap`` hidden. The optimizer step is not counted.
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from memo.config import ConfigError, FitConfig, Workload
 from memo.hardware import Hardware
@@ -40,6 +41,8 @@ from memo.metrics import mfu, model_flops_per_sample, tgs
 from memo.model.gpt import layer_matmul_weights, model_flops_parameters, padded_vocab_size
 
 ATTENTION_BACKWARD_FLOPS = 2.5  # FlashAttention's backward over its forward
+# Adam on the host reads a gradient (fp32), reads and writes a main weight and two moments (fp32)
+HOST_ADAM_BYTES_PER_PARAM = 4 + 3 * 2 * 4
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class TimePrediction:
     head_s: float
     bubble_fraction: float  # pipeline slots spent idle
     dp_comm_s: float  # per iteration
+    optimizer_offload_s: float  # per iteration: Adam on the host and its copies (0 without)
     iteration_s: float
     flops_per_iteration: float
     mfu: float
@@ -82,27 +86,31 @@ def _link(ranks_spanned: int, hw: Hardware, efficiency: float) -> float:
     return bandwidth * efficiency / (1 if within else per_node)
 
 
-def predict_time(
-    workload: Workload,
-    micro_batches: int,
-    hw: Hardware,
-    fit: FitConfig,
-    alpha: float = 1.0,
-    swapped_bytes_per_layer: float = 0.0,
-    local_params: int = 0,
-) -> TimePrediction:
-    """Predict one iteration of ``workload`` (see the module docstring).
+@dataclass(frozen=True)
+class _LayerParts:
+    """Seconds of one layer's parts on one device, per micro-batch (see the module docstring)."""
 
-    Args:
-        micro_batches: micro-batches per data-parallel rank and iteration.
-        alpha: swapping methods: the fraction of tokens swapped (the rest is recomputed).
-        swapped_bytes_per_layer: swapping methods: bytes one layer sends to the host.
-        local_params: parameters on one device (for the gradient reduction).
-    """
-    model, method, parallel, seq = workload.model, workload.method, workload.parallel, workload.seq
+    gemm: float  # the weight GEMMs' forward
+    attention: float  # core attention's forward
+    attention_bwd: float
+    tp_pass: float  # tensor-parallel collectives of one pass, exposed
+    cp_fwd: float  # context-parallel exchange, exposed
+    cp_bwd: float
+
+    @property
+    def forward(self) -> float:
+        return self.gemm + self.attention + self.tp_pass + self.cp_fwd
+
+    @property
+    def backward(self) -> float:
+        return 2 * self.gemm + self.attention_bwd + self.tp_pass + self.cp_bwd
+
+
+def _layer_parts(workload: Workload, hw: Hardware, fit: FitConfig) -> _LayerParts:
+    model, parallel, seq = workload.model, workload.parallel, workload.seq
     micro_batch_size, element_bytes = workload.micro_batch_size, workload.dtype_bytes
-    h, f, n = model.hidden_size, model.ffn_hidden_size, model.num_layers
-    tp, cp, pp, dp = parallel.tp, parallel.cp, parallel.pp, parallel.dp
+    h = model.hidden_size
+    tp, cp = parallel.tp, parallel.cp
     b, t = micro_batch_size, seq / cp
     peak = hw.peak_flops
 
@@ -124,6 +132,9 @@ def predict_time(
     cp_link = _link(tp * cp, hw, fit.link_efficiency)
     if cp == 1:
         cp_fwd = cp_bwd = 0.0
+    elif workload.tiled:  # the rank's keys and values gathered into the store; their gradients summed
+        cp_fwd = (cp - 1) * block / cp_link
+        cp_bwd = cp_fwd + 2 * (cp - 1) / cp * (cp * block * 4 / element_bytes) / cp_link
     elif parallel.cp_comm_type == "a2a":  # q, k, v to heads, the output back
         cp_fwd = (cp - 1) / cp * (2 * qo + 2 * kv) / cp_link
         cp_bwd = 2 * cp_fwd
@@ -134,21 +145,84 @@ def predict_time(
     else:
         cp_fwd = (cp - 1) * block / cp_link
         cp_bwd = 2 * cp_fwd
+    return _LayerParts(gemm, attention, attention_bwd, tp_pass, cp_fwd, cp_bwd)
 
-    forward = gemm + attention + tp_pass + cp_fwd
-    backward = 2 * gemm + attention_bwd + tp_pass + cp_bwd
+
+def tile_forward_times(workload: Workload, hw: Hardware, fit: FitConfig, blocks: list[int]) -> list[float]:
+    """``T_f(t)``, seconds, of each of a rank's tiles of a layer walked in tiles, the tiles at
+    ``blocks`` (their places in the sequence, in tiles): the layer's token-wise work and
+    collectives shared by its tiles, attention by its blocks (a tile at block ``j`` attends to
+    ``j`` blocks in full and half of its own)."""
+    parts = _layer_parts(workload, hw, fit)
+    c = workload.tile_tokens
+    tiles = len(blocks)
+    # the rank's attention over its tiles is Σ_j (j + ½)·c² of 2·t·s: each tile its share
+    weights = [j + 0.5 for j in blocks]
+    return [(parts.forward - parts.attention) / tiles + parts.attention * w / sum(weights) for w in weights] \
+        if c else [parts.forward]
+
+
+def predict_time(
+    workload: Workload,
+    micro_batches: int,
+    hw: Hardware,
+    fit: FitConfig,
+    alpha: float = 1.0,
+    swapped_bytes_per_layer: float = 0.0,
+    local_params: int = 0,
+    exposed_copy_s: Optional[float] = None,
+    checkpoint_every: int = 1,
+    offloaded_params: int = 0,
+) -> TimePrediction:
+    """Predict one iteration of ``workload`` (see the module docstring).
+
+    Args:
+        micro_batches: micro-batches per data-parallel rank and iteration.
+        alpha: swapping methods: the fraction of tokens swapped (the rest is recomputed; in tiles,
+            the mean over the tiles).
+        swapped_bytes_per_layer: swapping methods: bytes one layer sends to the host.
+        local_params: parameters on one device (for the gradient reduction).
+        exposed_copy_s: layers walked in tiles that swap: seconds of a layer's copies not hidden
+            behind the next tiles' compute, a mean over the layers (:func:`memo.fit.memory.tile_host_plan`).
+        checkpoint_every: layers walked in tiles that swap: k, the checkpoint interval.
+        offloaded_params: parameters of this device whose Adam step runs on the host: their fp32
+            gradients go to the host and their new weights come back over the host link while
+            the CPU streams :data:`HOST_ADAM_BYTES_PER_PARAM` bytes each at
+            ``fit.host_adam_gbps``, one tensor's copies behind another's step (Megatron's
+            ``overlap_cpu_optimizer_d2h_h2d``): the slower of the two, after the backward pass.
+    """
+    model, method, parallel, seq = workload.model, workload.method, workload.parallel, workload.seq
+    micro_batch_size = workload.micro_batch_size
+    h, f, n = model.hidden_size, model.ffn_hidden_size, model.num_layers
+    tp, cp, pp, dp = parallel.tp, parallel.cp, parallel.pp, parallel.dp
+    b, t = micro_batch_size, seq / cp
+    peak = hw.peak_flops
+    parts = _layer_parts(workload, hw, fit)
+    weights = layer_matmul_weights(model)
+    forward, backward, attention = parts.forward, parts.backward, parts.attention
+    token_wise = 2 * b * t * (weights - f * h) / tp / (peak * fit.gemm_efficiency)  # QKV, projection, FC1
     if method.layer_activations == "recompute" or method.recompute_granularity == "full":
         recompute = forward
     elif method.recompute_granularity == "selective":
         recompute = attention
     elif method.swaps:
         # the dropped tokens run again up to FC2's input: QKV, the projection and FC1
-        token_wise = 2 * b * t * (weights - f * h) / tp / (peak * fit.gemm_efficiency)
         recompute = (1 - alpha) * token_wise
     else:
         recompute = 0.0
+    if workload.tiled:
+        # the keys and values made again before the backward tiles (the norm and QKV of every tile)
+        groups = model.num_query_groups or model.num_attention_heads
+        qkv = h * (h + 2 * h // model.num_attention_heads * groups)
+        recompute += 2 * b * t * qkv / tp / (peak * fit.gemm_efficiency)
+        if method.swaps:
+            # a layer between checkpoints is made again from the one below, attention's output kept:
+            # (k − 1)/2 layers' token-wise work on average
+            recompute += (checkpoint_every - 1) / 2 * (forward - attention)
     swap = 0.0
-    if method.swaps and swapped_bytes_per_layer:
+    if exposed_copy_s is not None:
+        swap = exposed_copy_s
+    elif method.swaps and swapped_bytes_per_layer:
         copy = swapped_bytes_per_layer / hw.host_link_bytes_per_s
         swap = max(0.0, copy - forward) + max(0.0, copy - backward)
         swap *= max(n // pp - 2, 0) / (n // pp)
@@ -160,7 +234,9 @@ def predict_time(
     grad_ranks = dp * cp
     dp_link = _link(tp * cp * pp * dp, hw, fit.link_efficiency)
     dp_comm = 2 * _ring_seconds(local_params * 4, grad_ranks, dp_link) * (1 - fit.dp_comm_overlap)
-    iteration = slots * stage + dp_comm
+    copies = offloaded_params * (4 + workload.dtype_bytes) / hw.host_link_bytes_per_s
+    optimizer_offload = max(copies, offloaded_params * HOST_ADAM_BYTES_PER_PARAM / (fit.host_adam_gbps * 1e9))
+    iteration = slots * stage + dp_comm + optimizer_offload
 
     devices = tp * cp * pp * dp
     global_batch = micro_batch_size * micro_batches * dp
@@ -170,11 +246,12 @@ def predict_time(
         layer_backward_s=backward,
         layer_recompute_s=recompute,
         layer_swap_exposed_s=swap,
-        layer_tp_comm_s=2 * tp_pass,
-        layer_cp_comm_exposed_s=cp_fwd + cp_bwd,
+        layer_tp_comm_s=2 * parts.tp_pass,
+        layer_cp_comm_exposed_s=parts.cp_fwd + parts.cp_bwd,
         head_s=head,
         bubble_fraction=(pp - 1) / slots,
         dp_comm_s=dp_comm,
+        optimizer_offload_s=optimizer_offload,
         iteration_s=iteration,
         flops_per_iteration=flops,
         mfu=mfu(flops, iteration, devices, peak),

@@ -118,6 +118,22 @@ def parameter_count(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
     return model.num_layers // pp * per_layer + vocab + (last_stage if pp == 1 else 0)
 
 
+def parameter_numels(model: ModelConfig, tp: int = 1, pp: int = 1) -> list[int]:
+    """The elements of each parameter tensor one device of the first pipeline stage holds, in the
+    order the built model registers them (the embedding; each layer's norm, projection, QKV, norm,
+    FC1, FC2; the final norm and an untied output layer); they add up to :func:`parameter_count`."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, qkv, fc1 = _widths(model)
+    norm = [h, h] if model.normalization == "LayerNorm" else [h]
+    bias = model.add_bias_linear
+    # as Megatron's attention registers them: the projection before QKV
+    layer = [*norm, q // tp * h, *([h] if bias else []), qkv * h // tp, *([qkv // tp] if bias or model.add_qkv_bias else []),
+             *norm, fc1 // tp * h, *([fc1 // tp] if bias else []), f // tp * h, *([h] if bias else [])]
+    vocab = padded_vocab_size(model, tp) * h // tp
+    last = [*norm, *([vocab] if model.untie_embeddings_and_output_weights else [])] if pp == 1 else []
+    return [vocab, *layer * (model.num_layers // pp), *last]
+
+
 def _widths(model: ModelConfig) -> tuple[int, int, int]:
     """(query width ``heads·d``, QKV output width ``(heads + 2·groups)·d``, FC1 output width)."""
     head = model.hidden_size // model.num_attention_heads

@@ -23,9 +23,9 @@ from omegaconf import DictConfig
 
 from memo import hardware
 from memo.config import ConfigError, Run, SeqSearch, resolve
-from memo.config.validate import CP_COMM_TYPES
+from memo.config.validate import CP_COMM_TYPES, WHOLE_LAYERS, tile_tokens
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
-from memo.fit.search import Candidate, LayoutResult, layout_label, layouts, longest, seq_grid_step
+from memo.fit.search import Candidate, LayoutResult, candidate_label, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
 from memo.model import dtype_label, torch_dtype, unsupported_layout
 from memo.model.gpt import parameter_count
@@ -63,44 +63,77 @@ def problem_of(run: Run, hw: hardware.Hardware) -> Problem:
         distributed_optimizer=run.train.distributed_optimizer,
         plan=run.plan,
         alpha=run.alpha,
+        optimizer_offload=_offload_share(run, run.train.optimizer_offload),
         plan_time_limit_s=run.planner.time_limit_s,
     )
 
 
+def _offload_share(run: Run, placement: str) -> float:
+    """The share of the parameters whose Adam states live on the host for ``placement``
+    (``train.optimizer_offload``'s values)."""
+    return run.train.optimizer_offload_fraction if placement == "host" else 0.0
+
+
 def evaluate(problem: Problem, candidate: Candidate, seq: int, search: Optional[SeqSearch]) -> LayoutResult:
-    """One layout at ``seq`` tokens, or at the longest length ``search`` allows (if given)."""
-    parallel, unrunnable = candidate.parallel, candidate.unrunnable
+    """One candidate at ``seq`` tokens, or at the longest length ``search`` allows (if given)."""
+    parallel = candidate.parallel
+    problem = dataclasses.replace(
+        problem, workload=dataclasses.replace(problem.workload, tile_tokens=candidate.tile_tokens),
+        optimizer_offload=candidate.optimizer_offload)
     if search is None:
         prediction = predict(problem, parallel, seq)
         found = (prediction, None) if prediction.fits else (None, prediction)
-        return LayoutResult(parallel, *found, unrunnable=unrunnable)
-    grid, limit = seq_grid_step(search.step, parallel), search.limit
+        return LayoutResult(candidate, *found)
+    grid, limit = seq_grid_step(search.step, parallel, candidate.tile_tokens), search.limit
     if grid > limit:
         raise ConfigError(
             f"fit.seq_limit={limit} is below the first length this layout can split ({grid}); "
             "raise fit.seq_limit"
         )
     best, failed = longest(lambda s: predict(problem, parallel, s), grid, limit)
-    return LayoutResult(parallel, best, failed, unrunnable=unrunnable)
+    return LayoutResult(candidate, best, failed)
 
 
 def _candidates(run: Run, problem: Problem) -> list[Candidate]:
-    """The layouts to predict, each with why training cannot run it."""
+    """The candidates to predict, each with why training cannot run it: the run's own, or under
+    ``parallel=search`` every layout with every tile (for a method that walks tiles) and every
+    placement of Adam's states of ``fit.tile_tokens`` and ``fit.optimizer_offload``."""
     method, parallel = run.workload.method, run.workload.parallel
     if not parallel.search:
-        return [Candidate(parallel, unsupported_layout(parallel, method))]
+        return [Candidate(parallel, unsupported_layout(parallel, method), run.workload.tile_tokens,
+                          problem.optimizer_offload)]
     # DeepSpeed-Ulysses exchanges by its all-to-all only; our attention by any of Megatron's three
     exchanges = ("a2a",) if method.cp_attention == "deepspeed" else CP_COMM_TYPES
+    tiles = [tile_tokens(dataclasses.replace(method, tile_tokens=t)) for t in run.fit.tile_tokens] \
+        if method.walks_tiles else [run.workload.tile_tokens]
+    shares = list(dict.fromkeys(_offload_share(run, placement) for placement in run.fit.optimizer_offload))
     found = [
-        Candidate(p, unsupported_layout(p, method))
+        Candidate(p, unsupported_layout(p, method) or _unrunnable_tiles(p, tile), tile, share)
         for p in layouts(run.workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
                          parallel.sequence_parallel, exchanges)
+        for tile in tiles
+        for share in shares
+        # a walk in tiles gathers keys and values into its stores whatever the exchange is named
+        if tile is None or (p.cp == 1 or p.cp_comm_type == exchanges[0]) and _splits(run, p, tile)
     ]
     if not found:
         raise ConfigError(
             f"no valid layout of cluster.gpus={run.cluster.gpus} for model={run.workload.model.name}"
         )
     return found
+
+
+def _splits(run: Run, parallel, tile: int) -> bool:
+    """Whether tiles of ``tile`` tokens split the run's sequence under ``parallel`` (each of the
+    ``2·cp`` chunks under context parallelism; ``seq=max`` searches lengths that they split)."""
+    return run.seq_search is not None or run.workload.seq % (tile * (2 * parallel.cp if parallel.cp > 1 else 1)) == 0
+
+
+def _unrunnable_tiles(parallel, tile: Optional[int]) -> Optional[str]:
+    """Why training cannot walk tiles of ``tile`` tokens under ``parallel`` (None: it can)."""
+    if tile is not None and parallel.cp > 1 and parallel.sequence_parallel:
+        return "layers walked in tiles run context parallelism without sequence parallelism so far"
+    return None
 
 
 def fit_job(cfg: DictConfig, output_dir: Path, overrides=(), claimed: bool = False) -> dict[str, Any]:
@@ -128,7 +161,7 @@ def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
                 "to predict them anyway"
             )
     for c in skipped:
-        log.info("%s: not tried, training cannot run it: %s", layout_label(c.parallel), c.unrunnable)
+        log.info("%s: not tried, training cannot run it: %s", candidate_label(c), c.unrunnable)
     start = time.perf_counter()
     results = []
     for k, candidate in enumerate(candidates, 1):
@@ -139,7 +172,7 @@ def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
             "[%d/%d] %s: %s at %d tokens, %s per device, MFU %.1f%%%s",
             k,
             len(candidates),
-            layout_label(candidate.parallel),
+            candidate_label(candidate),
             "fits" if result.best else shown.status,
             shown.seq,
             _gib(shown.device_total),
@@ -150,11 +183,14 @@ def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
     row["fit.seconds"] = time.perf_counter() - start
     row["fit.layouts_tried"] = len(results)
     row["fit.runners_up"] = "; ".join(
-        f"{layout_label(r.parallel)}: {r.best.seq if r.best else r.failed.status}"
+        f"{candidate_label(r.candidate)}: {r.best.seq if r.best else r.failed.status}"
         for r in results[1 : 1 + run.fit.runners_up]
     )
     chosen = results[0].shown
     row.update(_row(chosen, problem))
+    # how to train the chosen candidate
+    row["method.tile_tokens"] = results[0].candidate.tile_tokens or WHOLE_LAYERS
+    row["train.optimizer_offload"] = "host" if results[0].candidate.optimizer_offload else "none"
     row["fit.unrunnable"] = results[0].unrunnable  # None: training runs this layout
     _write_layouts(output_dir / LAYOUTS_FILE, results, skipped)
     log.info("%s", report(chosen, problem))
@@ -190,6 +226,8 @@ def _write_layouts(path: Path, results: list[LayoutResult], skipped: list[Candid
         "pp",
         "dp",
         "sequence_parallel",
+        "tile_tokens",
+        "optimizer_offload",
         "status",
         "seq",
         "device_bytes",
@@ -213,6 +251,8 @@ def _write_layouts(path: Path, results: list[LayoutResult], skipped: list[Candid
                 p.pp,
                 p.dp,
                 p.sequence_parallel,
+                r.candidate.tile_tokens or "",
+                r.candidate.optimizer_offload,
                 shown.status,
                 shown.seq,
                 shown.device_total,
@@ -226,8 +266,8 @@ def _write_layouts(path: Path, results: list[LayoutResult], skipped: list[Candid
         )
     for c in skipped:
         p = c.parallel
-        writer.writerow([layout_label(p), p.tp, p.cp, p.pp, p.dp, p.sequence_parallel, "unrunnable",
-                         *[""] * 7, c.unrunnable])
+        writer.writerow([layout_label(p), p.tp, p.cp, p.pp, p.dp, p.sequence_parallel, c.tile_tokens or "",
+                         c.optimizer_offload, "unrunnable", *[""] * 7, c.unrunnable])
     create_file_atomic(path, out.getvalue())
 
 
@@ -237,18 +277,22 @@ def report(p: Prediction, problem: Problem) -> str:
     model, method = problem.workload.model, problem.workload.method
     lines = [
         f"{model.name}, {method.name}{' + plan' if problem.plan else ''}, "
-        f"{p.seq} tokens, {layout_label(p.parallel)} on {problem.hardware.name}: {p.status.upper()}"
+        f"{p.seq} tokens, {layout_label(p.parallel)}"
+        + (f", tiles of {p.tile_tokens} tokens" if p.tile_tokens else "")
+        + f" on {problem.hardware.name}: {p.status.upper()}"
         + (f" ({p.reason})" if p.reason else ""),
         "per device:",
         f"  weights                    {_gib(s.weights)}  ({s.params:,} parameters)",
         f"  gradients                  {_gib(s.gradients)}",
-        f"  optimizer states           {_gib(s.optimizer)}",
+        f"  optimizer states           {_gib(s.optimizer)}"
+        + (f"  (on the host: {_gib(s.offload.host_bytes)}, {_gib(s.offload.pinned_bytes)} page-locked)"
+           if s.offload.host_bytes else ""),
         f"  skeletal activations       {_gib((a.skeletal if a else 0) + p.rounding_buffers)}"
         + (f"  (rounding buffers {_gib(p.rounding_buffers)})" if p.rounding_buffers else ""),
         f"  transient activations      {_gib(a.transient if a else None)}",
         f"  embedding/logits/loss      {_gib(a.head if a else None)}",
         f"  persistent buffers         {_gib(a.persistent if a else None)}"
-        "  (RoPE tables, any all-gather buffer)",
+        "  (RoPE tables, any all-gather buffer, the tiles' stores and buffers)",
         f"  other activations          {_gib(a.other if a else None)}",
         f"  context-parallel buffers   {_gib(p.cp_buffers)}",
         f"  allocator overhead         {_gib(a.overhead if a else None)}"
@@ -261,12 +305,16 @@ def report(p: Prediction, problem: Problem) -> str:
         f"  total                      {_gib(p.device_total)} of {_gib(p.device_capacity)}"
         + (f"  (activations peak in {a.peak_phase})" if a else ""),
     ]
-    if method.swaps:
+    if method.swaps or method.offloads or s.offload.host_bytes:
         lines += [
             "per node:",
-            f"  swapped activations        {_gib(p.host_per_node)} of {_gib(p.host_capacity_per_node)}",
-            f"alpha {p.alpha if p.alpha is None else round(p.alpha, 4)}, bound by {p.alpha_binding}",
+            f"  host memory                {_gib(p.host_per_node)} of {_gib(p.host_capacity_per_node)}"
+            " (optimizer states and swapped activations)",
         ]
+    if method.swaps:
+        lines.append(f"alpha {p.alpha if p.alpha is None else round(p.alpha, 4)}, bound by {p.alpha_binding}"
+                     + (f"; per tile {min(p.tiles.solution.alphas):.3f} to {max(p.tiles.solution.alphas):.3f}, "
+                        f"a checkpoint layer every {p.tiles.solution.checkpoint_every}" if p.tiles else ""))
     lines.append(
         f"time per iteration {t.iteration_s:.3f} s (layer forward {t.layer_forward_s * 1e3:.1f} ms, "
         f"backward {t.layer_backward_s * 1e3:.1f} ms, recompute {t.layer_recompute_s * 1e3:.1f} ms), "

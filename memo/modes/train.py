@@ -167,7 +167,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         tp_group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
         # (only swapping fills the host: what may be pinned is not even looked at otherwise;
         # Adam's states offloaded to the host take their share of it first)
-        budget = host_budget(hw, device) - optimizer.offload.host_bytes if workload.method.swaps else 0
+        budget = host_budget(hw, device, info.world_size) - optimizer.offload.host_bytes \
+            if workload.method.swaps else 0
         placement, report = prepare_swap(built.module, workload, device, budget, run.alpha, group=tp_group)
         if isinstance(report, TileReport):
             row.update({f"tiles.{k}": finite(v) for k, v in report.row().items()})

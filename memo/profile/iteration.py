@@ -131,7 +131,7 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-    figures, gradients = {}, None
+    figures, gradients, tile_buffers, tiles = {}, None, None, None
     with _process_group(parallel, backend), mode:
         torch.manual_seed(seed)
         gpt = build_gpt(workload, device, attention).module
@@ -147,7 +147,7 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         # a trace follows no swapping (refused above): a walk in tiles, or the layers as built
         # A walk that swaps puts its host memory outside the trace, which follows the device:
         # the least of it (α = 0), and on a GPU none of it page-locked.
-        walk, _ = prepare_swap(gpt, workload, torch.device(device), host_budget=2**60, alpha=0.0, pin=False)
+        walk, tiles = prepare_swap(gpt, workload, torch.device(device), host_budget=2**60, alpha=0.0, pin=False)
 
         def run(marker: PhaseMarker) -> None:
             if walk is not None:
@@ -175,6 +175,8 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
                 r for r in (recorder.request_of(p.grad) for p in gpt.parameters() if p.grad is not None)
                 if r is not None
             )
+            if tiles is not None:  # a walk that swaps: its tile buffers, made in the first step
+                tile_buffers = sorted(recorder.request_of(b) for b in walk.swap.buffers)
     meta = {
         "backend": backend,
         "model": _plain(workload.model),
@@ -182,10 +184,16 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         "loss": method.loss,
         "parallel": _plain(parallel),
         "seq": seq,
+        "tile_tokens": workload.tile_tokens,
         "micro_batch_size": micro_batch_size,
         "dtype": dtype_label(dtype),
         "attention": attention,
         "gradient_requests": gradients,
+        # a walk in tiles that swaps: the requests of its tile buffers, and one tile's skeletal
+        # bytes as its runtime found them (input share, attention's output, the rest)
+        "tile_buffer_requests": tile_buffers,
+        "tile_skeletal_bytes": None if tiles is None else [
+            tiles.skeletal_input_bytes, tiles.skeletal_attention_bytes, tiles.skeletal_other_bytes],
         **{f"cuda.{k}": v for k, v in figures.items()},
     }
     return Trace(events, meta)

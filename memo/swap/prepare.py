@@ -124,17 +124,21 @@ def segments(parallel: ParallelConfig) -> int:
     return 2 if parallel.cp > 1 and sequence_chunks(parallel) == 1 else 1
 
 
-def host_share(node_host_bytes: float, devices_per_node: Optional[int]) -> float:
+def host_share(node_host_bytes: float, devices_on_node: Optional[int]) -> float:
     """Bytes of host memory one process may fill with swapped activations: its GPU's share of
-    its node's ``node_host_bytes``. The fit predicts with the same share."""
-    return node_host_bytes / (devices_per_node or 1)
+    its node's ``node_host_bytes``, shared by the ``devices_on_node`` GPUs the job holds there (a
+    job on fewer GPUs than the node has has the whole node's for them). The fit predicts with the
+    same share."""
+    return node_host_bytes / (devices_on_node or 1)
 
 
-def host_budget(hw: Hardware, device: torch.device) -> float:
-    """M_host of a process training on ``device`` of ``hw``: its share of the node's host memory
-    (``hardware.host_memory_gib``, or what this machine has), and on a GPU no more than its share
-    of what can be page-locked here now."""
-    budget = host_share(hw.host_memory_bytes or hardware.host_memory_bytes(), hw.devices_per_node)
+def host_budget(hw: Hardware, device: torch.device, job_devices: int = 1) -> float:
+    """M_host of a process training on ``device`` of ``hw`` in a job of ``job_devices`` processes:
+    its share of the node's host memory (``hardware.host_memory_gib``, or what this machine has)
+    among the job's processes on the node, and on a GPU no more than its share of what can be
+    page-locked here now."""
+    on_node = min(job_devices, hw.devices_per_node or 1)
+    budget = host_share(hw.host_memory_bytes or hardware.host_memory_bytes(), on_node)
     if device.type != "cuda":
         return budget
     # Swapped activations live in page-locked memory: what can be pinned here now bounds them,

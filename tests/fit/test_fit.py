@@ -468,7 +468,7 @@ def test_layout_and_length_search_rows_feed_the_longest_sequence_table(tmp_path)
     for job, method in enumerate(("memo", "full_recompute")):
         fit(sweep / str(job), "mode=fit", "model=tiny", "seq=max", "parallel=search", "cluster.gpus=2",
             "hardware=a800", "hardware.device_memory_gib=8", "fit.device_reserved_gib=0", "fit.seq_step=16k",
-            "fit.seq_limit=1024k", f"method={method}")
+            "fit.seq_limit=1024k", f"method={method}", "fit.tile_tokens=[whole]")
     results = load_results(sweep)
     assert set(results["status"]) == {"ok"} and (results["seq"] % (16 * 1024) == 0).all()
     for job in ("0", "1"):
@@ -550,7 +550,7 @@ def test_when_no_layout_fits_the_row_shows_the_one_closest_to_fitting(tmp_path):
 def test_all_layouts_are_tried_with_the_switch_and_the_row_says_why_one_cannot_run(tmp_path):
     out = tmp_path / "fit"
     row = fit(out, "mode=fit", "model=tiny", "seq=64k", "method=memo", "hardware=a800", "parallel=search",
-              "cluster.gpus=2", "fit.layouts=all")
+              "cluster.gpus=2", "fit.layouts=all", "fit.tile_tokens=[whole]")
     tried = pd.read_csv(out / "layouts.csv")
     assert len(tried) == len(layouts(TINY, 2, 8)) and "unrunnable" not in set(tried["status"])
     marked = tried["unrunnable"].notna()

@@ -87,4 +87,6 @@ def test_training_takes_the_hosts_share_the_fit_predicts_with():
     assert host_share(2 * 2**40, 8) == 256 * 2**30
     assert host_share(2**30, None) == 2**30  # a machine of one device
     hw = dataclasses.replace(HARDWARE["cpu"], host_memory_bytes=6 * 2**30, devices_per_node=3)
-    assert host_budget(hw, CPU) == 2 * 2**30
+    assert host_budget(hw, CPU, job_devices=3) == host_budget(hw, CPU, job_devices=6) == 2 * 2**30
+    # a job on one of the node's devices has the node's host memory for it
+    assert host_budget(hw, CPU, job_devices=1) == 6 * 2**30
