@@ -39,10 +39,11 @@ def arrays(output: str) -> list[dict]:
 
 def test_every_experiment_has_a_cpu_smoke_version_and_a_documented_command():
     readme = (REPO / "experiments" / "README.md").read_text()
-    # fit and anchors predict without running, on any machine: they need no CPU version.
-    paper = [name for name in EXPERIMENTS if not name.endswith("_cpu_smoke") and name not in ("fit", "anchors")]
+    # fit, anchors and frontier predict without running, on any machine: they need no CPU version.
+    predicted = ("fit", "anchors", "frontier")
+    paper = [name for name in EXPERIMENTS if not name.endswith("_cpu_smoke") and name not in predicted]
     assert sorted(paper) == ["ablation", "alpha_sweep", "convergence", "end_to_end", "scalability"]
-    assert "+experiment=fit" in readme and "+experiment=anchors" in readme
+    assert all(f"+experiment={name}" in readme for name in predicted)
     for name in paper:
         assert f"{name}_cpu_smoke" in EXPERIMENTS
         assert f"+experiment={name}" in readme and f"+experiment={name}_cpu_smoke" in readme

@@ -294,12 +294,13 @@ def iteration_template(workload: Workload, num_layers: int) -> IterationTemplate
     traced_method = MethodConfig(name=method.name, layer_activations="keep", loss=method.loss) \
         if workload.swaps else without_offloading(method)
     chunk = workload.parallel.tp if workload.parallel.sequence_parallel else 1
+    layers = min(num_layers, TILED_TEMPLATE_LAYERS if workload.tiled else TEMPLATE_LAYERS)
     return _template(
-        _frozen(workload.model),
+        _frozen(dataclasses.replace(workload.model, num_layers=layers)),  # one template for every depth
         _frozen(traced_method),
         workload.parallel.tp,
         workload.parallel.sequence_parallel,
-        min(num_layers, TILED_TEMPLATE_LAYERS if workload.tiled else TEMPLATE_LAYERS),
+        layers,
         workload.micro_batch_size,
         workload.dtype,
         traced_tile_tokens(workload.tile_tokens // chunk) if workload.tiled else None,

@@ -7,7 +7,8 @@ import math
 import re
 
 import pytest
-import torch
+import yaml
+from conftest import REPO
 
 from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.execute.optimizer_offload import offload_bytes
@@ -21,9 +22,7 @@ from memo.profile.trace import Trace
 from memo.swap.alpha import HostMemoryError, SkeletalBytes
 from memo.swap.tile_alpha import TileShape, solve_tiles
 
-TINY_LLAMA = ModelConfig(name="tiny_llama", num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=8,
-                         num_query_groups=2, activation="swiglu", normalization="RMSNorm", add_bias_linear=False,
-                         untie_embeddings_and_output_weights=True, vocab_size=8192, rotary_base=500000)
+TINY_LLAMA = ModelConfig(**yaml.safe_load((REPO / "conf" / "model" / "tiny_llama.yaml").read_text()))
 MEMO = MethodConfig(name="memo", layer_activations="swap", loss="tiled", tile_tokens="512")
 H200 = HARDWARE["h200"]
 
@@ -126,16 +125,12 @@ def test_parameter_tensors_are_the_models(name, tiny_models):
 
 @pytest.fixture(scope="module")
 def tiny_models():
-    import yaml
-
-    from conftest import REPO
     from memo.model import build_gpt
     from memo.profile.iteration import _process_group
 
     models = {}
     for name in ("tiny", "tiny_llama"):
-        fields = yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text())
-        model = ModelConfig(**{k: v for k, v in fields.items() if k != "defaults"})
+        model = ModelConfig(**yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text()))
         with _process_group(ParallelConfig(), "cpu"):
             models[name] = (model, build_gpt(Workload(model, MethodConfig(name="none"), ParallelConfig(), 256),
                                              "cpu", "math").module)
