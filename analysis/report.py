@@ -60,6 +60,9 @@ TABLES: dict[str, dict[str, tuple[str, Table]]] = {
     "convergence": {},
     "anchors": {"": ("Longest sequence predicted to fit against the peers' published figures (tokens; "
                      "where nothing fits, the term that binds)", tables.anchors_table)},
+    "frontier": {"": ("Longest sequence predicted to fit per setting and method, with the layout, tiles and "
+                      "placement of Adam's states chosen, beside the peers' published figures",
+                      tables.frontier_table)},
 }
 SEQ_FIGURES: dict[str, Plot] = {
     "_mfu_vs_seq": lambda runs, steps: figures.metric_vs_seq(runs, "mfu"),
@@ -67,6 +70,7 @@ SEQ_FIGURES: dict[str, Plot] = {
 }
 FIGURES: dict[str, dict[str, Plot]] = {
     "anchors": {},
+    "frontier": {},
     "ablation": {**SEQ_FIGURES, "_step_time": lambda runs, steps: figures.step_times(steps)},
     "alpha_sweep": {"_alpha": lambda runs, steps: figures.alpha_sweep(runs)},
     "convergence": {
@@ -167,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(summary(results))
     for path in written:  # the comparison with published figures is read at once, not opened
-        if rows.experiment_family(path.stem) == "anchors" and path.suffix == ".md":
+        if rows.experiment_family(path.stem) in ("anchors", "frontier") and path.suffix == ".md":
             print(f"\n{path.read_text()}")
     return 0
 

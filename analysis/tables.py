@@ -210,7 +210,9 @@ def binding_term(row: pd.Series) -> str:
     states alone where they and the reserved bytes exceed the device, else the activations; the
     host memory of swapped activations for ``oohm``. Empty for any other row."""
     if row["status"] == "oohm":
-        return "host memory of swapped activations"
+        reason = row.get("predicted_reason")
+        return "host memory of Adam's states" if isinstance(reason, str) and "Adam's states" in reason \
+            else "host memory of swapped activations"
     if row["status"] != "oom" or pd.isna(row.get("predicted_device_capacity_bytes")):
         return ""
     states = sum(row[f"predicted_{k}_bytes"] for k in ("weights", "gradients", "optimizer"))
@@ -242,4 +244,47 @@ def anchors_table(df: pd.DataFrame, display: bool = False) -> pd.DataFrame:
                         for s, status in zip(table["seq"], table["status"], strict=True)]
         shown["of_peer"] = table["of_peer"].map(lambda v: f"{v:.2f}×" if pd.notna(v) else "")
         return shown.drop(columns="status").rename_axis(index={"anchor.peer_tokens": "peer's tokens"})
+    return table
+
+
+FRONTIER_INDEX = ["model.name", "hardware.name", "gpus", "host_gib", "variant"]
+
+
+def frontier_table(df: pd.DataFrame, display: bool = False) -> pd.DataFrame:
+    """Per setting (model, hardware, GPUs, host memory of a node in GiB) and variant: the longest
+    sequence predicted to fit (``seq``, tokens) with the layout, tiles (``tile_tokens``, tokens;
+    empty for whole layers) and placement of Adam's states (``optimizer``) the search chose, the
+    term that binds where nothing fits, and beside it the peer's published figure (``peer``,
+    ``peer_tokens``) and our share of it (``of_peer``)."""
+    if df.empty:
+        return pd.DataFrame()
+    runs = df.copy()
+    runs["gpus"] = pd.to_numeric(runs.get("cluster.gpus", runs["gpus"]), errors="coerce").astype("Int64")
+    runs["host_gib"] = (pd.to_numeric(runs["hardware.host_memory_bytes"], errors="coerce") / GIB).round().astype("Int64")
+    runs["binding"] = runs.apply(binding_term, axis=1)
+    for column in ("anchor.peer", "anchor.peer_tokens", "layout", "predicted_tile_tokens", "train.optimizer_offload"):
+        if column not in runs:
+            runs[column] = pd.NA
+    cells = runs.sort_values("status", key=lambda s: s.map(STATUS_RANK)).drop_duplicates(FRONTIER_INDEX)
+    table = cells.set_index(FRONTIER_INDEX)[["status", "seq", "layout", "predicted_tile_tokens",
+                                             "train.optimizer_offload", "binding", "anchor.peer",
+                                             "anchor.peer_tokens"]].sort_index()
+    table = table.rename(columns={"predicted_tile_tokens": "tile_tokens", "train.optimizer_offload": "optimizer",
+                                  "anchor.peer": "peer", "anchor.peer_tokens": "peer_tokens"})
+    ok = table["status"] == "ok"
+    table["seq"] = table["seq"].where(ok).astype("Int64")
+    for column in ("layout", "tile_tokens", "optimizer"):
+        table[column] = table[column].where(ok)
+    table["tile_tokens"] = pd.to_numeric(table["tile_tokens"], errors="coerce").astype("Int64")
+    table["peer_tokens"] = pd.to_numeric(table["peer_tokens"], errors="coerce").astype("Int64")
+    table["of_peer"] = (table["seq"].astype(float) / table["peer_tokens"].astype(float)).round(3)
+    if display:
+        shown = table.astype(object)
+        shown["seq"] = [seq_label(s) if pd.notna(s) else STATUS_TEXT.get(status, status)
+                        for s, status in zip(table["seq"], table["status"], strict=True)]
+        shown["tile_tokens"] = [seq_label(t) if pd.notna(t) else ("whole" if status == "ok" else "")
+                                for t, status in zip(table["tile_tokens"], table["status"], strict=True)]
+        shown["peer_tokens"] = table["peer_tokens"].map(lambda v: f"{v:,}" if pd.notna(v) else "")
+        shown["of_peer"] = table["of_peer"].map(lambda v: f"{v:.2f}×" if pd.notna(v) else "")
+        return shown.drop(columns="status").fillna("")
     return table

@@ -406,3 +406,29 @@ def test_anchors_set_our_longest_sequence_beside_the_peers_and_name_what_binds(t
     printed = capsys.readouterr().out
     assert "Longest sequence predicted to fit against the peers' published figures" in printed
     assert "| ALST" in printed and "model states 135.0 GiB" in printed
+
+
+def test_the_frontier_sets_the_search_choices_beside_the_peer_per_setting_and_host(tmp_path, capsys):
+    """One row per setting (host memory included: the same H200 with 2 TiB and with 128 GiB) and
+    variant, with the layout, tiles and Adam's placement chosen; a host too small for Adam's states
+    is named as what binds."""
+    GIB = tables.GIB
+    sweep = tmp_path / "frontier"
+    h200 = {"experiment": "frontier", "mode": "fit", "model.name": "llama3_8b", "hardware.name": "h200",
+            "cluster.gpus": 1, "world_size": 1, "method.name": "memo", "predicted_reserved_bytes": 2 * GIB,
+            "predicted_device_capacity_bytes": 140 * GIB}
+    write_run(sweep, "0", **h200, **{"hardware.host_memory_bytes": 2048 * GIB, "anchor.peer": "ALST",
+                                     "anchor.peer_tokens": 1_200_000, "seq": 2097152, "status": "ok",
+                                     "layout": "tp1 cp1 pp1 dp1", "predicted_tile_tokens": 8192,
+                                     "train.optimizer_offload": "host"})
+    write_run(sweep, "1", **h200, **{"hardware.host_memory_bytes": 128 * GIB, "seq": 65536, "status": "oohm",
+                                     "predicted_reason": "out of host memory: Adam's states on the host take ..."})
+    table = tables.frontier_table(rows.training_runs(load_results(sweep)))
+    big, small = (table.xs(host, level="host_gib").iloc[0] for host in (2048, 128))
+    assert (big["seq"], big["tile_tokens"], big["optimizer"], big["peer"]) == (2097152, 8192, "host", "ALST")
+    assert big["of_peer"] == round(2097152 / 1_200_000, 3) and big["binding"] == ""
+    assert pd.isna(small["seq"]) and small["binding"] == "host memory of Adam's states"
+    shown = tables.frontier_table(rows.training_runs(load_results(sweep)), display=True)
+    assert sorted(shown["seq"]) == ["2048K", "OOHM"] and "8K" in set(shown["tile_tokens"])
+    assert report.main([str(sweep)]) == 0
+    assert "placement of Adam's states chosen" in capsys.readouterr().out
