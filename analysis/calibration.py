@@ -21,11 +21,13 @@ import pandas as pd
 
 from analysis.rows import load_results
 from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, Workload, parse_alpha
+from memo.config.validate import tile_tokens
 from memo.fit.predict import Problem, predict, prediction_hardware
 from memo.hardware import Hardware
 from memo.model.gpt import DTYPES, dtype_label
 
-_LISTS = {"recompute_modules"}  # flattened to comma-separated strings in rows
+# flattened to comma-separated strings in rows
+_LISTS = {"method.recompute_modules", "method.offload_modules", "fit.tile_tokens", "fit.optimizer_offload"}
 
 
 def _value(value):
@@ -43,7 +45,7 @@ def _section(row: pd.Series, prefix: str, cls):
             integer = int in (hints[f.name], *typing.get_args(hints[f.name]))
             if integer and isinstance(value, float) and value.is_integer():
                 value = int(value)  # a column with gaps reads as floats
-            values[f.name] = value.split(",") if f.name in _LISTS else value
+            values[f.name] = value.split(",") if prefix + f.name in _LISTS else value
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             values[f.name] = None
     return cls(**values)
@@ -57,6 +59,8 @@ class _Train:
     micro_batches: int = 1
     distributed_optimizer: Optional[bool] = None
     loss_tile_tokens: Optional[int] = None
+    optimizer_offload: str = "none"
+    optimizer_offload_fraction: float = 1.0
 
 
 def problem_of_row(row: pd.Series) -> tuple[Problem, ParallelConfig, int]:
@@ -78,6 +82,7 @@ def problem_of_row(row: pd.Series) -> tuple[Problem, ParallelConfig, int]:
         micro_batch_size=int(train.micro_batch_size),
         dtype=dtype,
         loss_tile_tokens=train.loss_tile_tokens,
+        tile_tokens=tile_tokens(method),
     )
     problem = Problem(
         workload=workload,
@@ -86,6 +91,7 @@ def problem_of_row(row: pd.Series) -> tuple[Problem, ParallelConfig, int]:
         micro_batches=int(train.micro_batches),
         distributed_optimizer=train.distributed_optimizer,
         alpha=alpha,
+        optimizer_offload=train.optimizer_offload_fraction if train.optimizer_offload == "host" else 0.0,
     )
     return problem, parallel, seq
 

@@ -206,3 +206,9 @@ def test_the_search_tries_tiles_and_picks_them_where_they_reach_further(tmp_path
     at_tiles = tried[tried["tile_tokens"] == 1024].set_index("optimizer_offload")["seq"]
     assert at_tiles[1.0] >= at_tiles[0.0]
     assert row["train.optimizer_offload"] == ("host" if at_tiles[1.0] > at_tiles[0.0] else "none")
+    # the row says how to run it: predicted again from the row (as calibration does), the same
+    from analysis.calibration import problem_of_row
+
+    problem, parallel, seq = problem_of_row(pd.Series(row))
+    again = predict(problem, parallel, seq)
+    assert (again.tile_tokens, again.seq, again.device_total) == (1024, row["seq"], row["predicted_device_bytes"])
