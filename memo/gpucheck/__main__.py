@@ -6,7 +6,7 @@ Without ``--all`` or ``--only`` the pack runs its first steps, the most informat
 budgets together keep it inside one command of eight minutes: ``smoke`` (every place the GPU path
 can break, quickly), ``cp_kernels`` (each block kernel against a float64 reference, then timed),
 ``numerics`` (every method's gradients against keeping everything) and ``probe`` (the physical
-bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``, ``tiles``) run with
+bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``, ``tiles``, ``frontier``) run with
 ``--all`` or by name with ``--only``, when device time is left.
 
 A step whose finished result (``<step>.csv``) in ``DIR`` was made by the code checked out now
@@ -56,6 +56,7 @@ STEPS = [
     Step("longest", ("memo.gpucheck.jobs", "longest"), 360),
     Step("calibration", ("memo.gpucheck.calibration",), 60),
     Step("tiles", ("memo.gpucheck.tiles",), 420),
+    Step("frontier", ("memo.gpucheck.frontier",), 480),
 ]
 FIRST_BUDGET_S = sum(step.budget_s for step in STEPS if step.first)
 CPU_BUDGET_FACTOR = 3

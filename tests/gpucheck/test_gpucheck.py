@@ -222,3 +222,13 @@ def test_plan_row_allows_ten_times_the_spread_of_two_unplanned_runs_and_nothing_
     assert plan_row(job(10.97, 8.39216423034668), unplanned, None)["status"] == "failed"
     failed = plan_row(job(10.97, 8.39), job(None, None, "error"), None)
     assert failed["status"] == "failed" and failed["loss_error"] is None and "error" in failed["worst_parameter"]
+
+
+def test_the_frontier_step_trains_the_longest_length_its_budget_allows():
+    from memo.gpucheck.frontier import TRAIN_BUDGET_S, trained_length
+
+    assert trained_length(1 << 20, TRAIN_BUDGET_S / 2, 16384) == 1 << 20  # two steps within the budget
+    # four times the budget: half the length (time as the square of it), on the tiles' grid
+    assert trained_length(1 << 20, 2 * TRAIN_BUDGET_S, 16384) == 1 << 19
+    assert trained_length(1 << 20, 3 * TRAIN_BUDGET_S, 16384) == int((1 << 20) / 6 ** 0.5) // 16384 * 16384
+    assert trained_length(32768, 1e9, 16384) == 16384  # never below one tile
