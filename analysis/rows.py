@@ -29,7 +29,7 @@ SMOKE_SUFFIX = "_cpu_smoke"
 
 # What makes two runs the same configuration: these columns and every column of the config
 # groups below. Anything else (metrics, times, host, commit) may differ between repeats.
-CONFIG_COLUMNS = ("experiment", "mode", "hardware.name", "hardware.host_memory_bytes", "seq", "alpha", "plan", "world_size")
+CONFIG_COLUMNS = ("experiment", "mode", "hardware.name", "hardware.host_memory_gib", "seq", "alpha", "plan", "world_size")
 CONFIG_PREFIXES = ("model.", "method.", "parallel.", "train.")
 
 # Columns of a run repeated on each of its steps in :func:`read_steps`.

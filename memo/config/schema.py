@@ -235,8 +235,8 @@ class FitConfig:
     dp_comm_overlap: float = 0.0
     # Fraction of a link's nominal bandwidth a collective reaches.
     link_efficiency: float = 0.8
-    # train.optimizer_offload=host: bytes per second the host's Adam streams (GB/s; a node's cores
-    # shared by its devices' optimizers)
+    # train.optimizer_offload=host: GB/s one device's Adam on the host streams (its share of the
+    # node's cores and memory bandwidth)
     host_adam_gbps: float = 10.0
     # parallel=search: besides the layouts, the layers' tiles tried for a method that walks tiles
     # (memo, full_swap, full_recompute; "whole" or tokens as method.tile_tokens takes them) and the

@@ -43,7 +43,7 @@ micro-batch but the last of a step run under ``no_sync``, which this training lo
 
 import gc
 import warnings
-from dataclasses import astuple, dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Sequence
 
 import torch
@@ -101,6 +101,10 @@ class OffloadBytes:
         """The host bytes that are not page-locked."""
         return self.host_bytes - self.pinned_bytes
 
+    def row(self) -> dict:
+        """The figures as result-row columns (bytes; elements for ``offloaded_params``)."""
+        return {**asdict(self), "host_bytes": self.host_bytes}
+
     def __add__(self, other: "OffloadBytes") -> "OffloadBytes":
         return OffloadBytes(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
@@ -144,24 +148,6 @@ def offload_bytes(numels: Sequence[int], param_bytes: int, fraction: float = 1.0
             device_bytes_removed=2 * fp32 + (0 if fp32_weights else fp32),
         )
     return offload
-
-
-def offload_bytes_for_params(params: int, param_bytes: int) -> OffloadBytes:
-    """:func:`offload_bytes` for ``params`` parameters of one rank all on the host (fraction 1),
-    without their split into tensors: the bytes requested, with no power-of-two rounding of the
-    page-locked ones (which each tensor's size decides, and which at most doubles them) and no
-    step counters (4 bytes per tensor). Bytes, as :class:`OffloadBytes`."""
-    fp32 = FP32_BYTES * params
-    fp32_weights = param_bytes == FP32_BYTES
-    return OffloadBytes(
-        offloaded_params=params,
-        master_bytes=fp32,
-        moment_bytes=2 * fp32,
-        step_bytes=0,
-        grad_bytes=fp32,
-        pinned_bytes=fp32 * (2 if fp32_weights else 1),
-        device_bytes_removed=2 * fp32 + (0 if fp32_weights else fp32),
-    )
 
 
 def offload_config(fraction: float, **fields) -> OptimizerConfig:
@@ -208,7 +194,9 @@ def release_build_copies() -> None:
     reference cycle of its step hooks until the cycle collector runs, and the dropped 16-bit
     page-locked copies, which the host allocator keeps page-locked in its cache."""
     gc.collect()
-    torch.accelerator.empty_host_cache()
+    # torch.accelerator's host-cache call is recent; the CUDA one has been there since 2.5
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache
+    empty()
 
 
 def hybrid_optimizers(optimizer: MegatronOptimizer) -> list[HybridDeviceOptimizer]:

@@ -48,6 +48,7 @@ from megatron.core.transformer import TransformerConfig
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.config.validate import OFFLOAD_MODULES
+from memo.execute.optimizer_offload import pinned_block_bytes
 from memo.model import build_gpt, torch_dtype
 from memo.model.attention import select_backend
 from memo.model.gpt import transformer_config
@@ -69,7 +70,8 @@ class OffloadedBytes:
 
     tokens: int
     # copied to the host by a layer that offloads (every layer of a stage but its last,
-    # offloaded_layers): one copy per saved tensor, so a storage saved twice counts twice
+    # offloaded_layers): one page-locked copy per saved tensor, so a storage saved twice counts
+    # twice, each rounded up to a power of two as PyTorch's host allocator pins it
     per_layer_host: int
     # the layer's saved activations left on the device until its backward: what is saved outside
     # the named modules, tensors below the size threshold, and storages one of those still holds
@@ -182,7 +184,8 @@ class _LayerBytes:
         for module, elements, element_size, storage in self.saves:
             count = elements.at(tokens)
             if module in modules and count >= min_elements:
-                host[module] += count * element_size
+                # each copy is a page-locked tensor of its own, which the host allocator rounds
+                host[module] += pinned_block_bytes(count * element_size)
             else:
                 still_held.add(storage)
         none = sum(size.at(tokens) for size in self.storage_bytes)

@@ -301,7 +301,7 @@ def tile_host_plan(sizes: SkeletalBytes, layers: int, tile_times_s: list[float],
     ``bandwidth`` the device-to-host bytes/s and ``budget`` the host bytes of this device.
 
     Raises:
-        HostMemoryError: if even α = 0 fits with no checkpoint interval (naming the host term).
+        HostMemoryError: if α = 0 does not fit with any checkpoint interval (naming the host term).
     """
     tiles = len(tile_times_s)
     shape = TileShape(sizes, layers, tiles, buffers)

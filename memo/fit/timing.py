@@ -186,8 +186,8 @@ def predict_time(
             behind the next tiles' compute, a mean over the layers (:func:`memo.fit.memory.tile_host_plan`).
         checkpoint_every: layers walked in tiles that swap: k, the checkpoint interval.
         offloaded_params: parameters of this device whose Adam step runs on the host: their fp32
-            gradients go to the host and their new weights come back over the host link while
-            the CPU streams :data:`HOST_ADAM_BYTES_PER_PARAM` bytes each at
+            gradients go to the host and their fp32 main weights come back over the host link
+            while the CPU streams :data:`HOST_ADAM_BYTES_PER_PARAM` bytes each at this device's
             ``fit.host_adam_gbps``, one tensor's copies behind another's step (Megatron's
             ``overlap_cpu_optimizer_d2h_h2d``): the slower of the two, after the backward pass.
     """
@@ -234,7 +234,8 @@ def predict_time(
     grad_ranks = dp * cp
     dp_link = _link(tp * cp * pp * dp, hw, fit.link_efficiency)
     dp_comm = 2 * _ring_seconds(local_params * 4, grad_ranks, dp_link) * (1 - fit.dp_comm_overlap)
-    copies = offloaded_params * (4 + workload.dtype_bytes) / hw.host_link_bytes_per_s
+    # fp32 gradients go out, fp32 main weights come back (converted on the device)
+    copies = offloaded_params * (4 + 4) / hw.host_link_bytes_per_s
     optimizer_offload = max(copies, offloaded_params * HOST_ADAM_BYTES_PER_PARAM / (fit.host_adam_gbps * 1e9))
     iteration = slots * stage + dp_comm + optimizer_offload
 

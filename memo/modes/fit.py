@@ -25,6 +25,7 @@ from memo import hardware
 from memo.config import ConfigError, Run, SeqSearch, resolve
 from memo.config.validate import CP_COMM_TYPES, WHOLE_LAYERS, tile_tokens
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
+from memo.fit.template import MIN_TRACED_TILE
 from memo.fit.search import Candidate, LayoutResult, candidate_label, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
 from memo.model import dtype_label, torch_dtype, unsupported_layout
@@ -97,25 +98,33 @@ def evaluate(problem: Problem, candidate: Candidate, seq: int, search: Optional[
 def _candidates(run: Run, problem: Problem) -> list[Candidate]:
     """The candidates to predict, each with why training cannot run it: the run's own, or under
     ``parallel=search`` every layout with every tile (for a method that walks tiles) and every
-    placement of Adam's states of ``fit.tile_tokens`` and ``fit.optimizer_offload``."""
+    placement of Adam's states of ``fit.tile_tokens`` and ``fit.optimizer_offload``, the run's
+    own ``method.tile_tokens`` and ``train.optimizer_offload`` among them. Tiles under context
+    parallelism are tried without sequence parallelism (as training runs them) and with one
+    exchange (they gather into their stores whatever it is named); tiles that do not split a
+    fixed ``seq``, or that are below what the fit models, are not tried."""
     method, parallel = run.workload.method, run.workload.parallel
     if not parallel.search:
-        return [Candidate(parallel, unsupported_layout(parallel, method), run.workload.tile_tokens,
-                          problem.optimizer_offload)]
+        return [Candidate(parallel, unsupported_layout(parallel, method)
+                          or _unrunnable(run, run.workload.tile_tokens, problem.optimizer_offload),
+                          run.workload.tile_tokens, problem.optimizer_offload)]
     # DeepSpeed-Ulysses exchanges by its all-to-all only; our attention by any of Megatron's three
     exchanges = ("a2a",) if method.cp_attention == "deepspeed" else CP_COMM_TYPES
-    tiles = [tile_tokens(dataclasses.replace(method, tile_tokens=t)) for t in run.fit.tile_tokens] \
-        if method.walks_tiles else [run.workload.tile_tokens]
-    shares = list(dict.fromkeys(_offload_share(run, placement) for placement in run.fit.optimizer_offload))
-    found = [
-        Candidate(p, unsupported_layout(p, method) or _unrunnable_tiles(p, tile), tile, share)
-        for p in layouts(run.workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
-                         parallel.sequence_parallel, exchanges)
-        for tile in tiles
-        for share in shares
-        # a walk in tiles gathers keys and values into its stores whatever the exchange is named
-        if tile is None or (p.cp == 1 or p.cp_comm_type == exchanges[0]) and _splits(run, p, tile)
-    ]
+    tiles = [run.workload.tile_tokens]
+    if method.walks_tiles:
+        tiles = list(dict.fromkeys([*(tile_tokens(dataclasses.replace(method, tile_tokens=t))
+                                      for t in run.fit.tile_tokens), run.workload.tile_tokens]))
+    shares = list(dict.fromkeys([*(_offload_share(run, placement) for placement in run.fit.optimizer_offload),
+                                 problem.optimizer_offload]))
+    found = []
+    for p in layouts(run.workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
+                     parallel.sequence_parallel, exchanges):
+        for tile in tiles:
+            layout = p if tile is None or p.cp == 1 else dataclasses.replace(p, sequence_parallel=False)
+            if tile is not None and not _modelled_tiles(run, layout, tile, exchanges[0]):
+                continue
+            found += [Candidate(layout, unsupported_layout(layout, method) or _unrunnable(run, tile, share),
+                                tile, share) for share in shares]
     if not found:
         raise ConfigError(
             f"no valid layout of cluster.gpus={run.cluster.gpus} for model={run.workload.model.name}"
@@ -123,16 +132,28 @@ def _candidates(run: Run, problem: Problem) -> list[Candidate]:
     return found
 
 
-def _splits(run: Run, parallel, tile: int) -> bool:
-    """Whether tiles of ``tile`` tokens split the run's sequence under ``parallel`` (each of the
-    ``2·cp`` chunks under context parallelism; ``seq=max`` searches lengths that they split)."""
+def _modelled_tiles(run: Run, parallel, tile: int, exchange: str) -> bool:
+    """Whether tiles of ``tile`` tokens are a candidate under ``parallel``: one exchange under
+    context parallelism, tiles that split the run's sequence (each of the ``2·cp`` chunks; ``seq=max``
+    searches lengths that they split) and that the fit models (:data:`MIN_TRACED_TILE` tokens a
+    sequence-parallel rank)."""
+    if parallel.cp > 1 and parallel.cp_comm_type != exchange:
+        return False
+    chunks = parallel.tp if parallel.sequence_parallel else 1
+    if tile // chunks < MIN_TRACED_TILE:
+        log.info("tiles of %d tokens under %s: not tried, the fit models tiles of at least %d tokens a rank",
+                 tile, layout_label(parallel), MIN_TRACED_TILE)
+        return False
     return run.seq_search is not None or run.workload.seq % (tile * (2 * parallel.cp if parallel.cp > 1 else 1)) == 0
 
 
-def _unrunnable_tiles(parallel, tile: Optional[int]) -> Optional[str]:
-    """Why training cannot walk tiles of ``tile`` tokens under ``parallel`` (None: it can)."""
-    if tile is not None and parallel.cp > 1 and parallel.sequence_parallel:
-        return "layers walked in tiles run context parallelism without sequence parallelism so far"
+def _unrunnable(run: Run, tile: Optional[int], offload_share: float) -> Optional[str]:
+    """Why training cannot run tiles of ``tile`` tokens (None: whole layers) with ``offload_share``
+    of Adam's states on the host (None: it can)."""
+    if tile is not None and run.plan:
+        return "plan=true does not plan layers walked in tiles yet"
+    if offload_share and run.workload.dtype not in ("bf16", "fp16"):
+        return f"train.optimizer_offload=host needs 16-bit weights, not train.dtype={run.workload.dtype}"
     return None
 
 

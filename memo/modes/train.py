@@ -161,14 +161,17 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         if model.init_from is not None:
             read = hf_checkpoint.load(built.module, model, model.init_from)
             log.info("weights: %d tensors of %s", read, model.init_from)
-        optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device("cpu")
-        tp_group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
         # (only swapping fills the host: what may be pinned is not even looked at otherwise;
-        # Adam's states offloaded to the host take their share of it first)
-        budget = host_budget(hw, device, info.world_size) - optimizer.offload.host_bytes \
-            if workload.method.swaps else 0
+        # measured before Adam's states offloaded to the host take their share of it, all of it
+        # taken out below, though part of it is allocated only at the first step)
+        budget = host_budget(hw, device, info.world_size) if workload.method.swaps else 0
+        optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
+        if optimizer.offload.host_bytes:
+            row.update({f"optimizer_offload.{k}": v for k, v in optimizer.offload.row().items()})
+        budget = max(budget - optimizer.offload.host_bytes, 0)
+        tp_group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
         placement, report = prepare_swap(built.module, workload, device, budget, run.alpha, group=tp_group)
         if isinstance(report, TileReport):
             row.update({f"tiles.{k}": finite(v) for k, v in report.row().items()})

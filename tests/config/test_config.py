@@ -28,9 +28,10 @@ from conftest import CONF_DIR, compose_config
 def test_every_group_option_composes_and_validates(group, option):
     added = group in ("experiment", "workload")  # not in the defaults list: selected with +
     # A layout search is a question for mode=fit about a number of devices (its sweep sets them).
-    fit = ["mode=fit", "cluster.gpus=8"] if option in ("search", "fit", "anchors") else []
+    predicted = ("fit", "anchors", "frontier")
+    fit = ["mode=fit", "cluster.gpus=8"] if option in ("search", *predicted) else []
     cfg = compose_config(f"{'+' if added else ''}{group}={option}", *fit)
-    if option in ("fit", "anchors"):  # mode=fit searches the longest sequence
+    if option in predicted:  # mode=fit searches the longest sequence
         assert cfg.mode == "fit" and cfg.seq == "max" and validate(cfg) is None
         return
     assert validate(cfg) == parse_seq(cfg.seq) == (131072 if option == "convergence" else 1024)
