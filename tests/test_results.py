@@ -123,8 +123,20 @@ def test_rows_load_into_one_dataframe(tmp_path):
     assert all(frame["result_path"].str.endswith("result.json"))
 
 
+@pytest.fixture
+def signals_as_python_sets_them():
+    """SIGINT and SIGTERM as a Python started in the foreground has them (a suite started in the
+    background by a shell inherits SIGINT ignored, which a job rightly leaves alone)."""
+    previous = {s: signal.signal(s, d) for s, d in ((signal.SIGINT, signal.default_int_handler),
+                                                     (signal.SIGTERM, signal.SIG_DFL))}
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_lost_in_a_finalizer_still_ends_the_job_at_its_next_step(tmp_path, monkeypatch, signum):
+def test_a_stop_signal_lost_in_a_finalizer_still_ends_the_job_at_its_next_step(tmp_path, monkeypatch, signum,
+                                                                                signals_as_python_sets_them):
     # Python prints and drops an exception raised inside a finalizer: a signal that lands there
     # (RoPE's tables are dropped by weakref.finalize every step) must still stop the job
     class Table:
