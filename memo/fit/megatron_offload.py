@@ -40,12 +40,12 @@ bytes are piecewise affine in tokens.
 import dataclasses
 import functools
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Optional
 
 import torch
 from megatron.core.transformer import TransformerConfig
 
+from memo.fit.affine import Affine
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.config.validate import OFFLOAD_MODULES
 from memo.execute.optimizer_offload import pinned_block_bytes
@@ -133,20 +133,6 @@ def offloaded_bytes(workload: Workload,
 
 
 @dataclass(frozen=True)
-class _Affine:
-    base: Fraction
-    slope: Fraction
-
-    def at(self, tokens: int) -> int:
-        return int(self.base + self.slope * tokens)
-
-
-def _affine(a: int, b: int, tokens: tuple[int, int]) -> _Affine:
-    slope = Fraction(b - a, tokens[1] - tokens[0])
-    return _Affine(a - slope * tokens[0], slope)
-
-
-@dataclass(frozen=True)
 class _Save:
     """One tensor autograd saved in the traced layer."""
 
@@ -174,9 +160,9 @@ class _LayerBytes:
         if small.structure() != large.structure():
             raise ConfigError("the traced layer saves different tensors at different lengths, so its "
                               "offloading cannot be scaled")
-        self.saves = [(s.module, _affine(s.elements, b.elements, tokens), s.element_size, s.storage)
+        self.saves = [(s.module, Affine.through(s.elements, b.elements, tokens), s.element_size, s.storage)
                       for s, b in zip(small.saves, large.saves)]
-        self.storage_bytes = [_affine(a, b, tokens) for a, b in zip(small.storage_bytes, large.storage_bytes)]
+        self.storage_bytes = [Affine.through(a, b, tokens) for a, b in zip(small.storage_bytes, large.storage_bytes)]
 
     def at(self, tokens: int, modules: frozenset, min_elements: int) -> OffloadedBytes:
         host = dict.fromkeys(sorted(modules, key=OFFLOAD_MODULES.index), 0)

@@ -216,8 +216,9 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
                               loss_tile_tokens=workload.loss_tile_tokens, tile_tokens=workload.tile_tokens)
     offload = exposed = None
     if method.offloads:
+        passes = timed()
         offload = memory.megatron_offload(workload, layers * in_flight, hw.host_link_bytes_per_s,
-                                          timed().layer_forward_s, timed().layer_backward_s)
+                                          passes.layer_forward_s, passes.layer_backward_s)
         host, exposed = offload.host_bytes, offload.exposed_copy_s
         if host > host_budget:
             return Prediction(

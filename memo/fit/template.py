@@ -45,13 +45,12 @@ import dataclasses
 import functools
 import itertools
 import re
-from dataclasses import dataclass
-from fractions import Fraction
 from typing import Optional
 
 import torch
 
 from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
+from memo.fit.affine import Affine
 from memo.fit.megatron_offload import without_offloading
 from memo.model.gpt import padded_vocab_size
 from memo.model.tiles import auto_tile_tokens, eighth_tile_tokens
@@ -78,16 +77,7 @@ MIN_TRACED_TILE = 512
 _TILE_PHASE = re.compile(r"\.t\d+$|\.(rebuild|chain)$")
 
 
-@dataclass(frozen=True)
-class _Affine:
-    base: Fraction
-    slope: Fraction
-
-    def at(self, tokens: int) -> int:
-        return int(self.base + self.slope * tokens)
-
-
-def _affine(events_a: list[Event], events_b: list[Event], tokens: tuple[int, int]) -> list[_Affine]:
+def _affine(events_a: list[Event], events_b: list[Event], tokens: tuple[int, int]) -> list[Affine]:
     if len(events_a) != len(events_b) or any(
         (a.op, a.id, a.phase) != (b.op, b.id, b.phase) for a, b in zip(events_a, events_b)
     ):
@@ -95,7 +85,7 @@ def _affine(events_a: list[Event], events_b: list[Event], tokens: tuple[int, int
             "the traced iteration allocates in a different order at different lengths, "
             "so it cannot be scaled; use mode=plan at the length you need"
         )
-    return [_Affine(*_line(a.size, b.size, tokens)) for a, b in zip(events_a, events_b)]
+    return [Affine.through(a.size, b.size, tokens) for a, b in zip(events_a, events_b)]
 
 
 def _of_layer(phase: str, layer: int, direction: str) -> bool:
@@ -104,12 +94,6 @@ def _of_layer(phase: str, layer: int, direction: str) -> bool:
     own = layer_phase(layer, direction)
     parts = (own, f"layer.{layer}.rebuild", f"layer.{layer}.chain") if direction == "bwd" else (own,)
     return phase in parts or phase.startswith(own + ".")
-
-
-def _line(a: int, b: int, tokens: tuple[int, int]) -> tuple[Fraction, Fraction]:
-    """Base and slope of the line through ``(tokens[0], a)`` and ``(tokens[1], b)``."""
-    slope = Fraction(b - a, tokens[1] - tokens[0])
-    return a - slope * tokens[0], slope
 
 
 class IterationTemplate:
@@ -169,7 +153,7 @@ class IterationTemplate:
             r.id for r in requests if _TILE_PHASE.search(r.malloc_phase)} if self.tiled else set()
         skeletal = [small.meta.get("tile_skeletal_bytes"), large.meta.get("tile_skeletal_bytes")]
         self._tile_skeletal = None if None in skeletal else [
-            _Affine(*_line(a, b, tokens)) for a, b in zip(*skeletal, strict=True)]
+            Affine.through(a, b, tokens) for a, b in zip(*skeletal, strict=True)]
 
     def sizes_of(self, request_id: int) -> tuple[int, int]:
         """Bytes of one request in the two traces the template was made of."""
