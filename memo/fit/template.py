@@ -72,9 +72,9 @@ TRACED_TILES = 3  # tiles a layer of a walk in tiles is traced with: the first, 
 # work in eighths of at least 64 tokens, so from 512 tokens on a tile twice as long makes as many
 # requests, each twice as long.
 MIN_TRACED_TILE = 512
-# phases of a walk in tiles whose requests are sized by the tile: a tile's forward or backward, a
-# layer's rebuild of its keys and values, a chain (tile by tile)
-_TILE_PHASE = re.compile(r"\.t\d+$|\.(rebuild|chain)$")
+# phases of a walk in tiles whose requests are sized by the tile: a tile's forward or backward and
+# their attention blocks, a layer's rebuild of its keys and values, a chain (tile by tile)
+_TILE_PHASE = re.compile(r"\.t\d+(\.d?b\d+)?$|\.(rebuild|chain)$")
 
 
 def _affine(events_a: list[Event], events_b: list[Event], tokens: tuple[int, int]) -> list[Affine]:

@@ -184,6 +184,15 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     return mixed, merged
 
 
+def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """:func:`merge` into ``out`` and ``lse`` (both in :func:`wide` precision), in place: the same
+    operations in the same order, so the same bits, without a new output per block."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     scores = torch.matmul(q.to(wide(q.dtype)), k.to(wide(q.dtype)).transpose(-1, -2)) * scale
     if causal:

@@ -14,6 +14,8 @@ key and value gradients are added into float32 accumulators of the store's shape
 descending order finish block ``t``'s gradients with tile ``t`` (only tiles ``≥ t`` see it).
 """
 
+from typing import Callable, Optional
+
 import torch
 
 from memo.model import attention_blocks as blocks
@@ -26,43 +28,67 @@ def block(store: torch.Tensor, index: int, tokens: int) -> torch.Tensor:
 
 
 def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: int,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, on_block: Optional[Callable[[Optional[int]], None]] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of tile ``tile``'s queries ``q`` (``[b, heads, c, d]``) over the store's first
     ``tile + 1`` blocks of ``c`` tokens.
+
+    The blocks are merged in place into one float32 output and log-sum-exp made before the first,
+    and each block's tensors are freed before the next begins: the requests of a block are made
+    and freed within it, so that every block of every tile allocates alike (the planner plans
+    one). ``on_block`` is told the block about to run, and ``None`` once the last is done.
 
     Returns:
         ``(out, lse)``: ``out`` ``[b, heads, c, d]`` in ``q``'s dtype, laid out ``[c, b, heads, d]``
         in memory as Megatron's attention output is, rounded once from the float32 merge;
         ``lse`` ``[b, heads, c]`` in float32 (float64 for float64 input).
     """
-    c, groups = q.shape[2], q.shape[1] // keys.shape[2]
-    merged = None
+    c, groups, acc = q.shape[2], q.shape[1] // keys.shape[2], blocks.wide(q.dtype)
+    on_block = on_block or _no_blocks
+    out = torch.empty(q.shape, dtype=acc, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
     for j in range(tile + 1):
+        on_block(j)
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
         part = blocks.forward(kernel, q, k, v, j == tile, scale)
-        merged = part if merged is None else blocks.merge(*merged, *part)
-    out, lse = merged
+        if j == 0:
+            out.copy_(part[0])
+            lse.copy_(part[1])
+        else:
+            blocks.merge_into(out, lse, *part)
+        del k, v, part
+    on_block(None)
     token_major = torch.empty((c, q.shape[0], q.shape[1], q.shape[3]), dtype=q.dtype, device=q.device)
     token_major.permute(1, 2, 0, 3).copy_(out)
-    return token_major.permute(1, 2, 0, 3), lse.to(blocks.wide(q.dtype))
+    return token_major.permute(1, 2, 0, 3), lse
 
 
 def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, tile: int, scale: float, key_grads: torch.Tensor,
-                  value_grads: torch.Tensor) -> torch.Tensor:
+                  value_grads: torch.Tensor, on_block: Optional[Callable[[Optional[int]], None]] = None
+                  ) -> torch.Tensor:
     """The backward pass of :func:`tile_forward`: returns ``dq`` (``q``'s dtype) and adds every
     block's key and value gradients into ``key_grads`` and ``value_grads`` (float32 or wider,
-    the store's shape)."""
+    the store's shape). Each block's tensors are freed before the next begins; ``on_block`` is
+    told as in :func:`tile_forward`."""
     c, groups = q.shape[2], q.shape[1] // keys.shape[2]
+    on_block = on_block or _no_blocks
     # in the layouts the kernels take, once for all the tile's blocks rather than per block
     dout, out = blocks.token_major(dout), blocks.token_major(out)
     lse = lse.to(blocks.wide(q.dtype)).contiguous()
     dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
     for j in range(tile + 1):
+        on_block(j)
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
         dqb, dkb, dvb = blocks.backward(kernel, dout, q, k, v, out, lse, j == tile, scale)
         dq.add_(dqb)
         # grouped heads' gradients summed in the accumulators' precision
         block(key_grads, j, c).add_(blocks.fold_kv(dkb.to(key_grads.dtype), groups))
         block(value_grads, j, c).add_(blocks.fold_kv(dvb.to(value_grads.dtype), groups))
+        del k, v, dqb, dkb, dvb
+    on_block(None)
     return dq.to(q.dtype)
+
+
+def _no_blocks(_block: Optional[int]) -> None:
+    pass

@@ -7,7 +7,9 @@ output layer; empty under the tiled loss, which does both in its tiles), ``loss.
 ``loss.bwd``, ``head.bwd``, ``layer.<i>.bwd`` from the last layer to the first, ``embedding.bwd``
 and ``optimizer``. A layer walked in tiles (:mod:`memo.swap.tiled_layer`) names its parts:
 ``layer.<i>.fwd.t<t>`` per tile, then in the backward pass ``layer.<i>.rebuild`` and
-``layer.<i>.bwd.t<t>`` from the last tile to the first. A request still alive at the end of the
+``layer.<i>.bwd.t<t>`` from the last tile to the first; within a tile, each block of its attention
+is ``<tile phase>.b<j>`` (forward kernels) or ``.db<j>`` (backward kernels), back to the tile's
+phase once its blocks are done. A request still alive at the end of the
 iteration (gradients, say) lives until the trace's last instant.
 
 On disk a trace is a CSV with one row per request, ``id,lower,upper,size,malloc_phase,free_phase``

@@ -77,6 +77,9 @@ FORWARD, REBUILD, BACKWARD, KEYS = "fwd", "rebuild", "bwd", "bwd.kv"
 # through the layers between, each tile's attention output taken from what its forward kept
 CHAIN = "chain"
 WHOLE_LAYER_MODES = (REBUILD, CHAIN)  # named once per layer, not per tile
+# a tile's attention blocks, named within the tile's phase: those of its forward kernels and of
+# its backward kernels (a tile's backward phase runs both: its forward again, then its gradients)
+FORWARD_BLOCK, BACKWARD_BLOCK = "b", "db"
 
 
 @dataclass
@@ -156,7 +159,8 @@ class TiledLayers:
         # called with (layer, part of its pass) as the walk goes: "fwd.t<t>", "rebuild" (before
         # the backward tiles, and under context parallelism before the forward ones too),
         # "bwd.t<t>", "bwd.kv.t<t>" (context parallelism), and the layer's own "fwd" or "bwd" when
-        # its tiles are done (the profiler names its phases so)
+        # its tiles are done (the profiler names its phases so); within a tile, each block of its
+        # attention as "<part>.b<j>" (forward kernels) or "<part>.db<j>" (backward kernels)
         self.on_phase: Callable[[int, str], None] = lambda layer, part: None
 
     def token_order(self, micro_batch: dict) -> dict:
@@ -323,6 +327,12 @@ class TiledLayers:
         """The key and value gradients of every rank's queries, summed over the ranks."""
         for grads in (self.stores.key_grads, self.stores.value_grads):
             dist.all_reduce(grads, group=self.cp_group)
+
+    def block_phases(self, layer: int, part: str, kind: str = FORWARD_BLOCK) -> Callable[[Optional[int]], None]:
+        """What tells :attr:`on_phase` of the attention blocks of ``layer``'s ``part`` (a tile's
+        phase, ``fwd.t<t>`` or ``bwd.t<t>``): block ``j``'s phase is ``<part>.<kind><j>``, and
+        ``part`` again once the blocks are done."""
+        return lambda j: self.on_phase(layer, part if j is None else f"{part}.{kind}{j}")
 
     def _tile_kwargs(self, kwargs: dict, hidden: torch.Tensor, index: int) -> dict:
         rope, c = kwargs.get("rotary_pos_emb"), self.tile_tokens
@@ -516,7 +526,8 @@ class TiledLayers:
         if tile.mode == REBUILD:
             raise _Rebuilt
         if tile.mode == FORWARD:
-            return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.block, scale)[0]
+            return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.block, scale,
+                                self.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"))[0]
         return _TileAttention.apply(q, k, v, self, tile, kernel, scale)
 
 
@@ -528,7 +539,8 @@ class _TileAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, walk: TiledLayers, tile: _Tile, kernel: str, scale: float):
-        out, lse = tile_forward(kernel, q, walk.stores.keys, walk.stores.values, tile.block, scale)
+        out, lse = tile_forward(kernel, q, walk.stores.keys, walk.stores.values, tile.block, scale,
+                                walk.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"))
         ctx.walk, ctx.tile, ctx.kernel, ctx.scale = walk, tile, kernel, scale
         ctx.q, ctx.out, ctx.lse = q, out, lse
         ctx.kv_dtype = k.dtype
@@ -539,7 +551,8 @@ class _TileAttention(torch.autograd.Function):
         walk, j, c = ctx.walk, ctx.tile.block, ctx.q.shape[2]
         stores = walk.stores
         dq = tile_backward(ctx.kernel, dout, ctx.q, stores.keys, stores.values, ctx.out, ctx.lse, j, ctx.scale,
-                           stores.key_grads, stores.value_grads)
+                           stores.key_grads, stores.value_grads,
+                           walk.block_phases(ctx.tile.layer, f"{BACKWARD}.t{ctx.tile.index}", BACKWARD_BLOCK))
         ctx.q = ctx.out = ctx.lse = None  # attributes, which autograd does not free with the node
         if walk.cp > 1:
             return dq, None, None, None, None, None, None
@@ -559,9 +572,11 @@ class _SwappedTileAttention(torch.autograd.Function):
         if walk.cp == 1:  # (under context parallelism the store was made, and gathered, first)
             block(stores.keys, tile.block, c).copy_(k)
             block(stores.values, tile.block, c).copy_(v)
-        out, lse = tile_forward(kernel, q, stores.keys, stores.values, tile.block, scale)
+        out, lse = tile_forward(kernel, q, stores.keys, stores.values, tile.block, scale,
+                                walk.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"))
         ctx.save_for_backward(q, out, lse)
         ctx.walk, ctx.block, ctx.kernel, ctx.scale, ctx.kv_dtype = walk, tile.block, kernel, scale, k.dtype
+        ctx.layer, ctx.index = tile.layer, tile.index
         return out.view_as(out)
 
     @staticmethod
@@ -569,7 +584,8 @@ class _SwappedTileAttention(torch.autograd.Function):
         q, out, lse = ctx.saved_tensors
         stores, j, c = ctx.walk.stores, ctx.block, q.shape[2]
         dq = tile_backward(ctx.kernel, dout, q, stores.keys, stores.values, out, lse, j, ctx.scale,
-                           stores.key_grads, stores.value_grads)
+                           stores.key_grads, stores.value_grads,
+                           ctx.walk.block_phases(ctx.layer, f"{BACKWARD}.t{ctx.index}", BACKWARD_BLOCK))
         if ctx.walk.cp > 1:  # final once summed over the ranks (:meth:`TiledLayers._key_gradients`)
             return dq, None, None, None, None, None, None
         dk, dv = (block(g, j, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))

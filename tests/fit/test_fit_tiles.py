@@ -42,7 +42,7 @@ def peaks_by_part(trace: Trace) -> dict[str, int]:
     live, peaks = 0, {}
     for e in trace.events:
         live += e.size if e.op == "malloc" else -e.size
-        part = re.sub(r"layer\.\d+", "layer", re.sub(r"\.t\d+$", "", e.phase))
+        part = re.sub(r"layer\.\d+", "layer", re.sub(r"\.t\d+(\.d?b\d+)?$", "", e.phase))
         peaks[part] = max(peaks.get(part, 0), live)
     return peaks
 
