@@ -358,7 +358,9 @@ def solve_mip(
     if why:
         return result(message=f"{solver}: {why}")
     bound = low
-    if out.get("bound") is not None:  # less a tolerance, lest 7.0000001 claim to prove 8
+    # less a tolerance, lest 7.0000001 claim to prove 8; a solver stopped before its first
+    # relaxation reports an infinite (or no) bound, which proves nothing beyond max-load
+    if out.get("bound") is not None and math.isfinite(out["bound"]):
         bound = max(low, math.ceil(out["bound"] - 1e-6 - 1e-9 * abs(out["bound"])) * unit)
     if out.get("offsets") is None:
         return result(bound=bound, message=f"{solver}: {out['status']}, no plan found")

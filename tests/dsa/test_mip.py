@@ -106,6 +106,18 @@ def test_a_warm_start_at_the_max_load_needs_no_solver(monkeypatch):
     assert mip.solve_mip([], None, 5, "highs").peak == 0
 
 
+def test_a_solver_stopped_before_its_first_bound_proves_only_the_max_load(monkeypatch):
+    """A solver out of time before its first relaxation reports an infinite bound (HiGHS does):
+    the result keeps the max-load bound rather than failing on it."""
+    buffers = _buffers((0, 10, 4), (5, 15, 2), (10, 20, 3))
+    monkeypatch.setattr(mip, "max_load", lambda _: 5)  # below the warm start's 6, so the solver runs
+    stopped = {"bound": float("inf"), "offsets": None, "status": "time limit"}
+    monkeypatch.setattr(mip, "_isolated", lambda *a, **k: (stopped, ""))
+    result = mip.solve_mip(buffers, None, 0.0, "highs")
+    assert (result.offsets, result.lower_bound, result.optimal) == (None, 5, False)
+    assert result.message == "highs: time limit, no plan found"
+
+
 def test_a_large_model_is_refused_up_front(monkeypatch):
     buffers = read_buffers(A)
     started, isolated = [], mip._isolated
