@@ -183,3 +183,18 @@ def test_cudnn_hands_a_block_of_one_key_to_flash():
     private = [f.__name__ for f, _, _ in recorded.calls if f.__name__.startswith("_scaled_dot")]
     assert private == ["_scaled_dot_product_flash_attention.default",
                        "_scaled_dot_product_flash_attention_backward.default"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merging_in_place_gives_the_bits_of_merging_anew(dtype):
+    """A tile merges its blocks into one output in place: the same bits as a new output per merge."""
+    generator = torch.Generator().manual_seed(0)
+    outs = [torch.randn(2, 4, 16, 8, generator=generator).to(dtype) for _ in range(3)]
+    lses = [torch.randn(2, 4, 16, generator=generator) for _ in range(3)]
+    out, lse = outs[0], lses[0]
+    acc_out = outs[0].to(blocks.wide(dtype))
+    acc_lse = lses[0].clone()
+    for block_out, block_lse in zip(outs[1:], lses[1:]):
+        out, lse = blocks.merge(out, lse, block_out, block_lse)
+        blocks.merge_into(acc_out, acc_lse, block_out, block_lse)
+    assert torch.equal(acc_out, out) and torch.equal(acc_lse, lse)
