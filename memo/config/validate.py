@@ -351,10 +351,6 @@ def _check_tiles(cfg, m, seq: Optional[int]) -> None:
     if not m.walks_tiles:
         raise ConfigError(f"method.tile_tokens={m.tile_tokens} walks the layers of method=memo, full_swap "
                           f"or full_recompute, not method={m.name}; choose one of them {keep}")
-    if cfg.mode == "plan" or cfg.plan:
-        what = "plan=true" if cfg.plan else f"mode={cfg.mode}"
-        raise ConfigError(f"{what} does not plan layers walked in tiles yet; use "
-                          f"method.tile_tokens={WHOLE_LAYERS}")
     if p.cp > 1 and p.sequence_parallel:
         raise ConfigError(f"method.tile_tokens={m.tile_tokens} runs context parallelism without sequence "
                           f"parallelism so far; set parallel.sequence_parallel=false {keep}")

@@ -106,7 +106,7 @@ def _candidates(run: Run, problem: Problem) -> list[Candidate]:
     method, parallel = run.workload.method, run.workload.parallel
     if not parallel.search:
         return [Candidate(parallel, unsupported_layout(parallel, method)
-                          or _unrunnable(run, run.workload.tile_tokens, problem.optimizer_offload),
+                          or _unrunnable(run, problem.optimizer_offload),
                           run.workload.tile_tokens, problem.optimizer_offload)]
     # DeepSpeed-Ulysses exchanges by its all-to-all only; our attention by any of Megatron's three
     exchanges = ("a2a",) if method.cp_attention == "deepspeed" else CP_COMM_TYPES
@@ -123,7 +123,7 @@ def _candidates(run: Run, problem: Problem) -> list[Candidate]:
             layout = p if tile is None or p.cp == 1 else dataclasses.replace(p, sequence_parallel=False)
             if tile is not None and not _modelled_tiles(run, layout, tile, exchanges[0]):
                 continue
-            found += [Candidate(layout, unsupported_layout(layout, method) or _unrunnable(run, tile, share),
+            found += [Candidate(layout, unsupported_layout(layout, method) or _unrunnable(run, share),
                                 tile, share) for share in shares]
     if not found:
         raise ConfigError(
@@ -147,11 +147,8 @@ def _modelled_tiles(run: Run, parallel, tile: int, exchange: str) -> bool:
     return run.seq_search is not None or run.workload.seq % (tile * (2 * parallel.cp if parallel.cp > 1 else 1)) == 0
 
 
-def _unrunnable(run: Run, tile: Optional[int], offload_share: float) -> Optional[str]:
-    """Why training cannot run tiles of ``tile`` tokens (None: whole layers) with ``offload_share``
-    of Adam's states on the host (None: it can)."""
-    if tile is not None and run.plan:
-        return "plan=true does not plan layers walked in tiles yet"
+def _unrunnable(run: Run, offload_share: float) -> Optional[str]:
+    """Why training cannot run with ``offload_share`` of Adam's states on the host (None: it can)."""
     if offload_share and run.workload.dtype not in ("bf16", "fp16"):
         return f"train.optimizer_offload=host needs 16-bit weights, not train.dtype={run.workload.dtype}"
     return None

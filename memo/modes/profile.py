@@ -6,6 +6,12 @@ adds to the row the level-1 and level-2 peaks, their lower bounds, gaps and solv
 PyTorch's caching allocator would reserve for the same requests (simulated), so the plan can be
 read against the baseline it replaces. Both run on any machine: the default back-end traces with
 fake tensors, for every model, length and parallel layout.
+
+A walk in tiles is planned from three layers of three tiles (:mod:`memo.fit.template`), every
+request sized at the run's length and tile: one level-1 block serves every tile of a layer and
+one every block of its attention, however many the run has (:mod:`memo.plan.bilevel`), and that
+iteration has, part by part, the peak of the run's (``tests/fit/test_fit_tiles.py``). So ``mode=plan``
+plans 65B at 4M tokens in seconds; ``mode=profile`` traces the run's own step.
 """
 
 import dataclasses
@@ -21,6 +27,7 @@ from memo.config import ConfigError, PlannerConfig, Run, resolve
 from memo.model import dtype_label, torch_dtype
 from memo.plan.bilevel import plan_iteration, write_plan
 from memo.dsa.caching_allocator import simulate
+from memo.fit.template import iteration_template
 from memo.profile.iteration import trace_iteration
 from memo.profile.layers import LayerMismatchError, check_identical_layers, layer_bytes, transient_events
 from memo.profile.trace import Trace, layer_phase, write_trace
@@ -63,18 +70,34 @@ def _profile(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
     row["dtype"] = dtype_label(torch_dtype(workload))
     row["train.loss"] = workload.method.loss
     start = time.perf_counter()
-    trace = trace_iteration(workload, backend, run.train.seed)
+    template = run.mode == "plan" and workload.tiled
+    if template:
+        if workload.parallel.cp > 1:
+            raise ConfigError(f"mode=plan plans one rank's layers walked in tiles without context parallelism, "
+                              f"not parallel.cp={workload.parallel.cp}; set parallel.cp=1")
+        layers = workload.model.num_layers
+        trace = iteration_template(workload, layers).instance(
+            workload.seq, layers, loss_tile_tokens=workload.loss_tile_tokens, tile_tokens=workload.tile_tokens)
+        log.info("planning %d layers of %d tiles as three layers of three tiles, each request sized at "
+                 "seq=%d and tiles of %d tokens", layers, workload.seq // workload.tile_tokens, workload.seq,
+                 workload.tile_tokens)
+    else:
+        trace = trace_iteration(workload, backend, run.train.seed)
+    row["profile.template"] = template
     row["profile.seconds"] = time.perf_counter() - start
     row["profile.events"] = len(trace.events)
     write_trace(output_dir / TRACE_FILE, trace)
     requests = trace.requests()
     try:
+        if template:  # three layers: no two inner ones to compare; the planner compares tiles
+            raise LayerMismatchError("layers planned from three layers of three tiles")
         row["profile.layers_identical"] = ",".join(map(str, check_identical_layers(trace, requests)))
     except LayerMismatchError as error:
-        if run.mode == "plan":
+        if run.mode == "plan" and not template:
             raise ConfigError(f"cannot plan one layer for all: {error}") from None
         row["profile.layers_identical"] = None
-        log.warning("%s", error)
+        if not template:
+            log.warning("%s", error)
     layer = 1 if workload.model.num_layers > 2 else 0
     bytes_ = layer_bytes(trace, layer, requests)
     row.update({f"layer.{k}_bytes" if k not in ("layer", "skeletal_requests") else f"layer.{k}": v
@@ -85,19 +108,26 @@ def _profile(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
              bytes_.skeletal_requests, _gib(bytes_.transient_forward), _gib(bytes_.transient_backward),
              _gib(bytes_.transient_forward_peak), _gib(bytes_.transient_backward_peak))
     if run.mode == "plan":
-        row.update(_plan(run.planner, trace, layer, output_dir))
+        row.update(_plan(run.planner, trace, layer, output_dir, identical_layers=not template))
 
 
-def _plan(planner: PlannerConfig, trace: Trace, layer: int, output_dir: Path) -> dict[str, Any]:
-    memory_plan = plan_iteration(trace, planner.time_limit_s, planner.mip)
+def _plan(planner: PlannerConfig, trace: Trace, layer: int, output_dir: Path,
+          identical_layers: bool = True) -> dict[str, Any]:
+    memory_plan = plan_iteration(trace, planner.time_limit_s, planner.mip, identical_layers=identical_layers)
     levels = [*memory_plan.blocks.values(), memory_plan.iteration]
     for message in dict.fromkeys(level.mip_message for level in levels if level.mip_message):
         log.info("MIP: %s", message)
     write_plan(output_dir / PLAN_FILE, memory_plan)
     row: dict[str, Any] = {"plan.arena_bytes": memory_plan.arena_bytes,
                            "plan.flat_lower_bound_bytes": memory_plan.flat_lower_bound}
-    for name, level in (("forward", memory_plan.blocks["layer.fwd"]),
-                        ("backward", memory_plan.blocks["layer.bwd"]), ("iteration", memory_plan.iteration)):
+    levels_of_row = [("forward", memory_plan.blocks["layer.fwd"]), ("backward", memory_plan.blocks["layer.bwd"])]
+    # a walk in tiles: the largest level-1 block of a tile, and of a block of its attention
+    for name, kind in (("tile_forward", "layer.fwd.t"), ("tile_backward", "layer.bwd.t"),
+                       ("attention_block_forward", "layer.fwd.t.b"), ("attention_block_backward", "layer.bwd.t.db")):
+        variants = [level for block, level in memory_plan.blocks.items() if block.split("#")[0] == kind]
+        if variants:
+            levels_of_row.append((name, max(variants, key=lambda level: level.peak)))
+    for name, level in (*levels_of_row, ("iteration", memory_plan.iteration)):
         row.update({f"plan.{name}_peak_bytes": level.peak,
                     f"plan.{name}_lower_bound_bytes": level.lower_bound, f"plan.{name}_gap": level.gap,
                     f"plan.{name}_solver": level.solver, f"plan.{name}_seconds": level.seconds})

@@ -236,7 +236,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                     "" if record["timed"] else "  (warm-up)",
                 )
 
-        runtime = PlanRuntime(built.module, run.plan, run.planner, train.warmup_steps, device_type, arena)
+        runtime = PlanRuntime(built.module, run.plan, run.planner, train.warmup_steps, device_type, arena,
+                              walk=placement if isinstance(placement, TiledLayers) else None)
         if arena is not None:
             arena.phase = runtime.phase
         with step_progress(train.steps, show_bar=info.rank == 0) as progress:

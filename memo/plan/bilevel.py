@@ -15,9 +15,11 @@ caching allocator aligns blocks): every size is rounded up to it and every offse
 """
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from memo.dsa.buffers import Buffer, max_load, validate
 from memo.dsa.solve import DsaPlan, plan
@@ -28,6 +30,10 @@ from memo.results import create_file_atomic
 PLAN_FORMAT = 1
 # bytes: the CUDA caching allocator's block alignment, which a plan served at run time keeps
 RUNTIME_ALIGNMENT = 512
+# a block of a tile's attention: <tile phase>.b<j> (forward kernels) or .db<j> (backward kernels)
+_ATTENTION_BLOCK = re.compile(r"^(?P<tile>.+\.t\d+)\.(?P<loop>d?b)\d+$")
+_LAYER = re.compile(r"^layer\.\d+")
+_NUMBERED = re.compile(r"\.(t|b|db)\d+")
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,9 @@ class MemoryPlan:
     flat_lower_bound: int  # bytes alive at once in the original trace: no plan can do better
     layers_checked: list[int]
     meta: dict = field(default_factory=dict)
+    # a block of a tile's attention -> the loop of its tile it runs in (0 for the tile's first):
+    # its requests are placed at that loop's pseudo request (rank -1 - loop) of the tile's block
+    loops: dict[str, int] = field(default_factory=dict)
 
     @property
     def arena_bytes(self) -> int:
@@ -86,6 +95,32 @@ def _solve(buffers: list[Buffer], keys: list[tuple[str, int, int]], time_limit_s
                      time.perf_counter() - start, result.mip_message)
 
 
+def attention_block(phase: str) -> Optional[tuple[str, str]]:
+    """``(tile phase, loop)`` when ``phase`` is one block of a tile's attention
+    (``<tile phase>.b<j>`` or ``.db<j>``, :mod:`memo.swap.tiled_layer`), else None."""
+    match = _ATTENTION_BLOCK.match(phase)
+    return None if match is None else (match["tile"], match["loop"])
+
+
+def phase_kind(phase: str) -> str:
+    """``phase`` without its numbers of layer, tile and attention block: ``layer.3.fwd.t5.b2`` is
+    ``layer.fwd.t.b``; phases planned alike share a kind."""
+    return _NUMBERED.sub(r".\1", _LAYER.sub("layer", phase))
+
+
+def _folded(trace: Trace) -> dict[str, str]:
+    """Every phase's *home*: the phase itself, or the tile whose attention block it is."""
+    return {phase: (attention_block(phase) or (phase,))[0] for phase in trace.phases}
+
+
+def _check_closed_blocks(requests) -> None:
+    for r in requests:
+        if (attention_block(r.malloc_phase) or (r.free_phase and attention_block(r.free_phase))) \
+                and r.malloc_phase != r.free_phase:
+            raise ValueError(f"a request made in {r.malloc_phase} is freed in {r.free_phase}: each block of a "
+                             "tile's attention must free what it makes, so that one plan serves every block")
+
+
 def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi",
                    alignment: int = 1, identical_layers: bool = True) -> MemoryPlan:
     """Bi-level plan of ``trace`` within about ``time_limit_s`` seconds in all; ``mip`` is the
@@ -95,56 +130,122 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     The level-1 blocks share a quarter of the time (they are small and usually meet their
     bound at once); level 2 gets the rest.
 
-    With ``identical_layers`` (the profiler's check of the method), all inner layers must
-    allocate alike; without it (a run's own recorded step, where MEMO keeps its last two layers
-    on the device, say), layers whose transients differ from the second layer's get blocks of
-    their own.
+    Phases of one kind (:func:`phase_kind`) whose transient requests are alike (sizes, ranks and
+    lifetimes) share one level-1 block, named by the kind for the second layer's (``layer.fwd``;
+    the first and last layers may differ, their neighbours being the embedding and the head) and
+    numbered for other variants, in the order they first occur (``layer.fwd#1``). With
+    ``identical_layers`` (the profiler's check of the method), all inner layers must allocate
+    alike.
+
+    A layer walked in tiles has a phase per tile, and within it one per block of the tile's
+    attention. Each block makes and frees its own requests (checked), and the blocks of one loop
+    run one after another: a block is planned once per kind, and the whole loop is one pseudo
+    request of the tile's level-1 block, as large as the largest block of its kind anywhere. Tiles
+    then differ only in how long their loops run, so one level-1 block serves every tile of a
+    layer, however many tiles and blocks the run has; level 2 has a pseudo request per tile.
 
     Raises:
         memo.profile.layers.LayerMismatchError: if two inner layers allocate differently and
             ``identical_layers`` is set.
+        ValueError: if a block of a tile's attention frees a request it did not make, or keeps
+            one it made.
     """
     deadline = time.perf_counter() + time_limit_s
     requests = trace.requests()
+    _check_closed_blocks(requests)
     layers_checked = check_identical_layers(trace, requests) if identical_layers else []
-    # The layer whose transients the shared layer blocks are planned from: the second, as the
-    # first may differ (it receives the embedding's output).
     layers = phase_layers(trace.phases)
     reference = (layers_checked or layers[1:2] or layers or [0])[0]
     rank = trace.malloc_ranks()
+    home = _folded(trace)
+    by_id = {r.id: r for r in requests}
 
-    transient = [r for r in requests if r.free_phase == r.malloc_phase]
-    by_phase: dict[str, list] = {}
-    for r in transient:
-        by_phase.setdefault(r.malloc_phase, []).append(r)
+    def share() -> float:
+        return max((deadline - time.perf_counter()) / 4 / len(trace.phases), 0.0)
 
-    def shape(phase: str) -> list[tuple[int, int]]:
-        return [(rank[r.id], r.size) for r in by_phase.get(phase, [])]
+    # Level 0: each attention block's requests (all of them: a block is closed).
+    block_events: dict[str, list] = {}
+    for event in trace.events:
+        if attention_block(event.phase):
+            block_events.setdefault(event.phase, []).append(event)
+    blocks: dict[str, LevelPlan] = {}
+    phase_blocks: dict[str, str] = {}
 
-    # Layers share the blocks of the first inner layer; a layer whose transients differ (the
-    # first and last may: their neighbours are the embedding and the head) gets its own.
-    phase_blocks, blocks = {}, {}
-    for phase in trace.phases:
-        block = phase
-        if phase.startswith("layer."):
-            direction = phase.split(".")[2]
-            if shape(phase) == shape(f"layer.{reference}.{direction}"):
-                block = f"layer.{direction}"
-        phase_blocks[phase] = block
-        if block not in blocks:
-            members = by_phase.get(phase, [])
-            first = min((r.lower for r in members), default=0)
-            buffers = [Buffer(str(r.id), r.lower - first, r.upper - first, r.size) for r in members]
-            keys = [(block, rank[r.id], r.size) for r in members]
-            share = (deadline - time.perf_counter()) / 4 / len(trace.phases)
-            blocks[block] = _solve(buffers, keys, max(share, 0.0), mip, alignment)
+    def plan_alike(signatures: dict[str, tuple]) -> None:
+        """Name and plan the level-1 blocks of ``signatures`` (phase -> its transients' signature,
+        ``(rank, lower, upper, bytes)`` each, in the order of ``ordered``): phases of one kind
+        alike share a block, named in the order their variants first occur, which no later
+        layer or tile changes."""
+        variants: dict[tuple, list[str]] = {}
+        for phase, signature in signatures.items():
+            variants.setdefault((phase_kind(phase), signature), []).append(phase)
+        taken: dict[str, int] = {}
+        for (kind, signature), phases in variants.items():
+            number = taken[kind] = taken.get(kind, -1) + 1
+            name = kind if not number else f"{kind}#{number}"
+            buffers = [Buffer(str(i), lower, upper, size) for i, (_, lower, upper, size) in enumerate(signature)]
+            keys = [(name, r, size) for r, _, _, size in signature]
+            blocks[name] = _solve(buffers, keys, share(), mip, alignment)
+            phase_blocks.update(dict.fromkeys(phases, name))
 
+    def transient_items(events: list, phase: str) -> tuple[tuple, list]:
+        """The requests made and freed within ``phase`` among ``events`` ((position, event)
+        pairs): their signature ``(rank, lower, upper, bytes)`` each, and their request ids."""
+        at: dict[int, list[int]] = {}
+        for position, e in events:
+            r = by_id[e.id]
+            if r.malloc_phase == r.free_phase == phase:
+                at.setdefault(e.id, []).append(position)
+        ids = sorted(at, key=lambda i: at[i][0])
+        return tuple((rank[i], at[i][0], at[i][1], by_id[i].size) for i in ids), ids
+
+    ordered = sorted(trace.phases, key=lambda p: not p.startswith(f"layer.{reference}."))
+    plan_alike({phase: transient_items(list(enumerate(block_events[phase])), phase)[0]
+                for phase in ordered if phase in block_events})
+    # a loop's pseudo request: the largest block of its kind
+    loop_bytes: dict[str, int] = {}
+    for phase, name in phase_blocks.items():
+        kind = phase_kind(phase)
+        loop_bytes[kind] = max(loop_bytes.get(kind, 0), blocks[name].peak)
+
+    # Level 1: every other phase's transient requests, each loop of its blocks one pseudo request.
+    loops: dict[str, int] = {}  # attention block phase -> which loop of its tile it is in
+    spans: dict[str, list[int]] = {}
+    own_events: dict[str, list] = {}
+    for position, event in enumerate(trace.events):
+        owner = home[event.phase]
+        span = spans.setdefault(owner, [position, position + 1])
+        span[1] = position + 1
+        own_events.setdefault(owner, []).append(event)
+    signatures = {}
+    for phase in ordered:
+        if phase in block_events:
+            continue
+        # the phase's own events and one place per loop of its attention blocks
+        events, loop_kinds, previous = [], [], None
+        for e in own_events.get(phase, []):
+            if e.phase == phase:
+                events.append((len(events) + len(loop_kinds), e))
+                previous = None
+                continue
+            kind = phase_kind(e.phase)
+            if kind != previous:
+                loop_kinds.append((len(events) + len(loop_kinds), kind))
+                previous = kind
+            if loops.setdefault(e.phase, len(loop_kinds) - 1) != len(loop_kinds) - 1:
+                raise ValueError(f"{e.phase} runs in two loops of attention blocks; name each loop's blocks apart")
+        signature, _ = transient_items(events, phase)
+        signature += tuple((-1 - k, at, at + 1, loop_bytes[kind]) for k, (at, kind) in enumerate(loop_kinds))
+        signatures[phase] = signature
+    plan_alike(signatures)
+
+    # Level 2: the requests that cross phases, and a pseudo request per phase (a tile's blocks in it).
     buffers, keys = [], []
     for r in requests:
         if r.free_phase != r.malloc_phase:
             buffers.append(Buffer(str(r.id), r.lower, r.upper, r.size))
             keys.append((r.malloc_phase, rank[r.id], r.size))
-    for phase, (lower, upper) in trace.phase_spans().items():
+    for phase, (lower, upper) in spans.items():
         peak = blocks[phase_blocks[phase]].peak
         if peak > 0:
             buffers.append(Buffer(f"pseudo:{phase}", lower, upper, peak))
@@ -152,12 +253,13 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     iteration = _solve(buffers, keys, max(deadline - time.perf_counter(), 0.0), mip, alignment)
     meta = {**trace.meta, "format": PLAN_FORMAT, "alignment": alignment}
     flat = max_load([Buffer(str(r.id), r.lower, r.upper, r.size) for r in requests])
-    return MemoryPlan(blocks, phase_blocks, iteration, flat, layers_checked, meta)
+    return MemoryPlan(blocks, phase_blocks, iteration, flat, layers_checked, meta, loops)
 
 
 def planned_requests(memory_plan: MemoryPlan) -> dict[str, list[Placement]]:
     """Every phase's requests in malloc order, each with its arena offset (bytes): a crossing
-    request's level-2 offset, or a transient one's level-1 offset above its phase's pseudo request.
+    request's level-2 offset, or a transient one's level-1 offset above its phase's pseudo request
+    (a tile's attention block: above its loop's pseudo request in the tile's block).
 
     Raises:
         ValueError: if a phase's ranks are not 0, 1, 2, ... (the plan is not of one trace).
@@ -172,10 +274,18 @@ def planned_requests(memory_plan: MemoryPlan) -> dict[str, list[Placement]]:
     planned = {}
     for phase, block in memory_plan.phase_blocks.items():
         ranks = dict(crossing.get(phase, {}))
+        base = pseudo.get(phase, 0)
+        if phase in memory_plan.loops:
+            tile = attention_block(phase)[0]
+            loop = -1 - memory_plan.loops[phase]
+            base = pseudo.get(tile, 0) + next(
+                p.offset for p in memory_plan.blocks[memory_plan.phase_blocks[tile]].placements if p.rank == loop)
         for p in memory_plan.blocks[block].placements:
+            if p.rank < 0:  # a loop of attention blocks, placed by its blocks
+                continue
             if p.rank in ranks:
                 raise ValueError(f"malloc number {p.rank} of phase {phase!r} is placed twice")
-            ranks[p.rank] = Placement(phase, p.rank, p.size, pseudo.get(phase, 0) + p.offset)
+            ranks[p.rank] = Placement(phase, p.rank, p.size, base + p.offset)
         if sorted(ranks) != list(range(len(ranks))):
             missing = sorted(set(range(max(ranks, default=-1) + 1)) - set(ranks))
             raise ValueError(f"phase {phase!r} has no place for malloc number {missing[0]}")
@@ -227,6 +337,7 @@ def write_plan(path: Path, memory_plan: MemoryPlan) -> None:
         "meta": memory_plan.meta,
         "blocks": {name: _level_dict(level) for name, level in memory_plan.blocks.items()},
         "phase_blocks": memory_plan.phase_blocks,
+        "loops": memory_plan.loops,
         "iteration": _level_dict(memory_plan.iteration),
     }
     create_file_atomic(path, json.dumps(data))
@@ -249,6 +360,7 @@ def read_plan(path: Path) -> MemoryPlan:
             flat_lower_bound=data["flat_lower_bound"],
             layers_checked=data["layers_checked"],
             meta=data["meta"],
+            loops=data.get("loops", {}),
         )
     except (OSError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: not a memory plan ({error})") from None
