@@ -150,8 +150,13 @@ class PlanRuntime:
         if not self.plan:
             return
         start = time.perf_counter()
-        memory_plan = plan_iteration(trace, self.planner.time_limit_s, self.planner.mip, RUNTIME_ALIGNMENT,
-                                     identical_layers=False)
+        try:
+            memory_plan = plan_iteration(trace, self.planner.time_limit_s, self.planner.mip, RUNTIME_ALIGNMENT,
+                                         identical_layers=False)
+        except ValueError as error:  # a step the planner cannot serve: the run goes on without the plan
+            self.row["plan.serving"] = f"not served: {error}"
+            log.warning("the memory plan of step %d is not served: %s", self.record_at + 1, error)
+            return
         self.server = PlanServer(memory_plan)
         seconds = time.perf_counter() - start
         self.row.update({

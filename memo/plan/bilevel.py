@@ -27,7 +27,7 @@ from memo.profile.layers import check_identical_layers
 from memo.profile.trace import Trace, phase_layers
 from memo.results import create_file_atomic
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: tiles' loops of attention blocks (``loops``); format 1 is read as a plan without them
 # bytes: the CUDA caching allocator's block alignment, which a plan served at run time keeps
 RUNTIME_ALIGNMENT = 512
 # a block of a tile's attention: <tile phase>.b<j> (forward kernels) or .db<j> (backward kernels)
@@ -160,8 +160,9 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     home = _folded(trace)
     by_id = {r.id: r for r in requests}
 
-    def share() -> float:
-        return max((deadline - time.perf_counter()) / 4 / len(trace.phases), 0.0)
+    # Level 1 has a quarter of the time, shared among the blocks to solve as they come (the
+    # attention blocks' kinds first, then the other phases'); level 2 has the rest.
+    level_one_end = time.perf_counter() + time_limit_s / 4
 
     # Level 0: each attention block's requests (all of them: a block is closed).
     block_events: dict[str, list] = {}
@@ -171,7 +172,7 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     blocks: dict[str, LevelPlan] = {}
     phase_blocks: dict[str, str] = {}
 
-    def plan_alike(signatures: dict[str, tuple]) -> None:
+    def plan_alike(signatures: dict[str, tuple], first_call: bool) -> None:
         """Name and plan the level-1 blocks of ``signatures`` (phase -> its transients' signature,
         ``(rank, lower, upper, bytes)`` each, in the order of ``ordered``): phases of one kind
         alike share a block, named in the order their variants first occur, which no later
@@ -180,12 +181,13 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
         for phase, signature in signatures.items():
             variants.setdefault((phase_kind(phase), signature), []).append(phase)
         taken: dict[str, int] = {}
-        for (kind, signature), phases in variants.items():
+        for left, ((kind, signature), phases) in zip(range(len(variants), 0, -1), variants.items()):
             number = taken[kind] = taken.get(kind, -1) + 1
             name = kind if not number else f"{kind}#{number}"
             buffers = [Buffer(str(i), lower, upper, size) for i, (_, lower, upper, size) in enumerate(signature)]
             keys = [(name, r, size) for r, _, _, size in signature]
-            blocks[name] = _solve(buffers, keys, share(), mip, alignment)
+            share = (level_one_end - time.perf_counter()) / (left + (1 if first_call else 0))
+            blocks[name] = _solve(buffers, keys, max(share, 0.0), mip, alignment)
             phase_blocks.update(dict.fromkeys(phases, name))
 
     def transient_items(events: list, phase: str) -> tuple[tuple, list]:
@@ -201,7 +203,7 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
 
     ordered = sorted(trace.phases, key=lambda p: not p.startswith(f"layer.{reference}."))
     plan_alike({phase: transient_items(list(enumerate(block_events[phase])), phase)[0]
-                for phase in ordered if phase in block_events})
+                for phase in ordered if phase in block_events}, first_call=True)
     # a loop's pseudo request: the largest block of its kind
     loop_bytes: dict[str, int] = {}
     for phase, name in phase_blocks.items():
@@ -218,9 +220,8 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
         span[1] = position + 1
         own_events.setdefault(owner, []).append(event)
     signatures = {}
-    for phase in ordered:
-        if phase in block_events:
-            continue
+    # (a tile whose events are all its blocks' has no phase of its own in the trace)
+    for phase in [p for p in ordered if p not in block_events] + [p for p in spans if p not in home]:
         # the phase's own events and one place per loop of its attention blocks
         events, loop_kinds, previous = [], [], None
         for e in own_events.get(phase, []):
@@ -237,7 +238,7 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
         signature, _ = transient_items(events, phase)
         signature += tuple((-1 - k, at, at + 1, loop_bytes[kind]) for k, (at, kind) in enumerate(loop_kinds))
         signatures[phase] = signature
-    plan_alike(signatures)
+    plan_alike(signatures, first_call=False)
 
     # Level 2: the requests that cross phases, and a pseudo request per phase (a tile's blocks in it).
     buffers, keys = [], []
@@ -271,15 +272,15 @@ def planned_requests(memory_plan: MemoryPlan) -> dict[str, list[Placement]]:
             pseudo[p.phase] = p.offset
         else:
             crossing.setdefault(p.phase, {})[p.rank] = p
+    loop_offsets = {name: {p.rank: p.offset for p in level.placements if p.rank < 0}
+                    for name, level in memory_plan.blocks.items()}
     planned = {}
     for phase, block in memory_plan.phase_blocks.items():
         ranks = dict(crossing.get(phase, {}))
         base = pseudo.get(phase, 0)
         if phase in memory_plan.loops:
             tile = attention_block(phase)[0]
-            loop = -1 - memory_plan.loops[phase]
-            base = pseudo.get(tile, 0) + next(
-                p.offset for p in memory_plan.blocks[memory_plan.phase_blocks[tile]].placements if p.rank == loop)
+            base = pseudo.get(tile, 0) + loop_offsets[memory_plan.phase_blocks[tile]][-1 - memory_plan.loops[phase]]
         for p in memory_plan.blocks[block].placements:
             if p.rank < 0:  # a loop of attention blocks, placed by its blocks
                 continue
@@ -351,7 +352,7 @@ def read_plan(path: Path) -> MemoryPlan:
     """
     try:
         data = json.loads(Path(path).read_text())
-        if data.get("format") != PLAN_FORMAT:
+        if data.get("format") not in (1, PLAN_FORMAT):
             raise ValueError(f"format {data.get('format')!r}, expected {PLAN_FORMAT}")
         return MemoryPlan(
             blocks={name: _level(level) for name, level in data["blocks"].items()},

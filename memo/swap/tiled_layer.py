@@ -401,6 +401,7 @@ class TiledLayers:
                 ends.append(_TileEnd.apply(y, self))
             out[rows] = y.detach()
             del y, start
+        self.inputs.sent(self.swap.streams)  # long done by now: the layer's compute outlasts it
         self.on_phase(index, FORWARD)
         return out, ends
 
@@ -655,6 +656,10 @@ class LayerInputs:
     kept: dict = dataclasses.field(default_factory=dict)  # inputs of the resident layers, on the device
     current: Optional[torch.Tensor] = None  # the input of the layer whose backward runs
     staging: Optional[torch.Tensor] = None  # a tile's kept attention output on its way to a chain
+    # the input being sent to the host, and the end of its copy: held until compute has waited for
+    # that end (at the end of the layer's forward), since an allocator that ignores record_stream
+    # (the plan's arena) would hand its memory to compute as soon as the caller frees it
+    sending: Optional[tuple[torch.Tensor, object]] = None
 
     @classmethod
     def empty(cls, layers: int, x: torch.Tensor, pin: bool) -> "LayerInputs":
@@ -675,9 +680,18 @@ class LayerInputs:
         return self.staging
 
     def offload(self, index: int, x: torch.Tensor, streams: Streams) -> None:
-        """Send checkpoint ``index``'s input ``x`` to the host once compute has made it."""
+        """Send checkpoint ``index``'s input ``x`` to the host once compute has made it; ``x`` is
+        held until :meth:`sent`."""
+        self.sent(streams)
         streams.wait(streams.d2h, streams.record(streams.compute))
         streams.copy(streams.d2h, self.host[index], x)
+        self.sending = (x, streams.record(streams.d2h))
+
+    def sent(self, streams: Streams) -> None:
+        """Let compute wait for the last input sent to the host, then let that input go."""
+        if self.sending is not None:
+            streams.wait(streams.compute, self.sending[1])
+            self.sending = None
 
     def reload(self, index: int, streams: Streams) -> torch.Tensor:
         """Checkpoint ``index``'s input in the store, for compute, once the store's previous
@@ -692,7 +706,7 @@ class LayerInputs:
 
     def release(self) -> None:
         self.kept.clear()
-        self.current = None
+        self.current = self.sending = None
         if self.pinned:
             unregister(self.host)
             self.pinned = False

@@ -10,12 +10,13 @@ import pytest
 from conftest import compose_config, run_in_process
 from requirements import c_compiler_missing, require
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, validate, Workload
+from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, PlannerConfig, validate, Workload
 from memo.execute.cuda_arena import ArenaAllocator, build_library
-from memo.execute.plan_runtime import CPU_SERVING, measured_allocator_row
+from memo.execute.plan_runtime import CPU_SERVING, PlanRuntime, measured_allocator_row
 from memo.execute.plan_server import PlanServer
 from memo.plan.bilevel import addresses, plan_iteration
 from memo.profile.iteration import trace_iteration
+from memo.profile.trace import Event, Trace
 
 
 @pytest.fixture
@@ -292,3 +293,14 @@ def test_only_the_compute_streams_requests_are_planned_or_recorded(library):
     allocator.lib.memo_alloc(100, 0, side)
     allocator.lib.memo_alloc(200, 0, None)
     assert [e.size for e in allocator.take_events()] == [200]
+
+
+def test_a_recorded_step_the_planner_cannot_serve_leaves_the_run_unplanned_and_says_why():
+    """A block of a tile's attention must free what it makes; a step where one does not (a tensor
+    of a reference cycle freed inside a later block, say) is not served, and the run goes on."""
+    runtime = PlanRuntime(None, True, PlannerConfig(time_limit_s=1, mip="none"), 1, "cpu")
+    events = [Event("malloc", 1, 512, "layer.0.fwd.t1.b0"), Event("free", 1, 512, "layer.0.fwd.t1.b1")]
+    runtime._planned(Trace(events, {"step": 1}))
+    row = runtime.finish()
+    assert runtime.server is None and row["plan.serving"].startswith("not served: a request made in")
+    assert row["allocator.source"] == "simulated caching allocator"

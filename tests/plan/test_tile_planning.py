@@ -107,6 +107,18 @@ def test_a_hand_made_tile_gets_the_offsets_worked_out_by_hand():
     assert placed_validly(memory_plan, trace) == 150
 
 
+def test_a_tile_made_of_its_blocks_alone_is_planned():
+    """A tile phase with no request of its own outside its blocks still has its level-1 block:
+    its loop's pseudo request."""
+    events = [Event("malloc", 1, 64, "layer.0.fwd.t0.b0"), Event("free", 1, 64, "layer.0.fwd.t0.b0"),
+              Event("malloc", 2, 64, "layer.0.fwd.t1.b0"), Event("free", 2, 64, "layer.0.fwd.t1.b0"),
+              Event("malloc", 3, 32, "layer.0.fwd.t1.b1"), Event("free", 3, 32, "layer.0.fwd.t1.b1")]
+    trace = Trace(events)
+    memory_plan = plan_iteration(trace, 5, identical_layers=False)
+    assert memory_plan.phase_blocks["layer.0.fwd.t1"] == memory_plan.phase_blocks["layer.0.fwd.t0"] == "layer.fwd.t"
+    assert memory_plan.arena_bytes == 64 and placed_validly(memory_plan, trace) == 64
+
+
 def test_a_block_that_keeps_a_request_past_itself_is_refused():
     events = [Event("malloc", 1, 8, "layer.0.fwd.t1.b0"), Event("malloc", 2, 8, "layer.0.fwd.t1.b1"),
               Event("free", 1, 8, "layer.0.fwd.t1.b1"), Event("free", 2, 8, "layer.0.fwd.t1.b1")]

@@ -8,6 +8,7 @@ import torch
 
 from memo.swap.layout import ATTENTION, TOKENS
 from memo.swap.streams import DeferredStreams
+from memo.swap.tiled_layer import LayerInputs
 
 from swap_training import train_gradients
 from test_swap_runtime import RUNTIME_WAITS, missing_wait_shows
@@ -111,3 +112,17 @@ def test_each_missing_wait_of_the_walk_would_corrupt_the_gradients_or_fail_the_o
 
     assert missing_wait_shows(train, reference("tiny")[1], site, waiter, producer), "nothing sees this missing wait"
 
+
+
+def test_a_layer_input_sent_to_the_host_is_held_until_compute_has_waited_for_its_copy():
+    """The plan's arena hands a freed tensor's memory to compute at once (it ignores
+    record_stream): a layer input on its way to the host is held until compute has waited for the
+    copy, which the walk makes it do at the end of the layer's forward."""
+    streams = DeferredStreams()
+    x = torch.arange(12.0).view(3, 2, 2)
+    inputs = LayerInputs.empty(2, x, pin=False)
+    inputs.host.zero_()
+    inputs.offload(1, x, streams)
+    assert inputs.sending[0] is x and not inputs.host[1].any()  # the copy has not run: x is held
+    inputs.sent(streams)
+    assert inputs.sending is None and torch.equal(inputs.host[1], x)
