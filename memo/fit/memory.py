@@ -31,6 +31,7 @@ from memo.fit.megatron_offload import offloaded_bytes, offloaded_layers
 from memo.fit.template import INNER_LAYERS, IterationTemplate
 from memo.execute.optimizer_offload import NO_OFFLOAD, OffloadBytes, offload_bytes
 from memo.model.gpt import parameter_count, parameter_numels
+from memo.model.tiles import rank_tile_blocks
 from memo.swap.alpha import AlphaSolution, SkeletalBytes, choose_alpha
 from memo.swap.tile_alpha import TileShape, TileSolution, solve_tiles
 from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
@@ -277,11 +278,8 @@ def tiled_context_parallel_stores(workload: Workload) -> int:
 def tile_blocks(workload: Workload) -> list[int]:
     """Where rank 0's tiles are in the sequence, in tiles: all of them without context
     parallelism, else those of its two chunks (the first and the last of ``2·cp``)."""
-    c, cp, s = workload.tile_tokens, workload.parallel.cp, workload.seq
-    if cp == 1:
-        return list(range(s // c))
-    per_chunk = s // (2 * cp * c)
-    return [*range(per_chunk), *range((2 * cp - 1) * per_chunk, 2 * cp * per_chunk)]
+    cp = workload.parallel.cp
+    return rank_tile_blocks(workload.seq // (cp * workload.tile_tokens), cp, 0)
 
 
 @dataclass(frozen=True)

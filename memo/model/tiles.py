@@ -40,6 +40,18 @@ def eighth_tile_tokens(tokens: int) -> int:
     return 1 << (fit.bit_length() - 1)
 
 
+def rank_tile_blocks(tiles: int, cp: int, rank: int) -> list[int]:
+    """Where each of context-parallel rank ``rank``'s ``tiles`` tiles of a layer lies in the
+    sequence, in tiles: in order without context parallelism; under it, the first half in chunk
+    ``rank`` of the ``2·cp`` chunks and the second half in chunk ``2·cp − 1 − rank``, as
+    Megatron's load-balanced split gives a rank its tokens."""
+    if cp == 1:
+        return list(range(tiles))
+    per_chunk = tiles // 2
+    starts = (rank * per_chunk, (2 * cp - 1 - rank) * per_chunk)
+    return [starts[t // per_chunk] + t % per_chunk for t in range(tiles)]
+
+
 def spans(tokens: int, tile: int):
     """``(start, end)`` of each tile of ``tile`` rows over ``tokens`` rows (the last may be short)."""
     return ((start, min(start + tile, tokens)) for start in range(0, tokens, tile))

@@ -65,7 +65,7 @@ import torch.distributed as dist
 from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
 from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS
-from memo.model.tiles import batch_in_tile_order
+from memo.model.tiles import batch_in_tile_order, rank_tile_blocks
 from memo.swap.runtime import SwapRuntime, host_memory, register, unregister
 from memo.swap.streams import Streams
 
@@ -280,12 +280,9 @@ class TiledLayers:
         """``(t, this rank's rows of tile t, its block of the store)`` for a layer input of ``rows``
         rows: under context parallelism the first half of the tiles are chunk ``r``'s, the second
         chunk ``2·cp − 1 − r``'s."""
-        r, count = self.tile_rows, rows // self.tile_rows
-        if self.cp == 1:
-            return [(t, slice(t * r, (t + 1) * r), t) for t in range(count)]
-        cp, rank, per_chunk = self.cp, self.cp_rank, count // 2
-        starts = (rank * per_chunk, (2 * cp - 1 - rank) * per_chunk)
-        return [(t, slice(t * r, (t + 1) * r), starts[t // per_chunk] + t % per_chunk) for t in range(count)]
+        r = self.tile_rows
+        blocks = rank_tile_blocks(rows // r, self.cp, self.cp_rank)
+        return [(t, slice(t * r, (t + 1) * r), j) for t, j in enumerate(blocks)]
 
     def blocks(self, rows: int) -> list[int]:
         """Where each of this rank's tiles is in the sequence, in blocks of ``c`` tokens, for a

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from memo.model.tiled_attention import tile_backward, tile_forward
+from memo.model.tiles import rank_tile_blocks
 
 SEQ, BATCH, HEADS, DIM = 48, 2, 4, 8
 
@@ -46,3 +47,15 @@ def test_tiles_over_the_store_equal_whole_attention(tiles, groups, kernel):
         torch.testing.assert_close(key_grads[rows], k.grad[rows], rtol=0, atol=1e-12)
         torch.testing.assert_close(value_grads[rows], v.grad[rows], rtol=0, atol=1e-12)
     torch.testing.assert_close(dq, q.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_ranks_tiles_cover_the_sequence_once_in_megatrons_chunks(cp):
+    """Under context parallelism a rank's tiles are the first half of its tiles in chunk r and the
+    rest in chunk 2·cp − 1 − r (the walk and the fit place them by this one rule)."""
+    tiles = 4  # per rank: two per chunk
+    placed = {r: rank_tile_blocks(tiles, cp, r) for r in range(cp)}
+    assert sorted(j for blocks in placed.values() for j in blocks) == list(range(tiles * cp))
+    if cp > 1:
+        assert placed[0] == [0, 1, 4 * cp - 2, 4 * cp - 1]
+        assert placed[cp - 1] == [2 * cp - 2, 2 * cp - 1, 2 * cp, 2 * cp + 1]
