@@ -10,8 +10,9 @@ reduce-scatters; :mod:`memo.gpucheck.one_rank`); ``none`` for three steps; ``mem
 ``none`` with each SDPA kernel that runs here (the swapped layers' norms, rotary, GeLU and linear
 layers writing into the rounding buffers, the tiled loss and embedding); a ``-m`` sweep of two
 ``memo`` jobs in one process (the second registers its slab where the first one's was);
-``plan=true`` with ``memo``, ``full_recompute`` and ``none`` (``--cpu``: ``memo``, as the rehearsal
-of the path the others take); ``profile.backend=cuda``.
+``plan=true`` with ``memo`` (whole layers and in tiles, whose blocks switch the arena's phase
+block by block), ``full_recompute`` and ``none`` (``--cpu``: ``memo``, as the rehearsal of the
+path the others take); ``profile.backend=cuda``.
 
     python -m memo.gpucheck.smoke --out DIR [--cpu]
 """
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
     else:
         for method in ("memo", "full_recompute", "none"):
             _jobs(rows, args.out, f"plan=true {method}", *small, f"method={method}", "plan=true", *planner)
+        _jobs(rows, args.out, "plan=true memo in tiles", *small, "method=memo", "method.tile_tokens=64", "plan=true",
+              *planner)
         _jobs(rows, args.out, "profile.backend=cuda", "model=tiny", "seq=1k", "mode=profile",
               "profile.backend=cuda")
     return 0 if all(r["status"] != "failed" for r in rows) else 1
