@@ -162,6 +162,13 @@ class TrainConfig:
     micro_batches: int = 1  # micro-batches accumulated per step
     lr: float = 1e-3
     lr_warmup_steps: int = 0  # linear learning-rate warm-up from 0
+    # after the warm-up (memo.execute.schedule, Megatron-core's formulas): constant, linear,
+    # cosine, wsd (warmup-stable-decay) or inverse_sqrt, down to min_lr at lr_decay_steps
+    lr_schedule: str = "constant"
+    min_lr: float = 0.0
+    lr_decay_steps: Optional[int] = None  # None: train.steps
+    lr_wsd_decay_steps: Optional[int] = None  # wsd: the final decay's steps; None: a tenth of the decay
+    lr_wsd_decay_style: str = "linear"  # wsd: linear, cosine, exponential or minus_sqrt
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

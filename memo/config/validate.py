@@ -23,6 +23,9 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 LOSSES = ("tiled", "megatron")
+# train.lr_schedule (memo.execute.schedule) and how warmup-stable-decay decays
+LR_SCHEDULES = ("constant", "linear", "cosine", "wsd", "inverse_sqrt")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")  # as Megatron-core names them
 CP_ATTENTIONS = ("memo", "deepspeed")
 OPTIMIZER_OFFLOADS = ("none", "host")  # train.optimizer_offload: where Adam's states live
@@ -118,6 +121,7 @@ def validate(cfg) -> Optional[int]:
     _positive("train.lr_warmup_steps", t.lr_warmup_steps, minimum=0)
     if not t.lr > 0:
         raise ConfigError(f"train.lr={t.lr} must be positive")
+    _check_schedule(t)
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.attention_backend", t.attention_backend, ATTENTION_BACKENDS)
     _choice("train.loss", t.loss, ("auto", *LOSSES))
@@ -334,6 +338,34 @@ def _check_method(method) -> None:
                 f"method.recompute_num_layers={method.recompute_num_layers} must be at least 1 "
                 "with method.recompute_granularity=full"
             )
+
+
+def lr_decay_steps(train) -> int:
+    """The step count at which the learning rate reaches ``train.min_lr``."""
+    return train.lr_decay_steps if train.lr_decay_steps is not None else train.steps
+
+
+def lr_wsd_decay_steps(train) -> int:
+    """The final steps over which warmup-stable-decay decays: ``train.lr_wsd_decay_steps``, or a
+    tenth of the decay steps after the warm-up (at least one)."""
+    if train.lr_wsd_decay_steps is not None:
+        return train.lr_wsd_decay_steps
+    return max((lr_decay_steps(train) - train.lr_warmup_steps) // 10, 1)
+
+
+def _check_schedule(t) -> None:
+    _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _choice("train.lr_wsd_decay_style", t.lr_wsd_decay_style, WSD_DECAY_STYLES)
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
+    decay = lr_decay_steps(t)
+    if decay <= t.lr_warmup_steps:
+        raise ConfigError(f"the learning rate decays until step {decay} (train.lr_decay_steps, else train.steps), "
+                          f"not after its warm-up of train.lr_warmup_steps={t.lr_warmup_steps}; lower the "
+                          "warm-up or set train.lr_decay_steps above it")
+    if t.lr_schedule == "wsd" and not 0 < lr_wsd_decay_steps(t) <= decay - t.lr_warmup_steps:
+        raise ConfigError(f"train.lr_wsd_decay_steps={t.lr_wsd_decay_steps} must be between 1 and the "
+                          f"{decay - t.lr_warmup_steps} steps between the warm-up and step {decay}")
 
 
 def tile_tokens(method) -> Optional[int]:

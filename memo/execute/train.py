@@ -17,15 +17,9 @@ from megatron.core import parallel_state
 
 from memo.config import TrainConfig
 from memo.execute.optimizer import StepOptimizer
+from memo.execute.schedule import LearningRateSchedule
 from memo.model.context_parallel import batch_for_rank
 from memo.profile.recorder import PhaseMarker
-
-
-def learning_rate(train: TrainConfig, step: int) -> float:
-    """Learning rate of ``step`` (0-based): linear warm-up over ``lr_warmup_steps``, then constant."""
-    if step < train.lr_warmup_steps:
-        return train.lr * (step + 1) / train.lr_warmup_steps
-    return train.lr
 
 
 def _this_ranks_tokens(micro_batch: dict, layout: str) -> dict:
@@ -62,9 +56,10 @@ def run_steps(
     model.train()
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    schedule = LearningRateSchedule(train)
     for step in range(train.steps):
         batch = next(batches)
-        lr = learning_rate(train, step)
+        lr = schedule(step)
         with step_scope(step) if step_scope else contextlib.nullcontext() as marker:
             sync()
             start = time.perf_counter()

@@ -1,0 +1,53 @@
+"""The learning rate of every step, by the schedules Megatron-LM users set
+(``--lr-decay-style``, ``--lr-warmup-iters``, ``--min-lr``, ``--lr-wsd-decay-iters``).
+
+The formulas are Megatron-core's own (:class:`megatron.core.optimizer_param_scheduler.
+OptimizerParamScheduler`): a linear warm-up from 0 to ``train.lr`` over ``lr_warmup_steps``, then
+``train.lr_schedule`` down to ``train.min_lr`` at ``lr_decay_steps`` (``train.steps`` unless set)
+and ``min_lr`` after it:
+
+* ``constant``: ``lr`` after the warm-up;
+* ``linear`` and ``cosine``: from ``lr`` to ``min_lr`` over the steps after the warm-up;
+* ``wsd`` (warmup-stable-decay): ``lr`` until the last ``lr_wsd_decay_steps`` of the decay steps,
+  then down to ``min_lr`` in ``lr_wsd_decay_style`` (linear, cosine, exponential or minus_sqrt);
+* ``inverse_sqrt``: ``lr·√(warm-up / step)``, at least ``min_lr``.
+
+Step ``k`` (0-based) is Megatron's ``num_steps = k + 1``: the last warm-up step runs at ``lr``.
+Only the rate is taken from the scheduler; our optimizers are handed it each step (so that the
+host and distributed optimizers take it alike), and weight decay stays ``train.weight_decay``.
+"""
+
+from dataclasses import dataclass, field
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from memo.config import TrainConfig
+from memo.config.validate import lr_decay_steps, lr_wsd_decay_steps
+
+# train.lr_schedule -> Megatron's lr_decay_style
+_DECAY_STYLES = {"constant": "constant", "linear": "linear", "cosine": "cosine", "wsd": "WSD",
+                 "inverse_sqrt": "inverse-square-root"}
+
+
+@dataclass
+class _NoParameters:
+    """What the scheduler sets rates on: nothing (it is asked for the rate only)."""
+
+    param_groups: list = field(default_factory=list)
+
+
+class LearningRateSchedule:
+    """``schedule(step)``: the learning rate of 0-based ``step`` of a run configured by ``train``."""
+
+    def __init__(self, train: TrainConfig):
+        self._scheduler = OptimizerParamScheduler(
+            _NoParameters(), init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
+            lr_warmup_steps=train.lr_warmup_steps, lr_decay_steps=lr_decay_steps(train),
+            lr_decay_style=_DECAY_STYLES[train.lr_schedule], start_wd=train.weight_decay, end_wd=train.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant",
+            wsd_decay_steps=lr_wsd_decay_steps(train) if train.lr_schedule == "wsd" else None,
+            lr_wsd_decay_style=train.lr_wsd_decay_style)
+
+    def __call__(self, step: int) -> float:
+        self._scheduler.num_steps = step + 1
+        return self._scheduler.get_lr({})
