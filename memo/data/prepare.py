@@ -122,6 +122,9 @@ def prepare(inputs: Sequence[Path], tokenizer_path: Path, output_prefix: Path, j
     except FileExistsError as error:
         raise PrepareError(f"{error.filename2 or error.filename} exists and is kept; choose another "
                            "--output-prefix") from None
+    except OSError as error:  # a full disk, or a file system without hard links
+        raise PrepareError(f"cannot write {prefix}.bin and .idx: {error.strerror or error}; choose another "
+                           "--output-prefix") from None
     finally:
         for path in (temporary_bin, temporary_idx):
             path.unlink(missing_ok=True)
