@@ -80,6 +80,19 @@ def test_a_file_that_is_no_tokenizer_is_named(tmp_path):
         prepare([tmp_path / "a.txt"], bad, tmp_path / "corpus")
 
 
+def test_ids_past_65500_are_stored_as_int32_even_in_a_small_vocabulary(tmp_path):
+    """A vocabulary may leave gaps: an id past 65,500 needs int32 though the count is small."""
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "cat": 1, "<|endoftext|>": 70000}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    assert Tokenizer.from_file(str(path)).get_vocab_size() == 3
+    (tmp_path / "a.txt").write_text("cat")
+    done = prepare([tmp_path / "a.txt"], path, tmp_path / "corpus")
+    dataset = IndexedDataset(str(tmp_path / "corpus"))
+    assert (done.dtype, done.eod) == ("int32", 70000) and dataset[0].tolist() == [1, 70000]
+
+
 def test_a_vocabulary_of_65500_or_more_is_stored_as_int32(tmp_path):
     words = [f"w{i}" for i in range(65600)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "</s>", *words])}, unk_token="<unk>"))

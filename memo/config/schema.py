@@ -162,8 +162,9 @@ class TrainConfig:
     micro_batches: int = 1  # micro-batches accumulated per step
     lr: float = 1e-3
     lr_warmup_steps: int = 0  # linear learning-rate warm-up from 0
-    # after the warm-up (memo.execute.schedule, Megatron-core's formulas): constant, linear,
-    # cosine, wsd (warmup-stable-decay) or inverse_sqrt, down to min_lr at lr_decay_steps
+    # after the warm-up (memo.execute.schedule, Megatron-core's formulas, 0-based step k at its
+    # step k + 1): constant, linear, cosine, wsd (warmup-stable-decay) or inverse_sqrt; the
+    # decaying ones reach min_lr at lr_decay_steps
     lr_schedule: str = "constant"
     min_lr: float = 0.0
     lr_decay_steps: Optional[int] = None  # None: train.steps

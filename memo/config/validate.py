@@ -25,6 +25,7 @@ LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 LOSSES = ("tiled", "megatron")
 # train.lr_schedule (memo.execute.schedule) and how warmup-stable-decay decays
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd", "inverse_sqrt")
+DECAYING_SCHEDULES = ("linear", "cosine", "wsd")  # those that reach min_lr at lr_decay_steps
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")  # as Megatron-core names them
 CP_ATTENTIONS = ("memo", "deepspeed")
@@ -358,8 +359,11 @@ def _check_schedule(t) -> None:
     _choice("train.lr_wsd_decay_style", t.lr_wsd_decay_style, WSD_DECAY_STYLES)
     if not 0 <= t.min_lr <= t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
+    for key in ("lr_decay_steps", "lr_wsd_decay_steps"):
+        if getattr(t, key) is not None:
+            _positive(f"train.{key}", getattr(t, key))
     decay = lr_decay_steps(t)
-    if decay <= t.lr_warmup_steps:
+    if t.lr_schedule in DECAYING_SCHEDULES and decay <= t.lr_warmup_steps:
         raise ConfigError(f"the learning rate decays until step {decay} (train.lr_decay_steps, else train.steps), "
                           f"not after its warm-up of train.lr_warmup_steps={t.lr_warmup_steps}; lower the "
                           "warm-up or set train.lr_decay_steps above it")

@@ -14,7 +14,10 @@ indexed_dataset.IndexedDataset` reads them.
   ``int32`` (Megatron's choice).
 
 Both files are written beside the output under temporary names and then linked into place, so
-that an interrupted run leaves no half-written corpus, and an existing file is never replaced.
+that a run stopped by an error leaves no half-written corpus (a run killed between the two links
+leaves the ``.bin`` alone, which a rerun names), and an existing file is never replaced. A text
+file is read whole; split a very large one into documents as JSONL. The tokenizer's own special
+tokens are added as its post-processor adds them (as Megatron-LM's Hugging Face tokenizer does).
 """
 
 import argparse
@@ -50,7 +53,7 @@ class PreparedCorpus:
 def _documents(path: Path, json_key: str) -> Iterator[str]:
     """The documents of one input file (see the module docstring)."""
     try:
-        if path.suffix != ".jsonl":
+        if path.suffix.lower() != ".jsonl":
             yield path.read_text(encoding="utf-8")
             return
         with open(path, encoding="utf-8") as lines:
@@ -100,7 +103,8 @@ def prepare(inputs: Sequence[Path], tokenizer_path: Path, output_prefix: Path, j
             raise PrepareError(f"{path} exists and is kept; choose another --output-prefix")
     tokenizer, eod = _tokenizer(Path(tokenizer_path), eod_token)
     vocab_size = tokenizer.get_vocab_size()
-    dtype = DType.optimal_dtype(vocab_size)
+    # by the largest id, not the count: a vocabulary may leave gaps (tokens added at high ids)
+    dtype = DType.optimal_dtype(max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     temporary = prefix.with_name(f".{prefix.name}.{os.getpid()}.partial")
     temporary_bin, temporary_idx = Path(get_bin_path(str(temporary))), Path(get_idx_path(str(temporary)))
@@ -112,6 +116,8 @@ def prepare(inputs: Sequence[Path], tokenizer_path: Path, output_prefix: Path, j
                 ids = numpy.array([*tokenizer.encode(text).ids, eod], dtype=dtype)
                 builder.add_document(ids, [ids.size])
                 documents, tokens = documents + 1, tokens + ids.size
+        if documents == 0:
+            raise PrepareError(f"no document in {', '.join(map(str, inputs))}; give --input files with text")
         builder.finalize(str(temporary_idx))
         os.link(temporary_bin, bin_path)  # never replaces: fails if the file appeared meanwhile
         try:
@@ -128,10 +134,6 @@ def prepare(inputs: Sequence[Path], tokenizer_path: Path, output_prefix: Path, j
     finally:
         for path in (temporary_bin, temporary_idx):
             path.unlink(missing_ok=True)
-    if documents == 0:
-        bin_path.unlink()
-        idx_path.unlink()
-        raise PrepareError(f"no document in {', '.join(map(str, inputs))}; give --input files with text")
     return PreparedCorpus(prefix, documents, tokens, vocab_size, eod, numpy.dtype(dtype).name)
 
 

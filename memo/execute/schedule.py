@@ -12,7 +12,9 @@ and ``min_lr`` after it:
   then down to ``min_lr`` in ``lr_wsd_decay_style`` (linear, cosine, exponential or minus_sqrt);
 * ``inverse_sqrt``: ``lr·√(warm-up / step)``, at least ``min_lr``.
 
-Step ``k`` (0-based) is Megatron's ``num_steps = k + 1``: the last warm-up step runs at ``lr``.
+Step ``k`` (0-based) is Megatron's ``num_steps = k + 1``: the first warm-up step runs at
+``lr / lr_warmup_steps`` and the last at ``lr`` (Megatron-LM's loop runs step ``k`` at ``num_steps =
+k``, its first step at rate 0), and a decay reaches ``min_lr`` at the last of ``lr_decay_steps``.
 Only the rate is taken from the scheduler; our optimizers are handed it each step (so that the
 host and distributed optimizers take it alike), and weight decay stays ``train.weight_decay``.
 """
@@ -42,7 +44,10 @@ class LearningRateSchedule:
     def __init__(self, train: TrainConfig):
         self._scheduler = OptimizerParamScheduler(
             _NoParameters(), init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
-            lr_warmup_steps=train.lr_warmup_steps, lr_decay_steps=lr_decay_steps(train),
+            # (a constant or inverse-square-root rate never reaches its decay steps, which Megatron
+            # asks to be after the warm-up all the same)
+            lr_warmup_steps=train.lr_warmup_steps,
+            lr_decay_steps=max(lr_decay_steps(train), train.lr_warmup_steps + 1),
             lr_decay_style=_DECAY_STYLES[train.lr_schedule], start_wd=train.weight_decay, end_wd=train.weight_decay,
             wd_incr_steps=1, wd_incr_style="constant",
             wsd_decay_steps=lr_wsd_decay_steps(train) if train.lr_schedule == "wsd" else None,

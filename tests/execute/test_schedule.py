@@ -47,6 +47,13 @@ def test_warmup_stable_decay_holds_lr_then_decays_over_its_last_steps():
     assert rates(steps=22, lr_warmup_steps=2, lr_schedule="wsd")[20] == pytest.approx(MIN + (LR - MIN) / 2)
 
 
+def test_a_run_too_short_for_its_warm_up_keeps_warming_up_at_a_constant_rate():
+    """A constant rate has nothing to decay: a run shorter than its warm-up (a preset cut short)
+    is valid and warms up all the way."""
+    validate(compose_config("train.steps=3", "train.lr_warmup_steps=100"))
+    assert rates(steps=3, lr_warmup_steps=100) == pytest.approx([LR / 100, LR / 50, 3 * LR / 100], rel=1e-12)
+
+
 def test_inverse_square_root_and_linear_decay():
     assert rates(steps=16, lr_warmup_steps=4, lr_schedule="inverse_sqrt")[15] == pytest.approx(LR / 2, rel=1e-12)
     assert rates(steps=11, lr_schedule="linear", lr_decay_steps=10)[4] == pytest.approx(MIN + (LR - MIN) / 2)
@@ -55,8 +62,10 @@ def test_inverse_square_root_and_linear_decay():
 @pytest.mark.parametrize("overrides, fragment", [
     (["train.lr_schedule=step"], "train.lr_schedule=step is not allowed; choose one of: constant, linear, cosine"),
     (["train.min_lr=0.01"], "train.min_lr=0.01 must be between 0 and train.lr=0.001"),
-    (["train.steps=4", "train.lr_warmup_steps=4"], "decays until step 4 (train.lr_decay_steps, else train.steps), "
-                                                   "not after its warm-up"),
+    (["train.steps=4", "train.lr_warmup_steps=4", "train.lr_schedule=cosine"],
+     "decays until step 4 (train.lr_decay_steps, else train.steps), not after its warm-up"),
+    (["train.lr_decay_steps=0", "train.lr_schedule=linear"], "train.lr_decay_steps=0 must be"),
+    (["train.lr_wsd_decay_steps=-3"], "train.lr_wsd_decay_steps=-3 must be"),
     (["train.steps=10", "train.lr_schedule=wsd", "train.lr_wsd_decay_steps=12"],
      "train.lr_wsd_decay_steps=12 must be between 1 and the 10 steps"),
     (["train.lr_schedule=wsd", "train.lr_wsd_decay_style=step"], "train.lr_wsd_decay_style=step is not allowed"),
