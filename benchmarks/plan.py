@@ -12,7 +12,6 @@ times depend on the machine.
 """
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -20,10 +19,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import pandas  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload  # noqa: E402
 from memo.plan.bilevel import plan_iteration  # noqa: E402
+from memo.results import create_file_atomic  # noqa: E402
 from memo.dsa.caching_allocator import simulate  # noqa: E402
 from memo.profile.iteration import trace_iteration  # noqa: E402
 from memo.profile.layers import transient_events  # noqa: E402
@@ -81,12 +82,8 @@ def main() -> None:
               f"{r['bwd_peak'] / gib:>11.3f} {r['bwd_bound'] / gib:>8.3f} {r['bwd_reserved'] / gib:>8.3f} "
               f"{r['iter_peak'] / gib:>9.1f} {100 * r['iter_gap']:>7.3f}% {r['iter_reserved'] / gib:>9.1f}",
               flush=True)
-    if args.csv is not None:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "x", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    if args.csv is not None and rows:
+        create_file_atomic(args.csv, pandas.DataFrame(rows).to_csv(index=False))  # never replaces a file
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ against the most bytes alive at once; and the reserved peak of PyTorch's caching
 """
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -21,12 +20,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import pandas  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload  # noqa: E402
 from memo.dsa.caching_allocator import simulate  # noqa: E402
 from memo.fit.template import iteration_template  # noqa: E402
 from memo.plan.bilevel import plan_iteration  # noqa: E402
+from memo.results import create_file_atomic  # noqa: E402
 
 K = 1024
 # model, tokens, tensor-parallel ranks (with sequence parallelism when more than one), tile tokens
@@ -86,11 +87,7 @@ def main() -> None:
               f"{r['tile_bwd_bound'] / mib:>7.1f} {r['arena'] / GIB:>10.3f} {r['flat_bound'] / GIB:>10.3f} "
               f"{r['reserved'] / GIB:>11.3f}", flush=True)
     if args.csv is not None and rows:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "x", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        create_file_atomic(args.csv, pandas.DataFrame(rows).to_csv(index=False))  # never replaces a file
 
 
 if __name__ == "__main__":

@@ -88,15 +88,13 @@ def _profile(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
     row["profile.events"] = len(trace.events)
     write_trace(output_dir / TRACE_FILE, trace)
     requests = trace.requests()
-    try:
-        if template:  # three layers: no two inner ones to compare; the planner compares tiles
-            raise LayerMismatchError("layers planned from three layers of three tiles")
-        row["profile.layers_identical"] = ",".join(map(str, check_identical_layers(trace, requests)))
-    except LayerMismatchError as error:
-        if run.mode == "plan" and not template:
-            raise ConfigError(f"cannot plan one layer for all: {error}") from None
-        row["profile.layers_identical"] = None
-        if not template:
+    row["profile.layers_identical"] = None  # three layers of a template: no two inner ones to compare
+    if not template:
+        try:
+            row["profile.layers_identical"] = ",".join(map(str, check_identical_layers(trace, requests)))
+        except LayerMismatchError as error:
+            if run.mode == "plan":
+                raise ConfigError(f"cannot plan one layer for all: {error}") from None
             log.warning("%s", error)
     layer = 1 if workload.model.num_layers > 2 else 0
     bytes_ = layer_bytes(trace, layer, requests)

@@ -161,7 +161,8 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     by_id = {r.id: r for r in requests}
 
     # Level 1 has a quarter of the time, shared among the blocks to solve as they come (the
-    # attention blocks' kinds first, then the other phases'); level 2 has the rest.
+    # attention blocks' kinds first, then the other phases'); level 2 has the rest, and what
+    # level 1 leaves.
     level_one_end = time.perf_counter() + time_limit_s / 4
 
     # Level 0: each attention block's requests (all of them: a block is closed).
@@ -172,7 +173,7 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     blocks: dict[str, LevelPlan] = {}
     phase_blocks: dict[str, str] = {}
 
-    def plan_alike(signatures: dict[str, tuple], first_call: bool) -> None:
+    def plan_alike(signatures: dict[str, tuple]) -> None:
         """Name and plan the level-1 blocks of ``signatures`` (phase -> its transients' signature,
         ``(rank, lower, upper, bytes)`` each, in the order of ``ordered``): phases of one kind
         alike share a block, named in the order their variants first occur, which no later
@@ -186,24 +187,24 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
             name = kind if not number else f"{kind}#{number}"
             buffers = [Buffer(str(i), lower, upper, size) for i, (_, lower, upper, size) in enumerate(signature)]
             keys = [(name, r, size) for r, _, _, size in signature]
-            share = (level_one_end - time.perf_counter()) / (left + (1 if first_call else 0))
+            share = (level_one_end - time.perf_counter()) / (left + 1)  # what is left over goes on
             blocks[name] = _solve(buffers, keys, max(share, 0.0), mip, alignment)
             phase_blocks.update(dict.fromkeys(phases, name))
 
-    def transient_items(events: list, phase: str) -> tuple[tuple, list]:
-        """The requests made and freed within ``phase`` among ``events`` ((position, event)
-        pairs): their signature ``(rank, lower, upper, bytes)`` each, and their request ids."""
+    def transient_items(events: list, phase: str) -> tuple:
+        """The signature of the requests made and freed within ``phase`` among ``events``
+        ((position, event) pairs): ``(rank, lower, upper, bytes)`` each."""
         at: dict[int, list[int]] = {}
         for position, e in events:
             r = by_id[e.id]
             if r.malloc_phase == r.free_phase == phase:
                 at.setdefault(e.id, []).append(position)
         ids = sorted(at, key=lambda i: at[i][0])
-        return tuple((rank[i], at[i][0], at[i][1], by_id[i].size) for i in ids), ids
+        return tuple((rank[i], at[i][0], at[i][1], by_id[i].size) for i in ids)
 
     ordered = sorted(trace.phases, key=lambda p: not p.startswith(f"layer.{reference}."))
-    plan_alike({phase: transient_items(list(enumerate(block_events[phase])), phase)[0]
-                for phase in ordered if phase in block_events}, first_call=True)
+    plan_alike({phase: transient_items(list(enumerate(block_events[phase])), phase)
+                for phase in ordered if phase in block_events})
     # a loop's pseudo request: the largest block of its kind
     loop_bytes: dict[str, int] = {}
     for phase, name in phase_blocks.items():
@@ -235,10 +236,9 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
                 previous = kind
             if loops.setdefault(e.phase, len(loop_kinds) - 1) != len(loop_kinds) - 1:
                 raise ValueError(f"{e.phase} runs in two loops of attention blocks; name each loop's blocks apart")
-        signature, _ = transient_items(events, phase)
-        signature += tuple((-1 - k, at, at + 1, loop_bytes[kind]) for k, (at, kind) in enumerate(loop_kinds))
-        signatures[phase] = signature
-    plan_alike(signatures, first_call=False)
+        loops_of_phase = tuple((-1 - k, at, at + 1, loop_bytes[kind]) for k, (at, kind) in enumerate(loop_kinds))
+        signatures[phase] = transient_items(events, phase) + loops_of_phase
+    plan_alike(signatures)
 
     # Level 2: the requests that cross phases, and a pseudo request per phase (a tile's blocks in it).
     buffers, keys = [], []

@@ -678,8 +678,7 @@ class LayerInputs:
 
     def offload(self, index: int, x: torch.Tensor, streams: Streams) -> None:
         """Send checkpoint ``index``'s input ``x`` to the host once compute has made it; ``x`` is
-        held until :meth:`sent`."""
-        self.sent(streams)
+        held until :meth:`sent`, which the layer's forward calls at its end."""
         streams.wait(streams.d2h, streams.record(streams.compute))
         streams.copy(streams.d2h, self.host[index], x)
         self.sending = (x, streams.record(streams.d2h))
