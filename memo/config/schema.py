@@ -176,7 +176,16 @@ class TrainConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16 or fp64 (CPU checks)
-    data: str = "synthetic"  # "synthetic" or the path of a text file read as byte tokens
+    # "synthetic"; the path of a text file read as byte tokens; or "megatron:<prefix>" (a .bin/.idx
+    # pair, python -m memo.data.prepare) or a weighted blend "megatron:0.7 <prefix> 0.3 <prefix>",
+    # documents packed to seq tokens by megatron-core's GPT dataset (memo.data.corpus)
+    data: str = "synthetic"
+    tokenizer: Optional[str] = None  # megatron data: the corpus's tokenizer.json (nothing downloaded)
+    eod_token: Optional[str] = None  # its end-of-document token; None: <|endoftext|>, </s>, ... it has
+    # megatron data: Megatron's train,valid,test weights of the documents of each prefix
+    data_split: str = "969,30,1"
+    # megatron data: where megatron-core caches its sample indices; None: cache/ beside the prefix
+    data_cache: Optional[str] = None
     attention_backend: str = "auto"  # auto, te, cudnn, flash, efficient or math
     # Megatron's distributed optimizer: Adam's states and the fp32 main weights sharded over the
     # dp·cp ranks (GPU). None: on wherever dp·cp > 1, as every Megatron-LM long-context recipe.

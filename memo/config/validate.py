@@ -32,6 +32,7 @@ CP_ATTENTIONS = ("memo", "deepspeed")
 OPTIMIZER_OFFLOADS = ("none", "host")  # train.optimizer_offload: where Adam's states live
 ACTIVATIONS = ("gelu", "swiglu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+MEGATRON_DATA = "megatron:"  # train.data's prefix for Megatron's indexed datasets
 
 
 class ConfigError(ValueError):
@@ -129,9 +130,11 @@ def validate(cfg) -> Optional[int]:
     if t.loss_tile_tokens is not None:
         _positive("train.loss_tile_tokens", t.loss_tile_tokens)
     _check_optimizer_offload(t)
-    if t.data != "synthetic" and not Path(t.data).is_file():
+    if t.data.startswith(MEGATRON_DATA):
+        megatron_blend(t)
+    elif t.data != "synthetic" and not Path(t.data).is_file():
         raise ConfigError(
-            f"train.data={t.data} is neither 'synthetic' nor an existing text file"
+            f"train.data={t.data} is neither 'synthetic', 'megatron:<prefix>' nor an existing text file"
         )
     _choice("profile.backend", cfg.profile.backend, PROFILE_BACKENDS)
     _choice("planner.mip", cfg.planner.mip, ("gurobi", "highs", "none"))
@@ -339,6 +342,45 @@ def _check_method(method) -> None:
                 f"method.recompute_num_layers={method.recompute_num_layers} must be at least 1 "
                 "with method.recompute_granularity=full"
             )
+
+
+def megatron_blend(train) -> tuple[list[str], Optional[list[float]]]:
+    """The prefixes of ``train.data="megatron:..."`` and their weights (None for one prefix), as
+    Megatron-LM's ``--data-path`` takes them: ``<prefix>`` or ``<weight> <prefix> <weight> <prefix>``.
+
+    Raises:
+        ConfigError: a malformed blend, a prefix without its ``.bin`` or ``.idx``, or no tokenizer.
+    """
+    words = train.data[len(MEGATRON_DATA):].split()
+    if len(words) == 1:
+        prefixes, weights = words, None
+    else:
+        prefixes, weights = words[1::2], []
+        for weight in words[0::2]:
+            try:
+                weights.append(float(weight))
+            except ValueError:
+                weights.append(-1.0)
+        if len(words) % 2 or min(weights) <= 0:
+            raise ConfigError(f"train.data={train.data} is not a blend: write megatron:<prefix> or "
+                              "'megatron:<weight> <prefix> <weight> <prefix> ...' with positive weights")
+    for prefix in prefixes:
+        for suffix in (".idx", ".bin"):
+            if not Path(prefix + suffix).is_file():
+                raise ConfigError(f"train.data: {prefix}{suffix} does not exist; give the prefix of a .bin/.idx pair "
+                                  "(python -m memo.data.prepare writes one)")
+    if train.tokenizer is None or not Path(train.tokenizer).is_file():
+        raise ConfigError(f"train.tokenizer={train.tokenizer} is not a file: megatron data needs the "
+                          "tokenizer.json its corpus was prepared with")
+    split = train.data_split.split(",")
+    try:
+        shares = [float(x) for x in split]
+    except ValueError:
+        shares = []
+    if len(shares) != 3 or min(shares) < 0 or shares[0] <= 0:
+        raise ConfigError(f"train.data_split={train.data_split} must be three non-negative weights "
+                          "train,valid,test with train above 0, as 969,30,1")
+    return prefixes, weights
 
 
 def lr_decay_steps(train) -> int:

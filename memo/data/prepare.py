@@ -31,8 +31,7 @@ from typing import Iterator, Optional, Sequence
 import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
-EOD_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-
+from memo.data.tokenizer import EOD_TOKENS, LocalTokenizer, TokenizerError
 
 class PrepareError(ValueError):
     """Input the preparation cannot use; the message is one line that says what to change."""
@@ -73,22 +72,6 @@ def _documents(path: Path, json_key: str) -> Iterator[str]:
         raise PrepareError(f"{path}: cannot read it as UTF-8 text ({error})") from None
 
 
-def _tokenizer(path: Path, eod_token: Optional[str]):
-    from tokenizers import Tokenizer
-
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as error:  # the library raises its own exception types for a bad file
-        raise PrepareError(f"{path}: not a tokenizer file of the tokenizers library ({error}); give "
-                           "--tokenizer a tokenizer.json") from None
-    names = (eod_token,) if eod_token is not None else EOD_TOKENS
-    eod = next((tokenizer.token_to_id(name) for name in names if tokenizer.token_to_id(name) is not None), None)
-    if eod is None:
-        raise PrepareError(f"{path}: the vocabulary has no end-of-document token {' or '.join(names)}; set "
-                           "--eod-token to the one it has")
-    return tokenizer, eod
-
-
 def prepare(inputs: Sequence[Path], tokenizer_path: Path, output_prefix: Path, json_key: str = "text",
             eod_token: Optional[str] = None) -> PreparedCorpus:
     """Tokenize every document of ``inputs`` into ``output_prefix``'s ``.bin`` and ``.idx``.
@@ -101,10 +84,12 @@ def prepare(inputs: Sequence[Path], tokenizer_path: Path, output_prefix: Path, j
     for path in (bin_path, idx_path):
         if path.exists():
             raise PrepareError(f"{path} exists and is kept; choose another --output-prefix")
-    tokenizer, eod = _tokenizer(Path(tokenizer_path), eod_token)
-    vocab_size = tokenizer.get_vocab_size()
-    # by the largest id, not the count: a vocabulary may leave gaps (tokens added at high ids)
-    dtype = DType.optimal_dtype(max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1)
+    try:
+        tokenizer = LocalTokenizer(tokenizer_path, eod_token, eod_setting="--eod-token")
+    except TokenizerError as error:
+        raise PrepareError(str(error)) from None
+    eod, vocab_size = tokenizer.eod, tokenizer.vocab_size
+    dtype = DType.optimal_dtype(vocab_size)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     temporary = prefix.with_name(f".{prefix.name}.{os.getpid()}.partial")
     temporary_bin, temporary_idx = Path(get_bin_path(str(temporary))), Path(get_idx_path(str(temporary)))
@@ -113,7 +98,7 @@ def prepare(inputs: Sequence[Path], tokenizer_path: Path, output_prefix: Path, j
         builder = IndexedDatasetBuilder(str(temporary_bin), dtype=dtype)
         for path in inputs:
             for text in _documents(Path(path), json_key):
-                ids = numpy.array([*tokenizer.encode(text).ids, eod], dtype=dtype)
+                ids = numpy.array([*tokenizer.tokenize(text), eod], dtype=dtype)
                 builder.add_document(ids, [ids.size])
                 documents, tokens = documents + 1, tokens + ids.size
         if documents == 0:

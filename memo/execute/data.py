@@ -1,4 +1,5 @@
-"""Training sequences: deterministic synthetic tokens, or byte tokens of a text file.
+"""Training sequences: deterministic synthetic tokens, byte tokens of a text file, or Megatron's
+indexed data.
 
 Sample ``i`` of a run is a function of (seed, i) alone, and data-parallel rank r of d takes the
 samples ``(k·d + r)·b ..`` of micro-batch k, so the global batch of a step is the same for every
@@ -11,7 +12,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from memo.config import ConfigError
+from memo.config import ConfigError, TrainConfig
+from memo.config.validate import MEGATRON_DATA
+from memo.data.corpus import MegatronCorpus, SampleCounts
 
 SYNTHETIC_ALPHABET = 1024
 
@@ -57,11 +60,14 @@ class ByteTokens:
         return torch.from_numpy(self.data[start : start + length].astype(np.int64))
 
 
-def token_source(data: str, vocab_size: int, seed: int, seq: int):
-    """The source named by ``train.data``: "synthetic" or a text file path."""
-    if data == "synthetic":
-        return SyntheticTokens(vocab_size, seed)
-    return ByteTokens(data, seed, seq + 1)
+def token_source(train: TrainConfig, vocab_size: int, seq: int, samples: SampleCounts):
+    """The source ``train.data`` names: synthetic tokens, a text file's bytes, or Megatron's
+    indexed data (:class:`memo.data.corpus.MegatronCorpus`, built for ``samples``)."""
+    if train.data == "synthetic":
+        return SyntheticTokens(vocab_size, train.seed)
+    if train.data.startswith(MEGATRON_DATA):
+        return MegatronCorpus(train, vocab_size, seq, samples)
+    return ByteTokens(train.data, train.seed, seq + 1)
 
 
 def micro_batches(

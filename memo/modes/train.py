@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from memo import hardware
 from memo.config import ConfigError, Run, resolve
 from memo.execute import distributed
+from memo.data.corpus import SampleCounts
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
 from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
@@ -190,12 +191,12 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         elif workload.tiled:
             log.info("layers walked in tiles of %d tokens", workload.tile_tokens)
         dp_size = parallel_state.get_data_parallel_world_size()
-        source = token_source(train.data, model.vocab_size, train.seed, seq)
+        global_batch = workload.micro_batch_size * train.micro_batches * dp_size
+        source = token_source(train, model.vocab_size, seq, SampleCounts(train=train.steps * global_batch))
         batches = micro_batches(
             source, seq, workload.micro_batch_size, train.micro_batches,
             parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type),
         )
-        global_batch = workload.micro_batch_size * train.micro_batches * dp_size
         flops_per_iter = global_batch * model_flops_per_sample(seq, model_flops_parameters(model),
                                                                model.num_layers, model.hidden_size)
         row.update(

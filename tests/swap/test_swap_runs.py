@@ -2,11 +2,11 @@
 text, and tensor plus sequence parallelism in two processes."""
 
 import json
-import random
 
 import pytest
 
 from conftest import run_in_process
+from tiny_corpus import make_corpus
 
 SHORT = ["seq=256", "train.steps=2", "train.warmup_steps=1"]
 
@@ -61,20 +61,17 @@ def test_gradient_accumulation_swaps_each_micro_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_fifty_steps_on_text_follow_the_loss_of_keeping_everything(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    # a text of its own (a file of the repository changes, and with it how fast it is learned)
-    words = ["memory", "tokens", "swap", "layer", "host", "device", "tile", "attention", "alpha", "buffer"]
-    generator = random.Random(0)
-    corpus.write_text(" ".join(generator.choice(words) for _ in range(6000)) + "\n")
+def test_fifty_steps_on_a_prepared_corpus_follow_the_loss_of_keeping_everything(tmp_path):
+    # a corpus of its own, prepared into Megatron's format and packed by megatron-core's dataset
+    prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=300)
     # the same loss for both (memo's default); the losses are compared, not their implementations.
-    # Byte tokens need a vocabulary of 256 (GPT-2's 50257 would spend each step on the output layer).
-    common = ["seq=128", "train.steps=50", "train.warmup_steps=1", f"train.data={corpus}", "train.loss=tiled",
-              "model.vocab_size=256"]
+    # A vocabulary of 64 (GPT-2's 50257 would spend each step on the output layer).
+    common = ["seq=128", "train.steps=50", "train.warmup_steps=1", f"train.data=megatron:{prefix}",
+              f"train.tokenizer={tokenizer}", "train.loss=tiled", "model.vocab_size=64"]
     reference = run_in_process(tmp_path / "none", *common)
     assert reference["status"] == "ok", reference["error"]
     expected = _losses(tmp_path / "none")
-    assert expected[-1] < expected[0] - 2  # it learns the text
+    assert expected[-1] < expected[0] - 2  # it learns the grammar
     for name, overrides in [("memo0", ["method=memo", "alpha=0"]), ("memo.5", ["method=memo", "alpha=0.5"])]:
         row = run_in_process(tmp_path / name, *common, *overrides)
         assert row["status"] == "ok", row["error"]
