@@ -27,6 +27,9 @@ from memo.config import ConfigError
 CLAIM_FILE = ".memo-run"
 CONFIG_DIR = ".hydra"
 SET_ASIDE_DIR = "interrupted"
+# a run's checkpoints (train.save_dir's default): an interrupted attempt leaves them in place for
+# the next attempt to go on from
+CHECKPOINTS_DIR = "checkpoints"
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 LAYERS_FILE = "layers.jsonl"  # per step and layer: activation bytes on device, on host, recomputed
@@ -209,7 +212,8 @@ def finished_row(output_dir: Path) -> Optional[dict]:
 
 
 def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
-    """Move an unfinished attempt's files (everything but earlier set-aside attempts) to
+    """Move an unfinished attempt's files (everything but earlier set-aside attempts and the
+    checkpoints) to
     ``interrupted/<n>/`` so that a new attempt can claim ``output_dir``; returns where, or None.
 
     An attempt is unfinished when it claimed the directory (or left step logs) and has no row,
@@ -219,7 +223,8 @@ def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
     output_dir = Path(output_dir)
     if finished_row(output_dir) is not None:
         return None
-    present = [p for p in output_dir.iterdir() if p.name != SET_ASIDE_DIR] if output_dir.is_dir() else []
+    present = [p for p in output_dir.iterdir() if p.name not in (SET_ASIDE_DIR, CHECKPOINTS_DIR)] \
+        if output_dir.is_dir() else []
     if not any(p.name in (CLAIM_FILE, RESULT_FILE, *STEP_FILES) for p in present):
         return None
     n = 1

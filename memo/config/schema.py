@@ -197,6 +197,13 @@ class TrainConfig:
     # With optimizer_offload=host: the share of this rank's parameters, in (0, 1], whose states go
     # to the host (the first ones in the optimizer's order); the rest stay on the device.
     optimizer_offload_fraction: float = 1.0
+    # Checkpoints (memo.execute.checkpoint): saved every save_interval steps and after the last
+    # step (None: never), into save_dir (None: checkpoints/ in the run directory).
+    save_interval: Optional[int] = None
+    save_dir: Optional[str] = None
+    # auto: go on from the last checkpoint in save_dir if it has one (a requeued job does), else
+    # start afresh; a checkpoint (step_<n>/) or a directory of them (its last); null: start afresh
+    load: Optional[str] = "auto"
     # Output layer and cross entropy: auto (the method's `loss`), tiled (logits made per tile of
     # tokens, never for the whole sequence; memo.model.loss) or megatron (Megatron-core's own).
     loss: str = "auto"

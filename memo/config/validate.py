@@ -130,6 +130,8 @@ def validate(cfg) -> Optional[int]:
     if t.loss_tile_tokens is not None:
         _positive("train.loss_tile_tokens", t.loss_tile_tokens)
     _check_optimizer_offload(t)
+    if t.save_interval is not None:
+        _positive("train.save_interval", t.save_interval)
     if t.data.startswith(MEGATRON_DATA):
         megatron_blend(t)
     elif t.data != "synthetic" and not Path(t.data).is_file():

@@ -78,15 +78,17 @@ def micro_batches(
     dp_rank: int,
     dp_size: int,
     device: torch.device,
+    consumed_samples: int = 0,
 ) -> Iterator[list[dict]]:
     """Yield, for each step, this rank's micro-batches as ``tokens``/``labels``/``position_ids``
-    tensors of shape ``[micro_batch_size, seq]`` on ``device``; labels are tokens shifted by one."""
+    tensors of shape ``[micro_batch_size, seq]`` on ``device``; labels are tokens shifted by one.
+    The first step's samples follow the ``consumed_samples`` an earlier run (a checkpoint) drew."""
     positions = torch.arange(seq, device=device).expand(micro_batch_size, seq)
     step = 0
     while True:
         batch = []
         for k in range(micro_batches_per_step):
-            first = ((step * micro_batches_per_step + k) * dp_size + dp_rank) * micro_batch_size
+            first = consumed_samples + ((step * micro_batches_per_step + k) * dp_size + dp_rank) * micro_batch_size
             rows = torch.stack([source.sample(first + j, seq + 1) for j in range(micro_batch_size)])
             rows = rows.to(device)
             batch.append({"tokens": rows[:, :-1], "labels": rows[:, 1:], "position_ids": positions})

@@ -18,6 +18,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, \
+    optim_state_to_sharding_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -28,6 +30,9 @@ from memo.execute.optimizer_offload import NO_OFFLOAD, OffloadBytes, build_offlo
 
 
 log = logging.getLogger("memo")
+
+# megatron-core's checkpoint format of the optimizer's state that any parallel layout loads
+_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 # train.dtype's names of the weights' dtypes
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -46,6 +51,16 @@ class StepOptimizer(Protocol):
 
     def step(self, lr: float) -> float:
         """Reduce and clip gradients, update weights; returns the gradient norm before clipping."""
+        ...
+
+    def sharded_state_dict(self, model_state: dict, is_loading: bool = False) -> dict:
+        """The optimizer's state for megatron-core's distributed checkpointing: each parameter's
+        states as sharded tensors of ``model_state``'s (the model's ``sharded_state_dict``)
+        coordinates, loadable at any parallel layout; made to load into where ``is_loading``."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the state :meth:`sharded_state_dict` described, as loaded."""
         ...
 
 
@@ -111,6 +126,33 @@ class HostOptimizer:
             group["lr"] = lr
         self.optimizer.step()
         return norm
+
+    def sharded_state_dict(self, model_state: dict, is_loading: bool = False) -> dict:
+        # As megatron-core's FP32Optimizer does it for a torch optimizer: the moments sharded as
+        # their parameters are, Adam's step (the same for every parameter) saved once.
+        if is_loading:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if not self.optimizer.state[p]:
+                        self.optimizer.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        state = self.optimizer.state_dict()
+        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+        if len(steps) > 1:
+            raise ValueError(f"Adam's step differs between parameters ({sorted(steps)}): cannot save it once")
+        step = next((s["step"] for s in state["state"].values() if "step" in s), None)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_state, params),
+                                      exclude_keys=("step",))
+        if step is not None:
+            state["state"]["common_step"] = step
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        step = state["state"].pop("common_step", None)
+        if step is not None:
+            for param_state in state["state"].values():
+                param_state["step"] = step.clone()
+        self.optimizer.load_state_dict(state)
 
     @staticmethod
     def grad_norm(params: list[torch.nn.Parameter]) -> float:
@@ -194,6 +236,14 @@ class MegatronStepOptimizer:
             group["weight_decay"] = self.weight_decay * group["wd_mult"]
         _, grad_norm, _ = self.optimizer.step()
         return float("nan") if grad_norm is None else float(grad_norm)
+
+    def sharded_state_dict(self, model_state: dict, is_loading: bool = False) -> dict:
+        # Megatron-LM's choice for a checkpoint any layout loads: the distributed optimizer's
+        # shards gathered into each parameter's own coordinates ("fully_reshardable").
+        return self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_RESHARDABLE)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
 
 
 def build_optimizer(module: torch.nn.Module, train: TrainConfig, device_type: str,

@@ -39,12 +39,15 @@ def run_steps(
     sequence_layout: str = "load_balanced",
     token_order: Callable[[dict], dict] = lambda micro_batch: micro_batch,
     step_end: Callable[[], None] = lambda: None,
+    start_step: int = 0,
 ) -> None:
-    """Train for ``train.steps`` steps, calling ``on_step`` with each step's record.
+    """Train from step ``start_step`` (a checkpoint's, else 0) up to ``train.steps``, calling
+    ``on_step`` with each step's record.
 
     A record holds ``step`` (1-based), ``loss``, ``lr``, ``grad_norm``, ``iter_time_s`` and
-    ``timed`` (False for the first ``train.warmup_steps`` steps). Each step runs inside
-    ``step_scope(step)`` (0-based), whose phase marker, if it yields one, is told when the
+    ``timed`` (False for the first ``train.warmup_steps`` steps this process runs, fewer if it runs
+    no more, so that one is timed). Each step runs inside ``step_scope(k)`` (k counts this
+    process's steps from 0), whose phase marker, if it yields one, is told when the
     backward pass and the optimizer step begin; what it does on leaving is not timed. Under
     context parallelism each rank trains on its tokens of every micro-batch in
     ``sequence_layout`` (:func:`memo.model.context_parallel.sequence_layout`), put in
@@ -57,10 +60,11 @@ def run_steps(
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     schedule = LearningRateSchedule(train)
-    for step in range(train.steps):
+    untimed = min(train.warmup_steps, train.steps - start_step - 1)
+    for step in range(start_step, train.steps):
         batch = next(batches)
         lr = schedule(step)
-        with step_scope(step) if step_scope else contextlib.nullcontext() as marker:
+        with step_scope(step - start_step) if step_scope else contextlib.nullcontext() as marker:
             sync()
             start = time.perf_counter()
             optimizer.zero_grad()
@@ -90,6 +94,6 @@ def run_steps(
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "iter_time_s": elapsed,
-                "timed": step >= train.warmup_steps,
+                "timed": step - start_step >= untimed,
             }
         )

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from memo import hardware
 from memo.config import ConfigError, Run, resolve
-from memo.execute import distributed
+from memo.execute import checkpoint, distributed
 from memo.data.corpus import SampleCounts
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
@@ -39,14 +39,15 @@ from memo.model import (
 from memo.model.context_parallel import sequence_layout
 from memo.model.deepspeed_attention import require_deepspeed
 from memo.modes.frame import Job, job_frame
-from memo.results import ResultWriter, finite
+from memo.results import CHECKPOINTS_DIR, ResultWriter, finite
 from memo.swap import SwapReport, SwapRuntime, TileReport, TiledLayers, host_budget, prepare_swap
 
 log = logging.getLogger("memo")
 
 # Fields every row carries, so that a table of ok and failed runs has the same columns.
 METRIC_FIELDS = (
-    "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "steps_timed",
+    "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "resumed_from_step", "checkpoint_last",
+    "steps_timed",
     "iter_time_s", "iter_time_s_median", "tgs", "mfu", "loss_first", "loss_last",
     *(f"swap.{f.name}" for f in dataclasses.fields(SwapReport)),
     *(f"tiles.{name}" for name in TileReport.row_fields()),
@@ -90,6 +91,16 @@ def _max_over_ranks(values: dict, device_type: str) -> dict:
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device_type)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {**values, **{k: int(v) for k, v in zip(keys, t.tolist(), strict=True)}}
+
+
+def _save_dir(train, output_dir: Path) -> Path:
+    """``train.save_dir``, else ``checkpoints/`` in the run directory of rank 0 (the other ranks
+    of a ``torchrun run.py`` job run in scratch directories of their own)."""
+    if train.save_dir is not None:
+        return Path(train.save_dir)
+    shared = [str(output_dir / CHECKPOINTS_DIR)]
+    dist.broadcast_object_list(shared, src=0)
+    return Path(shared[0])
 
 
 def run_job(
@@ -153,6 +164,13 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         row["device_name"] = torch.cuda.get_device_name()
 
     distributed.initialize(workload.parallel, device_type, info)
+    save_dir = _save_dir(train, job.writer.output_dir)
+    resume_from = checkpoint.to_load(train, save_dir)
+    if resume_from is not None and resume_from.step >= train.steps:
+        raise ConfigError(f"{resume_from.path} has {resume_from.step} steps done, train.steps={train.steps}; raise "
+                          "train.steps to train further")
+    if train.save_interval is not None:
+        checkpoint.check_save_dir(save_dir, resume_from)
     torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     memory = PeakMemory(device_type, arena)
     memory.reset()
@@ -169,6 +187,9 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         # taken out below, though part of it is allocated only at the first step)
         budget = host_budget(hw, device, info.world_size) if workload.method.swaps else 0
         optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
+        resumed = checkpoint.load(resume_from, built.module, optimizer) if resume_from is not None else None
+        start_step, consumed = (resumed.step, resumed.consumed_samples) if resumed else (0, 0)
+        row["resumed_from_step"] = start_step if resumed else None
         if optimizer.offload.host_bytes:
             row.update({f"optimizer_offload.{k}": v for k, v in optimizer.offload.row().items()})
         budget = max(budget - optimizer.offload.host_bytes, 0)
@@ -192,10 +213,11 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             log.info("layers walked in tiles of %d tokens", workload.tile_tokens)
         dp_size = parallel_state.get_data_parallel_world_size()
         global_batch = workload.micro_batch_size * train.micro_batches * dp_size
-        source = token_source(train, model.vocab_size, seq, SampleCounts(train=train.steps * global_batch))
+        drawn = consumed + (train.steps - start_step) * global_batch
+        source = token_source(train, model.vocab_size, seq, SampleCounts(train=drawn))
         batches = micro_batches(
             source, seq, workload.micro_batch_size, train.micro_batches,
-            parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type),
+            parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type), consumed,
         )
         flops_per_iter = global_batch * model_flops_per_sample(seq, model_flops_parameters(model),
                                                                model.num_layers, model.hidden_size)
@@ -227,6 +249,12 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                 record.update(_swap_accounting(placement.swap, record["step"], writer))
             records.append(record)
             writer.append_step(record)
+            step = record["step"]
+            if train.save_interval is not None and (step % train.save_interval == 0 or step == train.steps):
+                saved = checkpoint.save(save_dir, step, consumed + (step - start_step) * global_batch,
+                                        built.module, optimizer)
+                row["checkpoint_last"] = str(saved.path)
+                log.info("saved %s", saved.path)
             job.stop_if_signalled()  # a stop signal whose interrupt a finalizer swallowed
             left_s = progress.step(record["iter_time_s"], record["loss"])
             if info.rank == 0:
@@ -241,11 +269,11 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                               walk=placement if isinstance(placement, TiledLayers) else None)
         if arena is not None:
             arena.phase = runtime.phase
-        with step_progress(train.steps, show_bar=info.rank == 0) as progress:
+        with step_progress(train.steps - start_step, show_bar=info.rank == 0) as progress:
             run_steps(optimizer, batches, train, device_type, on_step, runtime.step,
                       sequence_layout=sequence_layout(run.workload.method.cp_attention),
                       token_order=placement.token_order if placement is not None else lambda mb: mb,
-                      step_end=built.step_end)
+                      step_end=built.step_end, start_step=start_step)
         row.update(runtime.finish())
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone

@@ -106,16 +106,17 @@ def test_a_job_the_scheduler_kills_gets_a_row_and_the_sweep_says_so(slurm_cluste
 
 
 @pytest.mark.timeout(300)
-def test_a_preempted_job_is_requeued_and_its_first_attempt_kept(slurm_cluster, tmp_path):
+def test_a_preempted_job_is_requeued_and_goes_on_from_its_last_checkpoint(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
     # steps long enough (1k tokens) that the signal comes while the first attempt still runs,
-    # with an output layer of 1000 tokens that keeps them short
+    # with an output layer of 1000 tokens that keeps them short; a checkpoint every two steps
     process = subprocess.Popen(
-        sweep_command(sweep, "seq=1k", "model.vocab_size=1000", "train.steps=12", "train.warmup_steps=1"),
+        sweep_command(sweep, "seq=1k", "model.vocab_size=1000", "train.steps=12", "train.warmup_steps=1",
+                      "train.save_interval=2"),
         cwd=tmp_path, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     job_dir = sweep / "0"
-    wait_for_steps(job_dir / "metrics.jsonl", 1, process)
+    wait_for_steps(job_dir / "metrics.jsonl", 3, process)  # the checkpoint of step 2 is written
     job = slurm_job_id(sweep)
     # What SLURM sends before a time limit or a preemption (submitit's --signal=USR2@...).
     subprocess.run(["scancel", "--signal=USR2", job], env=slurm_cluster.env, check=True, timeout=30)
@@ -123,11 +124,16 @@ def test_a_preempted_job_is_requeued_and_its_first_attempt_kept(slurm_cluster, t
 
     assert process.returncode == 0, stderr[-3000:]
     row = json.loads((job_dir / "result.json").read_text())
-    assert row["status"] == "ok" and row["steps_timed"] == 11
+    resumed = row["resumed_from_step"]
+    assert row["status"] == "ok" and resumed >= 2 and resumed % 2 == 0
     steps = [json.loads(line)["step"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 13)), "the requeued attempt ran the job from the start"
-    first = (job_dir / "interrupted" / "1" / "metrics.jsonl").read_text().splitlines()
-    assert 1 <= len(first) < 12 and json.loads(first[0])["step"] == 1
+    assert steps == list(range(resumed + 1, 13)), "the requeued attempt went on from the checkpoint"
+    assert row["steps_timed"] == len(steps) - 1
+    first = [json.loads(line)["step"] for line in
+             (job_dir / "interrupted" / "1" / "metrics.jsonl").read_text().splitlines()]
+    assert first[0] == 1 and resumed <= first[-1] < 12  # its steps are kept where it left them
+    assert [c.name for c in sorted((job_dir / "checkpoints").iterdir())][-1] == "step_0000012"
     logs = "".join(p.read_text() for p in (sweep / ".submitit" / job).glob("*_log.*"))
     assert "this job is preempted" in logs and f"Requeued job {job}" in logs
     assert "an earlier attempt of this job was interrupted" in logs
+    assert f"resumed from {job_dir / 'checkpoints' / f'step_{resumed:07d}'}" in logs

@@ -1,0 +1,161 @@
+"""Checkpoints: a run stopped after a save and resumed in a new process goes on bit for bit as
+if it had never stopped, at another tensor-parallel size within rounding; a save killed midway
+leaves the earlier checkpoint loadable; bad checkpoints and save directories are one line."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+
+import pytest
+import torch
+from megatron.core.dist_checkpointing import load_plain_tensors
+
+from conftest import PYTHON, REPO, _one_process, free_port, run_in_process
+from memo.execute.checkpoint import checkpoints
+
+# a schedule that decays over the ten steps, so that a resumed run must know where it is in it
+TEN = ["model=tiny", "model.vocab_size=1000", "seq=128", "train.warmup_steps=1", "train.lr_schedule=cosine", "train.lr_decay_steps=10",
+       "train.lr_warmup_steps=2", "train.micro_batches=2", "train.save_interval=5"]
+
+
+def _steps(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run_py(*overrides: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, str(REPO / "run.py"), *overrides], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _weights(checkpoint) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (weights and Adam's moments), whole (read in a process group
+    of this process alone, as megatron-core reads)."""
+    group = _one_process()
+    next(group)
+    try:
+        return {k: v for k, v in load_plain_tensors(str(checkpoint)).items() if isinstance(v, torch.Tensor)}
+    finally:
+        next(group, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [["method=none"], ["method=memo", "alpha=0.5"]], ids=["none", "memo"])
+def test_five_steps_a_save_and_five_more_in_a_new_process_equal_ten(tmp_path, method):
+    whole = run_in_process(tmp_path / "whole", *TEN, *method, "train.steps=10")
+    assert whole["status"] == "ok", whole["error"]
+    first = run_in_process(tmp_path / "first", *TEN, *method, "train.steps=5")
+    assert first["status"] == "ok" and first["resumed_from_step"] is None, first["error"]
+    saved = tmp_path / "first" / "checkpoints" / "step_0000005"
+    assert first["checkpoint_last"] == str(saved)
+    done = _run_py(*TEN, *method, "train.steps=10", f"train.load={saved}", f"hydra.run.dir={tmp_path / 'second'}",
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    second = json.loads((tmp_path / "second" / "result.json").read_text())
+    assert second["status"] == "ok" and second["resumed_from_step"] == 5
+    expected, got = _steps(tmp_path / "whole"), _steps(tmp_path / "first") + _steps(tmp_path / "second")
+    assert [s["step"] for s in got] == list(range(1, 11))
+    for a, b in zip(got, expected, strict=True):
+        assert (a["loss"], a["lr"], a["grad_norm"]) == (b["loss"], b["lr"], b["grad_norm"])
+    reference = _weights(tmp_path / "whole" / "checkpoints" / "step_0000010")
+    resumed = _weights(tmp_path / "second" / "checkpoints" / "step_0000010")
+    assert reference.keys() == resumed.keys() and any("exp_avg_sq" in k for k in reference)
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+@pytest.mark.slow
+def test_five_steps_at_tp1_and_five_more_at_tp2_equal_ten_at_tp1(tmp_path):
+    """The checkpoint is of the model's whole tensors: two processes splitting every layer over
+    tensor parallelism load what one saved, and go on as the one would have (fp64, so that what
+    is compared is the resharding, not the order of float32 sums)."""
+    common = [*TEN, "train.dtype=fp64", "train.lr_decay_steps=10"]
+    whole = run_in_process(tmp_path / "whole", *common, "train.steps=10")
+    first = run_in_process(tmp_path / "first", *common, "train.steps=5")
+    assert whole["status"] == first["status"] == "ok", (whole["error"], first["error"])
+    second = tmp_path / "second"
+    launched = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(REPO / "run.py"), *common, "train.steps=10", "parallel.tp=2",
+         f"train.load={tmp_path / 'first' / 'checkpoints'}", f"hydra.run.dir={second}"],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    row = json.loads((second / "result.json").read_text())
+    assert row["status"] == "ok" and row["resumed_from_step"] == 5 and row["world_size"] == 2
+    expected, got = _steps(tmp_path / "whole")[5:], _steps(second)
+    assert [s["step"] for s in got] == list(range(6, 11))
+    for a, b in zip(got, expected, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["lr"] == b["lr"]
+    reference, resumed = _weights(tmp_path / "whole" / "checkpoints" / "step_0000010"), \
+        _weights(second / "checkpoints" / "step_0000010")
+    assert reference.keys() == resumed.keys()
+    for key in reference:
+        torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=1e-6, msg=key)
+
+
+# run.py in a process that dies (SIGKILL) halfway through writing the checkpoint of step 4
+_KILLED_DURING_SAVE = """
+import os, runpy, signal, sys
+from pathlib import Path
+from megatron.core import dist_checkpointing
+
+save = dist_checkpointing.save
+
+def save_and_die_at_step_4(state, directory, **kwargs):
+    save(state, directory, **kwargs)
+    if state["step"] == 4:
+        shard = sorted(Path(directory).glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+dist_checkpointing.save = save_and_die_at_step_4
+sys.argv = ["run.py", *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_process_killed_during_a_save_leaves_the_earlier_checkpoint_to_go_on_from(tmp_path):
+    common = [*TEN[:-1], "train.save_interval=2", "train.steps=6"]
+    log = tmp_path / "killed.log"
+    with open(log, "w") as output:
+        # a session of its own: megatron-core's writer leaves a helper process behind, which a
+        # scheduler's kill of the job takes with it, as the group's kill does here
+        killed = subprocess.Popen([PYTHON, "-c", _KILLED_DURING_SAVE, *common, f"hydra.run.dir={tmp_path / 'killed'}"],
+                                  cwd=REPO, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            assert killed.wait(timeout=300) == -signal.SIGKILL, log.read_text()[-3000:]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(killed.pid, signal.SIGKILL)
+    save_dir = tmp_path / "killed" / "checkpoints"
+    assert sorted(p.name for p in save_dir.iterdir()) == [".step_0000004.partial", "step_0000002"]
+    assert [c.step for c in checkpoints(save_dir)] == [2]
+    # a new run directory, saving where the killed run saved: it goes on from step 2
+    again = run_in_process(tmp_path / "again", *common, f"train.save_dir={save_dir}")
+    assert again["status"] == "ok" and again["resumed_from_step"] == 2, again["error"]
+    assert [c.step for c in checkpoints(save_dir)] == [2, 4, 6]
+    assert not (save_dir / ".step_0000004.partial").exists()
+    whole = run_in_process(tmp_path / "whole", *common, "train.save_interval=null")
+    assert [s["loss"] for s in _steps(tmp_path / "again")] == [s["loss"] for s in _steps(tmp_path / "whole")[2:]]
+
+
+def test_a_run_started_afresh_into_a_save_directory_with_checkpoints_is_refused(tmp_path):
+    (tmp_path / "saved" / "step_0000003").mkdir(parents=True)
+    row = run_in_process(tmp_path / "run", *TEN[:-1], "train.steps=2", "train.save_interval=1",
+                         f"train.save_dir={tmp_path / 'saved'}", "train.load=null")
+    assert row["status"] == "error"
+    assert row["error"] == (f"train.save_dir={tmp_path / 'saved'} holds step_0000003, which this run does not load; "
+                            "set train.load=auto to go on from it, or choose another train.save_dir")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: (d / "step_0000001").mkdir(parents=True), r"step_0000001 is not a readable checkpoint \("),
+    (lambda d: d.mkdir(), r"is neither a checkpoint \(step_<n>/\) nor a directory that holds one"),
+])
+def test_a_missing_or_damaged_checkpoint_is_one_line(tmp_path, make, message):
+    make(tmp_path / "saved")
+    row = run_in_process(tmp_path / "run", *TEN[:-1], "train.steps=2", f"train.load={tmp_path / 'saved'}")
+    assert row["status"] == "error" and "\n" not in row["error"]
+    assert re.search(message, row["error"]), row["error"]
