@@ -9,7 +9,8 @@ For each experiment found in the rows (the ``experiment`` column; rows without o
   ``<name>_longest_sequence`` tables, ``<name>_mfu_vs_seq`` and ``<name>_tgs_vs_seq`` figures;
 * ``ablation``: the ``<name>`` table, the MFU and TGS figures and ``<name>_step_time``;
 * ``alpha_sweep``: the ``<name>`` table and the ``<name>_alpha`` figure;
-* ``convergence``: ``<name>_loss`` and ``<name>_step_time`` figures;
+* ``convergence``: the ``<name>_validation`` table (where the runs validated), ``<name>_loss``
+  and ``<name>_step_time`` figures;
 * ``anchors``: the ``<name>`` table, our longest sequence next to each peer's published one.
 
 An experiment's ``_cpu_smoke`` version gets the same. Each table is written as CSV
@@ -57,7 +58,8 @@ TABLES: dict[str, dict[str, tuple[str, Table]]] = {
                       tables.ablation_table)},
     "alpha_sweep": {"": ("Iteration time and MFU by α and sequence length (* the best α)",
                          tables.alpha_sweep_table)},
-    "convergence": {},
+    "convergence": {"_validation": ("Validation loss (nats per token) at the last validation, whole and by "
+                                    "span of positions in the sequence", tables.validation_table)},
     "anchors": {"": ("Longest sequence predicted to fit against the peers' published figures (tokens; "
                      "where nothing fits, the term that binds)", tables.anchors_table)},
     "frontier": {"": ("Longest sequence predicted to fit per setting and method, with the layout, tiles and "

@@ -175,6 +175,31 @@ def alpha_sweep_table(df: pd.DataFrame, display: bool = False) -> pd.DataFrame:
     return table
 
 
+def position_label(bucket: int, buckets: int) -> str:
+    """The span of positions bucket ``bucket`` of ``buckets`` covers, as shares of the sequence."""
+    return f"{100 * bucket // buckets}-{100 * (bucket + 1) // buckets}%"
+
+
+def validation_table(df: pd.DataFrame, display: bool = False) -> pd.DataFrame:
+    """The last validation loss (nats per token) of each ``ok`` run that validated, whole
+    (``all``) and by span of positions (``0-25%``, ...: ``train.eval_buckets`` equal shares of the
+    sequence), by sequence length, variant and α used. Empty when no run validated."""
+    if "valid_loss_by_position" not in df:
+        return pd.DataFrame()
+    runs = df[(df["status"] == "ok") & df["valid_loss_by_position"].map(lambda v: isinstance(v, list))]
+    records = []
+    for _, run in runs.iterrows():
+        buckets = run["valid_loss_by_position"]
+        records.append({"seq": run["seq"], "variant": run["variant"], "alpha_used": run["alpha_used"],
+                        "all": run["valid_loss"],
+                        **{position_label(b, len(buckets)): v for b, v in enumerate(buckets)}})
+    if not records:
+        return pd.DataFrame()
+    table = pd.DataFrame(records).set_index(["seq", "variant", "alpha_used"]).sort_index()
+    table = table.astype(float)
+    return table.round(4).rename(index=seq_label, level="seq") if display else table
+
+
 def _pivot(cells: pd.DataFrame, index: list[str], metric: str, display: bool) -> pd.DataFrame:
     if metric not in cells:
         raise ValueError(f"the rows have no column {metric!r}")

@@ -197,6 +197,12 @@ class TrainConfig:
     # With optimizer_offload=host: the share of this rank's parameters, in (0, 1], whose states go
     # to the host (the first ones in the optimizer's order); the rest stay on the device.
     optimizer_offload_fraction: float = 1.0
+    # Validation (memo.execute.evaluate): every eval_interval steps and after the last step (None:
+    # never), the loss on eval_iters global batches of held-out samples, whole and in eval_buckets
+    # equal spans of positions
+    eval_interval: Optional[int] = None
+    eval_iters: int = 1
+    eval_buckets: int = 4
     # Checkpoints (memo.execute.checkpoint): saved every save_interval steps and after the last
     # step (None: never), into save_dir (None: checkpoints/ in the run directory).
     save_interval: Optional[int] = None

@@ -132,6 +132,7 @@ def validate(cfg) -> Optional[int]:
     _check_optimizer_offload(t)
     if t.save_interval is not None:
         _positive("train.save_interval", t.save_interval)
+    _check_validation(cfg, seq)
     if t.data.startswith(MEGATRON_DATA):
         megatron_blend(t)
     elif t.data != "synthetic" and not Path(t.data).is_file():
@@ -344,6 +345,24 @@ def _check_method(method) -> None:
                 f"method.recompute_num_layers={method.recompute_num_layers} must be at least 1 "
                 "with method.recompute_granularity=full"
             )
+
+
+def _check_validation(cfg, seq: Optional[int]) -> None:
+    t = cfg.train
+    if t.eval_interval is None:
+        return
+    _positive("train.eval_interval", t.eval_interval)
+    _positive("train.eval_iters", t.eval_iters)
+    _positive("train.eval_buckets", t.eval_buckets)
+    if seq is not None and t.eval_buckets > seq:
+        raise ConfigError(f"train.eval_buckets={t.eval_buckets} is more than the seq={seq} positions to bucket")
+    if tile_tokens(cfg.method) is not None:
+        raise ConfigError("train.eval_interval: a validation pass runs each layer whole, which a walk in tiles "
+                          f"(method.tile_tokens={cfg.method.tile_tokens}) is there to avoid; validate with "
+                          "method.tile_tokens=whole, or set train.eval_interval=null")
+    if cfg.plan:
+        raise ConfigError("train.eval_interval: a validation pass allocates outside the memory plan's steps; "
+                          "set plan=false or train.eval_interval=null")
 
 
 def megatron_blend(train) -> tuple[list[str], Optional[list[float]]]:

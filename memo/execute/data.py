@@ -40,6 +40,10 @@ class SyntheticTokens:
         pairs = torch.stack((self.alphabet[picks], self.successor[picks]), dim=1)
         return pairs.flatten()[:length]
 
+    def valid_sample(self, index: int, length: int) -> torch.Tensor:
+        """Validation sequence ``index``: drawn from seeds no training sequence uses."""
+        return self.sample(-1 - index, length)
+
 
 class ByteTokens:
     """Windows of a text file at deterministic random offsets; each byte is a token (0–255)."""
@@ -58,6 +62,11 @@ class ByteTokens:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         start = int(torch.randint(len(self.data) - length + 1, (1,), generator=g))
         return torch.from_numpy(self.data[start : start + length].astype(np.int64))
+
+    def valid_sample(self, index: int, length: int) -> torch.Tensor:
+        """Validation sequence ``index``: a window at offsets of seeds no training sample uses (a
+        text file has no held-out part: prepare it as Megatron data for that)."""
+        return self.sample(-1 - index, length)
 
 
 def token_source(train: TrainConfig, vocab_size: int, seq: int, samples: SampleCounts):

@@ -22,11 +22,14 @@ from memo.model.context_parallel import batch_for_rank
 from memo.profile.recorder import PhaseMarker
 
 
-def _this_ranks_tokens(micro_batch: dict, layout: str) -> dict:
+def rank_tokens(layout: str) -> Callable[[dict], dict]:
+    """This rank's tokens of a micro-batch under context parallelism, in ``layout``
+    (:func:`memo.model.context_parallel.sequence_layout`); the whole micro-batch without it."""
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
-        return micro_batch
-    return batch_for_rank(micro_batch, parallel_state.get_context_parallel_rank(), cp, layout)
+        return lambda micro_batch: micro_batch
+    rank = parallel_state.get_context_parallel_rank()
+    return lambda micro_batch: batch_for_rank(micro_batch, rank, cp, layout)
 
 
 def run_steps(
@@ -36,7 +39,7 @@ def run_steps(
     device_type: str,
     on_step: Callable[[dict], None],
     step_scope: Optional[Callable[[int], ContextManager[Optional[PhaseMarker]]]] = None,
-    sequence_layout: str = "load_balanced",
+    this_ranks_tokens: Callable[[dict], dict] = lambda micro_batch: micro_batch,
     token_order: Callable[[dict], dict] = lambda micro_batch: micro_batch,
     step_end: Callable[[], None] = lambda: None,
     start_step: int = 0,
@@ -49,9 +52,8 @@ def run_steps(
     no more, so that one is timed). Each step runs inside ``step_scope(k)`` (k counts this
     process's steps from 0), whose phase marker, if it yields one, is told when the
     backward pass and the optimizer step begin; what it does on leaving is not timed. Under
-    context parallelism each rank trains on its tokens of every micro-batch in
-    ``sequence_layout`` (:func:`memo.model.context_parallel.sequence_layout`), put in
-    ``token_order`` (layers walked in tiles under sequence parallelism need their tile order,
+    context parallelism each rank trains on its tokens of every micro-batch
+    (``this_ranks_tokens``, :func:`rank_tokens`), put in ``token_order`` (layers walked in tiles under sequence parallelism need their tile order,
     :func:`memo.model.tiles.batch_in_tile_order`). ``step_end`` is called after the last
     micro-batch's backward pass of every step (:attr:`memo.model.BuiltModel.step_end`).
     """
@@ -70,7 +72,7 @@ def run_steps(
             optimizer.zero_grad()
             loss_sum = torch.zeros((), device=device_type, dtype=torch.float32)
             for micro_batch in batch:
-                mb = token_order(_this_ranks_tokens(micro_batch, sequence_layout))
+                mb = token_order(this_ranks_tokens(micro_batch))
                 per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
                 loss = per_token.float().mean() / len(batch)
                 if marker is not None:

@@ -25,7 +25,8 @@ from memo.execute.optimizer import build_optimizer
 from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
 from memo.execute.plan_server import ServingStats
 from memo.execute.progress import format_seconds, step_progress
-from memo.execute.train import run_steps
+from memo.execute.evaluate import validation_loss
+from memo.execute.train import rank_tokens, run_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import (
     build_gpt,
@@ -51,7 +52,7 @@ METRIC_FIELDS = (
     "iter_time_s", "iter_time_s_median", "tgs", "mfu", "loss_first", "loss_last",
     *(f"swap.{f.name}" for f in dataclasses.fields(SwapReport)),
     *(f"tiles.{name}" for name in TileReport.row_fields()),
-    *ALLOCATOR_FIELDS, "plan.serving", *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
+    "valid_loss", "valid_loss_by_position", *ALLOCATOR_FIELDS, "plan.serving", *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
 )
 
 
@@ -214,7 +215,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         dp_size = parallel_state.get_data_parallel_world_size()
         global_batch = workload.micro_batch_size * train.micro_batches * dp_size
         drawn = consumed + (train.steps - start_step) * global_batch
-        source = token_source(train, model.vocab_size, seq, SampleCounts(train=drawn))
+        valid = global_batch * train.eval_iters if train.eval_interval is not None else 0
+        source = token_source(train, model.vocab_size, seq, SampleCounts(train=drawn, valid=valid))
         batches = micro_batches(
             source, seq, workload.micro_batch_size, train.micro_batches,
             parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type), consumed,
@@ -238,6 +240,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         )
 
         records = []
+        this_ranks_tokens = rank_tokens(sequence_layout(workload.method.cp_attention))
 
         def on_step(record: dict) -> None:  # runs inside the `with` below, where progress is set
             record["tgs"] = tgs(global_batch * seq, record["iter_time_s"], info.world_size)
@@ -247,9 +250,17 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                 record.update(_swap_accounting(placement, record["step"], writer))
             elif isinstance(placement, TiledLayers) and placement.swap is not None:
                 record.update(_swap_accounting(placement.swap, record["step"], writer))
+            step = record["step"]
+            if train.eval_interval is not None and (step % train.eval_interval == 0 or step == train.steps):
+                record.update(validation_loss(
+                    optimizer.model, source, seq, workload.micro_batch_size, train.eval_iters * train.micro_batches,
+                    train.eval_buckets, torch.device(device_type), this_ranks_tokens))
+                row.update(valid_loss=record["valid_loss"], valid_loss_by_position=record["valid_loss_by_position"])
+                if info.rank == 0:
+                    log.info("step %d validation loss %.4f, by position: %s", step, record["valid_loss"],
+                             " ".join(f"{v:.4f}" for v in record["valid_loss_by_position"]))
             records.append(record)
             writer.append_step(record)
-            step = record["step"]
             if train.save_interval is not None and (step % train.save_interval == 0 or step == train.steps):
                 saved = checkpoint.save(save_dir, step, consumed + (step - start_step) * global_batch,
                                         built.module, optimizer)
@@ -271,7 +282,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             arena.phase = runtime.phase
         with step_progress(train.steps - start_step, show_bar=info.rank == 0) as progress:
             run_steps(optimizer, batches, train, device_type, on_step, runtime.step,
-                      sequence_layout=sequence_layout(run.workload.method.cp_attention),
+                      this_ranks_tokens=this_ranks_tokens,
                       token_order=placement.token_order if placement is not None else lambda mb: mb,
                       step_end=built.step_end, start_step=start_step)
         row.update(runtime.finish())

@@ -295,7 +295,8 @@ def test_report_writes_tables_and_figures(sweep, capsys):
     assert report.main([str(sweep)]) == 0
     out = sweep / "report"
     names = {p.name for p in out.iterdir()}
-    stems = ["ablation_cpu_smoke", "alpha_sweep_cpu_smoke", "end_to_end_cpu_smoke_mfu",
+    stems = ["ablation_cpu_smoke", "alpha_sweep_cpu_smoke", "convergence_cpu_smoke_validation",
+             "end_to_end_cpu_smoke_mfu",
              "end_to_end_cpu_smoke_tgs", "end_to_end_cpu_smoke_longest_sequence"]
     figs = ["ablation_cpu_smoke_mfu_vs_seq", "ablation_cpu_smoke_tgs_vs_seq",
             "ablation_cpu_smoke_step_time", "alpha_sweep_cpu_smoke_alpha",
@@ -306,6 +307,13 @@ def test_report_writes_tables_and_figures(sweep, capsys):
     assert all((out / n).stat().st_size > 0 for n in names)
     assert imread(out / "convergence_cpu_smoke_loss.png").shape[2] in (3, 4)
     assert (out / "ablation_cpu_smoke_mfu_vs_seq.svg").read_text().lstrip().startswith("<?xml")
+    validation = pd.read_csv(out / "convergence_cpu_smoke_validation.csv", index_col=[0, 1, 2])
+    # the two memo runs that validated (by hand: 6 - bucket, 1 less at α 1), not the one that did not
+    assert list(validation.index) == [(1024, "memo", 0.0), (1024, "memo", 1.0)]
+    assert list(validation.columns) == ["all", "0-25%", "25-50%", "50-75%", "75-100%"]
+    assert validation.loc[(1024, "memo", 1.0)].tolist() == [3.5, 5.0, 4.0, 3.0, 2.0]
+    assert "| 1K    | memo      |            1 |   3.5 |       5 |        4 |        3 |         2 |" in \
+        (out / "convergence_cpu_smoke_validation.md").read_text()
     mfu = pd.read_csv(out / "end_to_end_cpu_smoke_mfu.csv", index_col=[0, 1, 2])
     assert mfu.loc[("tiny", 1, "memo"), "4096"] == pytest.approx(0.45)
     assert "| OOM  |" in (out / "end_to_end_cpu_smoke_mfu.md").read_text()

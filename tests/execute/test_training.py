@@ -70,7 +70,7 @@ def test_megatron_recomputation_gives_the_same_gradients(single_process, monkeyp
 # The multi-process comparisons: a vocabulary of 1000 tokens (padded to 1024) keeps the output
 # layer, which with GPT-2's 50304 took most of each step, small next to the layers whose split is
 # compared; the one-process reference runs the same model.
-SMALL = ["train.steps=3", *SHORT, "model=tiny", "model.vocab_size=1000"]
+SMALL = ["train.steps=3", *SHORT, "model=tiny", "model.vocab_size=1000", "train.eval_interval=3"]
 
 
 def _train(*overrides: str) -> str:
@@ -107,10 +107,15 @@ def _steps(tmp_path, name: str, *overrides: str) -> list[dict]:
 
 
 def _assert_same_steps(got: list[dict], expected: list[dict]) -> None:
-    """Step by step, the same loss (1e-4) and gradient norm (1e-4 relative)."""
+    """Step by step, the same loss (1e-4) and gradient norm (1e-4 relative), and where the
+    reference validated, the same validation loss by position (the tokens of every rank counted
+    at their place in the whole sequence)."""
     for a, b in zip(got, expected, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        if "valid_loss" in b:
+            assert a["valid_loss_by_position"] == pytest.approx(b["valid_loss_by_position"], abs=1e-4)
+            assert a["valid_loss"] == pytest.approx(b["valid_loss"], abs=1e-4)
 
 
 @pytest.mark.slow

@@ -1,0 +1,79 @@
+"""Validation: the loss on held-out sequences, whole and by position in the sequence.
+
+Every ``train.eval_interval`` steps (and after the last) the model runs forward, without
+gradients, on the same ``train.eval_iters`` global batches of validation samples: Megatron's
+valid split for ``train.data=megatron:...``, other samples of the source otherwise
+(:meth:`memo.execute.data.SyntheticTokens.valid_sample`). Each token's loss is counted in the
+bucket of its position, ``train.eval_buckets`` equal spans of the sequence, so that a long
+context's use shows: a model that uses it predicts late tokens better than early ones.
+
+Without gradients the layers run Megatron's own forward (no swapping, nothing saved), so a
+validation pass holds one layer's transient tensors at a time, as inference does.
+"""
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from memo.execute.data import micro_batches
+
+
+class ValidationSamples:
+    """A source's validation samples, as :func:`memo.execute.data.micro_batches` draws samples."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def sample(self, index: int, length: int) -> torch.Tensor:
+        return self.source.valid_sample(index, length)
+
+
+def bucket_bounds(seq: int, buckets: int) -> list[tuple[int, int]]:
+    """The token positions ``[start, end)`` of each position bucket of a ``seq``-token sequence."""
+    return [(b * seq // buckets, (b + 1) * seq // buckets) for b in range(buckets)]
+
+
+def validation_loss(
+    model: torch.nn.Module,
+    source,
+    seq: int,
+    micro_batch_size: int,
+    micro_batches_per_pass: int,
+    buckets: int,
+    device: torch.device,
+    this_ranks_tokens: Callable[[dict], dict],
+) -> dict:
+    """The mean loss (nats per token) over one pass of validation samples, and per position bucket.
+
+    Args:
+        micro_batches_per_pass: micro-batches of each data-parallel rank (eval_iters · micro_batches).
+        this_ranks_tokens: a micro-batch cut to this rank's tokens (context parallelism).
+
+    Returns:
+        ``valid_loss`` and ``valid_loss_by_position`` (a list, bucket by bucket), the same on
+        every rank.
+    """
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    (batch,) = [next(micro_batches(ValidationSamples(source), seq, micro_batch_size, micro_batches_per_pass,
+                                   parallel_state.get_data_parallel_rank(),
+                                   parallel_state.get_data_parallel_world_size(), device))]
+    sums = torch.zeros(buckets, dtype=torch.float64, device=device)
+    counts = torch.zeros(buckets, dtype=torch.float64, device=device)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for micro_batch in batch:
+                mb = this_ranks_tokens(micro_batch)
+                per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+                bucket = (mb["position_ids"] * buckets // seq).reshape(-1)
+                sums.index_add_(0, bucket, per_token.double().reshape(-1))
+                counts.index_add_(0, bucket, torch.ones_like(bucket, dtype=torch.float64))
+                del per_token
+    finally:
+        model.train()
+    dist.all_reduce(sums, group=dp_group)
+    dist.all_reduce(counts, group=dp_group)
+    return {"valid_loss": (sums.sum() / counts.sum()).item(),
+            "valid_loss_by_position": (sums / counts).tolist()}

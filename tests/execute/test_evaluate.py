@@ -1,0 +1,66 @@
+"""Validation: the loss by position bucket equals the per-token losses of a forward pass
+bucketed by hand; a run logs it at its interval and in its row; bad settings are one line."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import resolve_config, run_in_process
+from memo.execute.data import SyntheticTokens, micro_batches
+from memo.execute.evaluate import ValidationSamples, bucket_bounds, validation_loss
+from memo.model import build_gpt
+
+
+def test_bucket_bounds_cover_the_sequence_in_equal_spans():
+    assert bucket_bounds(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert bucket_bounds(64, 4) == [(0, 16), (16, 32), (32, 48), (48, 64)]
+
+
+def test_the_loss_by_position_is_the_mean_of_each_spans_token_losses(single_process):
+    run = resolve_config("model=tiny", "model.vocab_size=1000", "seq=64")
+    torch.manual_seed(0)
+    model = build_gpt(run.workload, "cpu").module
+    source = SyntheticTokens(1000, seed=3)
+    got = validation_loss(model, source, 64, 2, 2, 4, torch.device("cpu"), lambda mb: mb)
+    # by hand: the same two micro-batches of two validation samples, every token's loss kept
+    (batch,) = [next(micro_batches(ValidationSamples(source), 64, 2, 2, 0, 1, torch.device("cpu")))]
+    with torch.no_grad():
+        losses = torch.cat([model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"]).double()
+                            for mb in batch])  # [4 sequences, 64 positions]
+    assert losses.shape == (4, 64)
+    expected = [losses[:, start:end].mean().item() for start, end in bucket_bounds(64, 4)]
+    assert got["valid_loss_by_position"] == pytest.approx(expected, rel=1e-12)
+    assert got["valid_loss"] == pytest.approx(losses.mean().item(), rel=1e-12)
+    assert model.training  # left as it was found
+    # held out: none of the validation sequences is a training sequence of the run
+    train = {tuple(source.sample(i, 65).tolist()) for i in range(16)}
+    assert not train & {tuple(source.valid_sample(i, 65).tolist()) for i in range(4)}
+
+
+@pytest.mark.parametrize("method", [["method=none"], ["method=memo", "alpha=0.5"]], ids=["none", "memo"])
+def test_a_run_validates_at_its_interval_and_after_its_last_step(tmp_path, method):
+    row = run_in_process(tmp_path, "model.vocab_size=1000", "seq=128", "train.steps=5", "train.warmup_steps=1",
+                         "train.eval_interval=2", "train.eval_buckets=4", *method)
+    assert row["status"] == "ok", row["error"]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    validated = [s["step"] for s in steps if "valid_loss" in s]
+    assert validated == [2, 4, 5]
+    last = steps[-1]
+    assert len(last["valid_loss_by_position"]) == 4
+    # equal spans: the whole is the mean of the buckets
+    assert last["valid_loss"] == pytest.approx(sum(last["valid_loss_by_position"]) / 4, rel=1e-12)
+    assert (row["valid_loss"], row["valid_loss_by_position"]) == (last["valid_loss"], last["valid_loss_by_position"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.eval_interval=0"], "train.eval_interval=0 must be"),
+    (["train.eval_interval=2", "train.eval_buckets=300", "seq=256"], "train.eval_buckets=300 is more than the seq=256"),
+    (["train.eval_interval=2", "method=memo", "method.tile_tokens=64"], "a validation pass runs each layer whole"),
+    (["train.eval_interval=2", "plan=true"], "allocates outside the memory plan's steps"),
+])
+def test_bad_validation_settings_are_one_line(overrides, message):
+    from memo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(*overrides)
