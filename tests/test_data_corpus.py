@@ -8,7 +8,7 @@ import torch
 from tiny_corpus import make_corpus
 
 from memo.config import ConfigError, TrainConfig
-from memo.data.corpus import MegatronCorpus, SampleCounts
+from memo.data.corpus import MegatronCorpus
 from memo.data.tokenizer import LocalTokenizer
 
 # megatron-core's blended dataset asks for the process's rank: a run always has a process group
@@ -35,8 +35,9 @@ def test_samples_are_documents_packed_end_to_end_with_their_end_tokens(tmp_path)
     tokenizer = LocalTokenizer(str(tokenizer_file))
     documents = [tokenizer.tokenize(t) + [tokenizer.eod] for t in texts]
     seq = 48
-    corpus = MegatronCorpus(_train(prefix, tokenizer_file, tmp_path, data_split="1,0,0"), 64, seq,
-                            SampleCounts(train=40))
+    corpus = MegatronCorpus(_train(prefix, tokenizer_file, tmp_path, data_split="1,0,0"), 64, seq)
+    tokens = sum(len(d) for d in documents)
+    assert len(corpus.train) == (tokens - 1) // seq  # one pass over the documents, as megatron-core packs them
     for i in range(40):
         sample = corpus.sample(i, seq + 1)
         assert sample.dtype == torch.int64 and sample.shape == (seq + 1,)
@@ -45,9 +46,10 @@ def test_samples_are_documents_packed_end_to_end_with_their_end_tokens(tmp_path)
         assert all(p in documents for p in pieces[1:-1])
         assert any(d[len(d) - len(pieces[0]):] == pieces[0] for d in documents)
         assert any(d[: len(pieces[-1])] == pieces[-1] for d in documents)
-    again = MegatronCorpus(_train(prefix, tokenizer_file, tmp_path, data_split="1,0,0"), 64, seq,
-                           SampleCounts(train=40))
+    again = MegatronCorpus(_train(prefix, tokenizer_file, tmp_path, data_split="1,0,0"), 64, seq)
     assert all(torch.equal(corpus.sample(i, seq + 1), again.sample(i, seq + 1)) for i in range(40))
+    # past the pass, the same pass again: sample i is one thing for a run of any length
+    assert torch.equal(corpus.sample(3 + len(corpus.train), seq + 1), corpus.sample(3, seq + 1))
 
 
 def test_a_blend_draws_from_each_prefix_by_its_weight(tmp_path):
@@ -57,20 +59,22 @@ def test_a_blend_draws_from_each_prefix_by_its_weight(tmp_path):
     b, _, _ = make_corpus(tmp_path / "data", count=80, seed=2, name="b", tokenizer=tokenizer, upper=True)
     train = TrainConfig(data=f"megatron:3 {a} 1 {b}", tokenizer=str(tokenizer), data_split="1,0,0",
                         data_cache=str(tmp_path / "cache"))
-    corpus = MegatronCorpus(train, 64, 32, SampleCounts(train=400))
+    corpus = MegatronCorpus(train, 64, 32)
     vocab = LocalTokenizer(str(tokenizer)).vocab
     upper = {i for w, i in vocab.items() if w.isalpha() and w.isupper()}
     lower = {i for w, i in vocab.items() if w.isalpha() and w.islower()}
-    drawn = [set(corpus.sample(i, 33).tolist()) for i in range(400)]
+    n = len(corpus.train)  # one pass: as many samples as both corpora's tokens make
+    assert n > 50
+    drawn = [set(corpus.sample(i, 33).tolist()) for i in range(n)]
     from_a, from_b = sum(not s & upper for s in drawn), sum(not s & lower for s in drawn)
-    assert from_a + from_b == 400
-    assert from_a == pytest.approx(300, abs=2)  # Megatron's blend keeps the weights' ratio, up to rounding
+    assert from_a + from_b == n
+    assert from_a == pytest.approx(0.75 * n, abs=2)  # Megatron's blend keeps the weights' ratio, up to rounding
 
 
 def test_validation_samples_come_from_documents_the_training_split_never_sees(tmp_path):
     prefix, tokenizer_file, texts = make_corpus(tmp_path / "data", count=100)
     corpus = MegatronCorpus(_train(prefix, tokenizer_file, tmp_path, data_split="8,2,0"), 64, 24,
-                            SampleCounts(train=50, valid=10))
+                            True)
     eod = LocalTokenizer(str(tokenizer_file)).eod
     seen = {tuple(p) for i in range(50) for p in _pieces(corpus.sample(i, 25).tolist(), eod)[1:-1]}
     held_out = {tuple(p) for i in range(10) for p in _pieces(corpus.valid_sample(i, 25).tolist(), eod)[1:-1]}
@@ -81,6 +85,8 @@ def test_validation_samples_come_from_documents_the_training_split_never_sees(tm
     (lambda p, t: {"data": f"megatron:{p}x"}, r"corpusx.idx does not exist; give the prefix of a .bin/.idx pair"),
     (lambda p, t: {"data": f"megatron:0.5 {p} {p}"}, r"is not a blend: write megatron:<prefix> or"),
     (lambda p, t: {"data": f"megatron:0.5 {p} -1 {p}"}, r"with positive weights"),
+    (lambda p, t: {"data": f"megatron:nan {p} 1 {p}"}, r"with positive weights"),
+    (lambda p, t: {"data": "megatron: "}, r"names no prefix: write megatron:<prefix>"),
     (lambda p, t: {"tokenizer": None}, r"train.tokenizer=None is not a file: megatron data needs"),
     (lambda p, t: {"data_split": "1,0"}, r"train.data_split=1,0 must be three non-negative weights"),
     (lambda p, t: {"eod_token": "<eod>"}, r"has no end-of-document token <eod>; set train.eod_token"),
@@ -89,19 +95,19 @@ def test_bad_settings_are_one_line(tmp_path, change, message):
     prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=20)
     train = dataclasses.replace(_train(prefix, tokenizer, tmp_path), **change(prefix, tokenizer))
     with pytest.raises(ConfigError, match=message) as error:
-        MegatronCorpus(train, 64, 16, SampleCounts(train=4))
+        MegatronCorpus(train, 64, 16)
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("split, counts, message", [
-    ("1,0,0", SampleCounts(train=4, valid=2), "train.data_split=1,0,0 leaves the valid split of .*corpus "
+@pytest.mark.parametrize("split, validation, message", [
+    ("1,0,0", True, "train.data_split=1,0,0 leaves the valid split of .*corpus "
                                               r"\(20 documents\) without a document; give valid a larger share"),
-    ("1,99,0", SampleCounts(train=4), "leaves the train split of .* without a document; give train a larger share"),
+    ("1,99,0", False, "leaves the train split of .* without a document; give train a larger share"),
 ])
-def test_a_split_without_documents_is_one_line_not_a_hang(tmp_path, split, counts, message):
+def test_a_split_without_documents_is_one_line_not_a_hang(tmp_path, split, validation, message):
     prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=20)
     with pytest.raises(ConfigError, match=message):
-        MegatronCorpus(_train(prefix, tokenizer, tmp_path, data_split=split), 64, 16, counts)
+        MegatronCorpus(_train(prefix, tokenizer, tmp_path, data_split=split), 64, 16, validation)
 
 
 def test_a_vocabulary_larger_than_the_models_is_refused(tmp_path):
@@ -109,7 +115,7 @@ def test_a_vocabulary_larger_than_the_models_is_refused(tmp_path):
     vocab = LocalTokenizer(str(tokenizer)).vocab_size
     with pytest.raises(ConfigError, match=f"has ids up to {vocab - 1} but the model's vocabulary is {vocab - 1}; "
                                           f"set model.vocab_size to at least {vocab}"):
-        MegatronCorpus(_train(prefix, tokenizer, tmp_path), vocab - 1, 16, SampleCounts(train=4))
+        MegatronCorpus(_train(prefix, tokenizer, tmp_path), vocab - 1, 16)
 
 
 # megatron-core's reader, failing in its constructor, fails again in its finalizer
@@ -118,4 +124,4 @@ def test_a_corrupt_index_is_named(tmp_path):
     prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=20)
     prefix.with_suffix(".idx").write_bytes(b"not an index")
     with pytest.raises(ConfigError, match=r"megatron-core cannot build its dataset .*check the .bin/.idx pair") as error:
-        MegatronCorpus(_train(prefix, tokenizer, tmp_path), 64, 16, SampleCounts(train=4))
+        MegatronCorpus(_train(prefix, tokenizer, tmp_path), 64, 16)

@@ -373,6 +373,8 @@ def megatron_blend(train) -> tuple[list[str], Optional[list[float]]]:
         ConfigError: a malformed blend, a prefix without its ``.bin`` or ``.idx``, or no tokenizer.
     """
     words = train.data[len(MEGATRON_DATA):].split()
+    if not words:
+        raise ConfigError(f"train.data={train.data} names no prefix: write megatron:<prefix> (its .bin and .idx)")
     if len(words) == 1:
         prefixes, weights = words, None
     else:
@@ -382,7 +384,7 @@ def megatron_blend(train) -> tuple[list[str], Optional[list[float]]]:
                 weights.append(float(weight))
             except ValueError:
                 weights.append(-1.0)
-        if len(words) % 2 or min(weights) <= 0:
+        if len(words) % 2 or not all(w > 0 for w in weights):  # (nan is not above 0)
             raise ConfigError(f"train.data={train.data} is not a blend: write megatron:<prefix> or "
                               "'megatron:<weight> <prefix> <weight> <prefix> ...' with positive weights")
     for prefix in prefixes:

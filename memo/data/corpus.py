@@ -9,11 +9,14 @@ sample indices are cached as ``.npy`` files (``train.data_cache``, else ``cache/
 prefix) under a hash of every setting that shapes them, built once by global rank 0.
 """
 
+import contextlib
+import fcntl
 import logging
-from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -25,24 +28,45 @@ from memo.data.tokenizer import LocalTokenizer, TokenizerError
 log = logging.getLogger("memo")
 
 
-@dataclass(frozen=True)
-class SampleCounts:
-    """How many samples (sequences) a run draws from each split: Megatron builds that many."""
-
-    train: int
-    valid: int = 0
+@contextlib.contextmanager
+def _index_build_lock(train: TrainConfig, prefix: str) -> Iterator[None]:
+    """Global rank 0 of each job builds megatron-core's cached sample indices (the other ranks
+    wait for it, then read them); jobs of a sweep on one corpus would write the same files at
+    once, which megatron-core writes in place: each job's rank 0 builds them under an exclusive
+    lock on a file in the cache directory, so the second finds them whole. Where the file cannot
+    be made (a read-only directory) nothing is built there either, and megatron-core says so."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        yield
+        return
+    directory = Path(train.data_cache) if train.data_cache is not None else Path(prefix) / "cache"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle = open(directory / ".memo-build.lock", "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 class MegatronCorpus:
     """The samples of ``train.data=megatron:...``: ``sample(i, seq + 1)`` is packed sequence ``i``
-    of the train split, ``valid_sample(i, seq + 1)`` of the valid split.
+    of the train split, ``valid_sample(i, seq + 1)`` of the valid split (built where
+    ``validation``).
+
+    Each split is built as one pass over its documents (a blend: as many samples as its
+    prefixes' documents have tokens, drawn by weight), whatever the run's steps and batch, and a
+    run that draws more goes through it again in the same order: sample ``i`` is the same for a
+    run of any length, so a run resumed with more steps or another global batch draws what it
+    would have drawn had it not stopped.
 
     Raises:
         ConfigError: a tokenizer that cannot be read, a vocabulary larger than the model's, an
-            index megatron-core cannot read, or a split without documents.
+            index megatron-core cannot read, a split without documents, or a cache it cannot write.
     """
 
-    def __init__(self, train: TrainConfig, vocab_size: int, seq: int, counts: SampleCounts):
+    def __init__(self, train: TrainConfig, vocab_size: int, seq: int, validation: bool = False):
         prefixes, weights = megatron_blend(train)
         try:
             tokenizer = LocalTokenizer(train.tokenizer, train.eod_token)
@@ -67,14 +91,21 @@ class MegatronCorpus:
         )
         # Splits the run does not draw from are not built (the test split never is): their
         # documents stay where data_split puts them, out of the training split either way.
-        config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if counts.valid else None, None]
-        drawn = {"train": config.split_matrix[0], **({"valid": config.split_matrix[1]} if counts.valid else {})}
+        config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if validation else None, None]
+        drawn = {"train": config.split_matrix[0], **({"valid": config.split_matrix[1]} if validation else {})}
         try:
-            for prefix in prefixes:
-                self._check_split_documents(train, prefix, drawn)
-            self.train, self.valid, _ = BlendedMegatronDatasetBuilder(
-                GPTDataset, [counts.train, counts.valid, 0], lambda: True, config).build()
-        except (AssertionError, ValueError, OSError) as error:
+            tokens = {name: sum(self._split_tokens(train, prefix, name, bookends) for prefix in prefixes)
+                      for name, bookends in drawn.items()}
+            # one pass: megatron-core builds as many samples as it is asked for, reshuffled by the
+            # count; a blend must be told a count, a single prefix is given its own (None)
+            sizes = [None if weights is None else max(tokens[name] // seq, 1) if name in tokens else 0
+                     for name in ("train", "valid", "test")]
+            with _index_build_lock(train, prefixes[0]):
+                self.train, self.valid, _ = BlendedMegatronDatasetBuilder(
+                    GPTDataset, sizes, lambda: True, config).build()
+        except ConfigError:
+            raise
+        except Exception as error:  # megatron-core raises bare Exceptions too (an unwritable cache)
             raise ConfigError(f"train.data={train.data}: megatron-core cannot build its dataset "
                               f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}); "
                               "check the .bin/.idx pair, train.data_split and train.data_cache") from None
@@ -82,19 +113,21 @@ class MegatronCorpus:
                  f", {len(self.valid)} valid" if self.valid is not None else "")
 
     @staticmethod
-    def _check_split_documents(train: TrainConfig, prefix: str, drawn: dict) -> None:
-        """Every split drawn from (name: book-ends as fractions of the documents, None for none)
-        has a document of ``prefix``: megatron-core, asked for samples of an empty split, never
-        returns."""
-        documents = len(IndexedDataset(prefix))
-        for name, bookends in drawn.items():
-            if bookends is None or round(bookends[1] * documents) <= round(bookends[0] * documents):
-                raise ConfigError(f"train.data_split={train.data_split} leaves the {name} split of {prefix} ({documents} "
-                                  f"documents) without a document; give {name} a larger share")
+    def _split_tokens(train: TrainConfig, prefix: str, name: str, bookends) -> int:
+        """Tokens of ``prefix``'s documents in one split (book-ends as fractions of its documents,
+        as megatron-core cuts them); a split drawn from must have a document: megatron-core,
+        asked for samples of an empty split, never returns."""
+        index = IndexedDataset(prefix)
+        documents = len(index)
+        first, end = (round(b * documents) for b in bookends) if bookends is not None else (0, 0)
+        if end <= first:
+            raise ConfigError(f"train.data_split={train.data_split} leaves the {name} split of {prefix} ({documents} "
+                              f"documents) without a document; give {name} a larger share")
+        return int(index.sequence_lengths[first:end].sum())
 
     @staticmethod
     def _tokens(dataset, index: int, length: int) -> torch.Tensor:
-        item = dataset[index % len(dataset)]
+        item = dataset[index % len(dataset)]  # past the pass: the same pass again
         text = torch.cat((item["tokens"], item["labels"][-1:]))
         assert len(text) == length, f"megatron-core's sample has {len(text)} tokens, not {length}"
         return text
@@ -103,6 +136,6 @@ class MegatronCorpus:
         """Training sequence ``index``: ``length`` (= seq + 1) int64 token ids."""
         return self._tokens(self.train, index, length)
 
-    def valid_sample(self, index: int, length: int) -> Optional[torch.Tensor]:
+    def valid_sample(self, index: int, length: int) -> torch.Tensor:
         """Validation sequence ``index``: ``length`` (= seq + 1) int64 token ids."""
         return self._tokens(self.valid, index, length)

@@ -14,6 +14,7 @@ Every rank writes into ``.step_<n>.partial/``; once all have, global rank 0 rena
 directory no load ever reads (the next save of that step replaces it).
 """
 
+import dataclasses
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-from memo.config import ConfigError, TrainConfig
+from memo.config import ConfigError, ModelConfig, TrainConfig
 
 log = logging.getLogger("memo")
 
@@ -73,14 +74,25 @@ def to_load(train: TrainConfig, save_dir: Path) -> Optional[Checkpoint]:
     if train.load == "auto":
         found = checkpoints(save_dir)
         return found[-1] if found else None
-    path = Path(train.load)
-    match = _STEP_DIR.fullmatch(path.name)
-    if match and path.is_dir():
-        return Checkpoint(path, int(match.group(1)))
+    try:
+        return find(Path(train.load))
+    except CheckpointError as error:
+        raise CheckpointError(f"train.load={error}; give one, auto (the last in train.save_dir), or null to start "
+                              "afresh") from None
+
+
+def find(path: Path) -> Checkpoint:
+    """The checkpoint ``path`` is, or the last of the directory of them it is.
+
+    Raises:
+        CheckpointError: if it is neither.
+    """
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    if match and Path(path).is_dir():
+        return Checkpoint(Path(path), int(match.group(1)))
     found = checkpoints(path)
     if not found:
-        raise CheckpointError(f"train.load={train.load} is neither a checkpoint (step_<n>/) nor a directory that holds "
-                              "one; give one, auto (the last in train.save_dir), or null to start afresh")
+        raise CheckpointError(f"{path} is neither a checkpoint (step_<n>/) nor a directory that holds one")
     return found[-1]
 
 
@@ -145,23 +157,57 @@ def _sharded_state(module: torch.nn.Module, optimizer, is_loading: bool) -> dict
     }
 
 
-def save(save_dir: Path, step: int, consumed_samples: int, module: torch.nn.Module, optimizer) -> Checkpoint:
+@dataclass(frozen=True)
+class RunFacts:
+    """What a checkpoint records of the run that saved it, besides its position: what a run that
+    goes on from it must share (:func:`check_resumable`), and what an export needs to know."""
+
+    model_config: dict  # a memo.config.ModelConfig as a dict
+    dtype: str  # train.dtype's name of the weights' dtype: fp32, bf16, ...
+    optimizer: str  # the optimizer state's format (StepOptimizer.checkpoint_format)
+    schedule: dict  # memo.execute.schedule.schedule_settings
+    data: dict  # seq, train.seed and train.data: what sample i is
+
+    @staticmethod
+    def of(model: ModelConfig, dtype: str, optimizer: str, schedule: dict, seq: int, train: TrainConfig) -> "RunFacts":
+        return RunFacts({**dataclasses.asdict(model), "init_from": None}, dtype, optimizer, schedule,
+                        {"seq": seq, "train.seed": train.seed, "train.data": train.data})
+
+
+def _agreed(problem: Optional[str]) -> None:
+    """Raise ``problem`` (global rank 0's) on every rank, so that none waits for the others in a
+    collective they have left."""
+    shared = [problem]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        raise ConfigError(shared[0])
+
+
+def save(save_dir: Path, step: int, consumed_samples: int, module: torch.nn.Module, optimizer,
+         facts: RunFacts) -> Checkpoint:
     """Save the run after ``step`` steps (collective: every rank calls it) and return it.
 
     Args:
         module: the model (unwrapped: what ``sharded_state_dict`` is asked of).
         optimizer: a :class:`memo.execute.optimizer.StepOptimizer`.
         consumed_samples: training samples (sequences) drawn so far, over all replicas.
+        facts: what the checkpoint records of the run (:class:`RunFacts`).
     """
     final, partial = step_dir(save_dir, step), Path(save_dir) / f".step_{step:07d}.partial"
+    problem = None
     if dist.get_rank() == 0:
         if final.exists():  # check_save_dir refused this at the start; another run wrote it since
-            raise ConfigError(f"{final} exists and is kept; choose another train.save_dir")
-        shutil.rmtree(partial, ignore_errors=True)  # left by a process killed while saving
-        partial.mkdir(parents=True)
-    dist.barrier()
+            problem = f"{final} exists and is kept; choose another train.save_dir"
+        else:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a process killed while saving
+            try:
+                partial.mkdir(parents=True)
+            except OSError as error:
+                problem = f"cannot write a checkpoint into {save_dir} ({error.strerror}); choose another train.save_dir"
+    _agreed(problem)
     state = _sharded_state(module, optimizer, is_loading=False)
-    state.update(format=CHECKPOINT_FORMAT, step=step, consumed_samples=consumed_samples, layout=_layout())
+    state.update(format=CHECKPOINT_FORMAT, step=step, consumed_samples=consumed_samples, layout=_layout(),
+                 run_facts=dataclasses.asdict(facts))  # (one key: beside "model" and "optimizer", no clash)
     strategy = None if torch.cuda.is_available() else HostTensorSaveStrategy("torch_dist", 1)
     dist_checkpointing.save(state, str(partial), sharded_strategy=strategy)
     dist.barrier()
@@ -185,34 +231,91 @@ class Resumed:
     rng_restored: bool  # False when saved at another layout (each rank's generators differ)
 
 
-def load(checkpoint: Checkpoint, module: torch.nn.Module, optimizer) -> Resumed:
-    """Load ``checkpoint`` into the model and the optimizer (collective), at this run's layout.
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+
+
+def saved_facts(path: Path) -> dict:
+    """What a checkpoint holds besides its tensors: ``step``, ``consumed_samples``, ``layout``
+    and the fields of :class:`RunFacts`.
 
     Raises:
         CheckpointError: a directory megatron-core cannot read, or of another format.
     """
-    path = str(checkpoint.path)
     try:
-        common = dist_checkpointing.load_common_state_dict(path)
+        common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as error:  # a torch.load of a missing or damaged file: many types
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}); load another one, "
+        raise CheckpointError(f"{path} is not a readable checkpoint ({_first_line(error)}); load another one, "
                               "or set train.load=null to start afresh") from None
     if common.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is a checkpoint of format {common.get('format')}, this version reads "
                               f"{CHECKPOINT_FORMAT}; load it with the version that wrote it")
+    return {**{k: v for k, v in common.items() if k != "run_facts"}, **common["run_facts"]}
+
+
+def check_resumable(path: Path, saved: dict, facts: RunFacts, auto: bool) -> None:
+    """Refuse to go on from the checkpoint at ``path`` (:func:`saved_facts` ``saved``) where the
+    run differs from the one that saved it in what fixes its steps: the model, the optimizer
+    state's format and the learning-rate schedule; under ``train.load=auto`` also the data and
+    the sequence length (a save directory another run's checkpoints are in). A checkpoint given by
+    name may be continued at another length or on other data (a context extension).
+
+    Raises:
+        ConfigError: naming the first difference and what to set.
+    """
+    if saved["model_config"] != facts.model_config:
+        key = next(k for k in facts.model_config if saved["model_config"].get(k) != facts.model_config[k])
+        raise ConfigError(f"{path} is of another model (model.{key}={saved['model_config'].get(key)}); load a "
+                          "checkpoint of this model, or export it (python -m memo.modes.export) to start from")
+    if saved["optimizer"] != facts.optimizer or saved["dtype"] != facts.dtype:
+        raise ConfigError(f"{path} holds the {saved['optimizer']} optimizer's state of {saved['dtype']} weights, this "
+                          f"run has the {facts.optimizer} optimizer's of {facts.dtype} ones; resume it with the same "
+                          "train.dtype, device and train.distributed_optimizer")
+    for key, value in saved["schedule"].items():
+        if facts.schedule.get(key) != value:
+            raise ConfigError(f"{path} was trained with {key}={value} (this run: {facts.schedule.get(key)}); set it "
+                              "so, the rate of every step follows from the schedule")
+    if auto and saved["data"] != facts.data:
+        key = next(k for k in facts.data if saved["data"].get(k) != facts.data[k])
+        raise ConfigError(f"{path} is of a run with {key}={saved['data'].get(key)} (this run: {facts.data[key]}); "
+                          "choose another train.save_dir, or name the checkpoint in train.load to go on from it")
+
+
+def _load_sharded(state: dict, path: Path) -> dict:
+    try:
+        return dist_checkpointing.load(state, str(path))
+    except Exception as error:
+        raise CheckpointError(f"{path} cannot be loaded into this model ({_first_line(error)}); load a checkpoint "
+                              "of the same model") from None
+
+
+def load_weights(path: Path, module: torch.nn.Module) -> dict:
+    """Load only the weights of the checkpoint at ``path`` into ``module`` (collective); returns
+    :func:`saved_facts`."""
+    common = saved_facts(path)
+    module.load_state_dict(_load_sharded({"model": module.sharded_state_dict()}, path)["model"])
+    return common
+
+
+def load(checkpoint: Checkpoint, module: torch.nn.Module, optimizer) -> Resumed:
+    """Load ``checkpoint`` into the model and the optimizer (collective), at this run's layout.
+
+    Raises:
+        CheckpointError: a directory megatron-core cannot read, of another format, or of another model.
+    """
+    path = checkpoint.path
+    common = saved_facts(path)
     same_layout = common["layout"] == _layout()
     state = _sharded_state(module, optimizer, is_loading=True)
     if not same_layout:
         del state["rng"]
+    loaded = _load_sharded(state, path)
     try:
-        loaded = dist_checkpointing.load(state, path)
+        module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
     except Exception as error:
-        raise CheckpointError(f"{path} cannot be loaded into this model ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}); load a checkpoint of the "
-                              "same model") from None
-    module.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+        raise CheckpointError(f"{path} cannot be loaded into this model and optimizer ({_first_line(error)}); load "
+                              "a checkpoint of the same model, dtype and optimizer") from None
     if same_layout:
         _set_rng_state(loaded["rng"])
     log.info("resumed from %s: step %d, %d samples consumed%s", path, common["step"], common["consumed_samples"],

@@ -14,7 +14,7 @@ import torch
 
 from memo.config import ConfigError, TrainConfig
 from memo.config.validate import MEGATRON_DATA
-from memo.data.corpus import MegatronCorpus, SampleCounts
+from memo.data.corpus import MegatronCorpus
 
 SYNTHETIC_ALPHABET = 1024
 
@@ -69,13 +69,14 @@ class ByteTokens:
         return self.sample(-1 - index, length)
 
 
-def token_source(train: TrainConfig, vocab_size: int, seq: int, samples: SampleCounts):
+def token_source(train: TrainConfig, vocab_size: int, seq: int, validation: bool = False):
     """The source ``train.data`` names: synthetic tokens, a text file's bytes, or Megatron's
-    indexed data (:class:`memo.data.corpus.MegatronCorpus`, built for ``samples``)."""
+    indexed data (:class:`memo.data.corpus.MegatronCorpus`, its valid split built where
+    ``validation``)."""
     if train.data == "synthetic":
         return SyntheticTokens(vocab_size, train.seed)
     if train.data.startswith(MEGATRON_DATA):
-        return MegatronCorpus(train, vocab_size, seq, samples)
+        return MegatronCorpus(train, vocab_size, seq, validation)
     return ByteTokens(train.data, train.seed, seq + 1)
 
 

@@ -42,6 +42,7 @@ class StepOptimizer(Protocol):
     """What the training loop needs from an optimizer."""
 
     name: str
+    checkpoint_format: str  # its state's layout in a checkpoint: one optimizer cannot load another's
     model: torch.nn.Module  # the module to run forward on (a DDP wrapper on GPUs)
     offload: OffloadBytes  # what it keeps in host memory for a GPU (train.optimizer_offload=host)
 
@@ -91,7 +92,7 @@ def _all_reduce(tensors: list[torch.Tensor], group, average: bool = False) -> No
 class HostOptimizer:
     """``torch.optim.AdamW`` with Megatron's data-parallel averaging and global-norm clipping."""
 
-    name = "torch_adamw"
+    name = checkpoint_format = "torch_adamw"
     offload = NO_OFFLOAD  # its states are on the host, as the whole run is
 
     def __init__(self, module: torch.nn.Module, train: TrainConfig):
@@ -188,6 +189,7 @@ class MegatronStepOptimizer:
         config = module.config
         offload = train.optimizer_offload == "host"
         sharded = sharded or offload
+        self.checkpoint_format = "megatron_distributed" if sharded else "megatron"
         self.weight_decay = train.weight_decay
         self._finalize = finalize_model_grads
         self.model = DistributedDataParallel(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from memo.config import TrainConfig
-from memo.config.validate import lr_decay_steps, lr_wsd_decay_steps
+from memo.config.validate import DECAYING_SCHEDULES, lr_decay_steps, lr_wsd_decay_steps
 
 # train.lr_schedule -> Megatron's lr_decay_style
 _DECAY_STYLES = {"constant": "constant", "linear": "linear", "cosine": "cosine", "wsd": "WSD",
@@ -56,3 +56,16 @@ class LearningRateSchedule:
     def __call__(self, step: int) -> float:
         self._scheduler.num_steps = step + 1
         return self._scheduler.get_lr({})
+
+
+def schedule_settings(train: TrainConfig) -> dict:
+    """What fixes the rate of every step: the schedule's settings with its defaults resolved (a
+    checkpoint keeps them, and a run resumed from it must have the same)."""
+    settings = {"train.lr_schedule": train.lr_schedule, "train.lr": train.lr, "train.min_lr": train.min_lr,
+                "train.lr_warmup_steps": train.lr_warmup_steps}
+    if train.lr_schedule in DECAYING_SCHEDULES:  # (a constant rate does not depend on train.steps)
+        settings["train.lr_decay_steps"] = lr_decay_steps(train)
+    if train.lr_schedule == "wsd":
+        settings.update({"train.lr_wsd_decay_steps": lr_wsd_decay_steps(train),
+                         "train.lr_wsd_decay_style": train.lr_wsd_decay_style})
+    return settings

@@ -32,6 +32,12 @@ def rank_tokens(layout: str) -> Callable[[dict], dict]:
     return lambda micro_batch: batch_for_rank(micro_batch, rank, cp, layout)
 
 
+def untimed_steps(train: TrainConfig, start_step: int) -> int:
+    """Steps left out of the timing from ``start_step`` on: ``train.warmup_steps``, fewer where
+    fewer are left, so that one is timed (a run resumed near its end)."""
+    return min(train.warmup_steps, train.steps - start_step - 1)
+
+
 def run_steps(
     optimizer: StepOptimizer,
     batches: Iterator[list[dict]],
@@ -62,7 +68,7 @@ def run_steps(
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     schedule = LearningRateSchedule(train)
-    untimed = min(train.warmup_steps, train.steps - start_step - 1)
+    untimed = untimed_steps(train, start_step)
     for step in range(start_step, train.steps):
         batch = next(batches)
         lr = schedule(step)

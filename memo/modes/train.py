@@ -19,18 +19,19 @@ from omegaconf import DictConfig
 from memo import hardware
 from memo.config import ConfigError, Run, resolve
 from memo.execute import checkpoint, distributed
-from memo.data.corpus import SampleCounts
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer
 from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
 from memo.execute.plan_server import ServingStats
+from memo.execute.schedule import schedule_settings
 from memo.execute.progress import format_seconds, step_progress
 from memo.execute.evaluate import validation_loss
-from memo.execute.train import rank_tokens, run_steps
+from memo.execute.train import rank_tokens, run_steps, untimed_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import (
     build_gpt,
     dtype_label,
+    dtype_setting,
     hf_checkpoint,
     model_flops_parameters,
     torch_dtype,
@@ -188,6 +189,11 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         # taken out below, though part of it is allocated only at the first step)
         budget = host_budget(hw, device, info.world_size) if workload.method.swaps else 0
         optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
+        facts = checkpoint.RunFacts.of(model, dtype_setting(dtype), optimizer.checkpoint_format,
+                                       schedule_settings(train), seq, train)
+        if resume_from is not None:
+            checkpoint.check_resumable(resume_from.path, checkpoint.saved_facts(resume_from.path), facts,
+                                       auto=train.load == "auto")
         resumed = checkpoint.load(resume_from, built.module, optimizer) if resume_from is not None else None
         start_step, consumed = (resumed.step, resumed.consumed_samples) if resumed else (0, 0)
         row["resumed_from_step"] = start_step if resumed else None
@@ -214,9 +220,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             log.info("layers walked in tiles of %d tokens", workload.tile_tokens)
         dp_size = parallel_state.get_data_parallel_world_size()
         global_batch = workload.micro_batch_size * train.micro_batches * dp_size
-        drawn = consumed + (train.steps - start_step) * global_batch
-        valid = global_batch * train.eval_iters if train.eval_interval is not None else 0
-        source = token_source(train, model.vocab_size, seq, SampleCounts(train=drawn, valid=valid))
+        source = token_source(train, model.vocab_size, seq, validation=train.eval_interval is not None)
         batches = micro_batches(
             source, seq, workload.micro_batch_size, train.micro_batches,
             parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type), consumed,
@@ -263,7 +267,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             writer.append_step(record)
             if train.save_interval is not None and (step % train.save_interval == 0 or step == train.steps):
                 saved = checkpoint.save(save_dir, step, consumed + (step - start_step) * global_batch,
-                                        built.module, optimizer)
+                                        built.module, optimizer, facts)
                 row["checkpoint_last"] = str(saved.path)
                 log.info("saved %s", saved.path)
             job.stop_if_signalled()  # a stop signal whose interrupt a finalizer swallowed
@@ -276,7 +280,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                     "" if record["timed"] else "  (warm-up)",
                 )
 
-        runtime = PlanRuntime(built.module, run.plan, run.planner, train.warmup_steps, device_type, arena,
+        runtime = PlanRuntime(built.module, run.plan, run.planner, untimed_steps(train, start_step), device_type, arena,
                               walk=placement if isinstance(placement, TiledLayers) else None)
         if arena is not None:
             arena.phase = runtime.phase

@@ -61,7 +61,10 @@ def test_five_steps_a_save_and_five_more_in_a_new_process_equal_ten(tmp_path, me
         assert (a["loss"], a["lr"], a["grad_norm"]) == (b["loss"], b["lr"], b["grad_norm"])
     reference = _weights(tmp_path / "whole" / "checkpoints" / "step_0000010")
     resumed = _weights(tmp_path / "second" / "checkpoints" / "step_0000010")
-    assert reference.keys() == resumed.keys() and any("exp_avg_sq" in k for k in reference)
+    # the weights and both of Adam's moments of every one
+    assert reference.keys() == resumed.keys() and "embedding.word_embeddings.weight" in reference
+    assert {"optimizer.state.exp_avg.embedding.word_embeddings.weight",
+            "optimizer.state.exp_avg_sq.embedding.word_embeddings.weight"} <= reference.keys()
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
 
 
@@ -89,7 +92,7 @@ def test_five_steps_at_tp1_and_five_more_at_tp2_equal_ten_at_tp1(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["lr"] == b["lr"]
     reference, resumed = _weights(tmp_path / "whole" / "checkpoints" / "step_0000010"), \
         _weights(second / "checkpoints" / "step_0000010")
-    assert reference.keys() == resumed.keys()
+    assert reference.keys() == resumed.keys() and "embedding.word_embeddings.weight" in reference
     for key in reference:
         torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=1e-6, msg=key)
 
@@ -159,3 +162,42 @@ def test_a_missing_or_damaged_checkpoint_is_one_line(tmp_path, make, message):
     row = run_in_process(tmp_path / "run", *TEN[:-1], "train.steps=2", f"train.load={tmp_path / 'saved'}")
     assert row["status"] == "error" and "\n" not in row["error"]
     assert re.search(message, row["error"]), row["error"]
+
+
+SHORT = ["model=tiny", "model.vocab_size=1000", "seq=64", "train.warmup_steps=0", "train.save_interval=2"]
+
+
+def test_more_steps_at_a_constant_rate_go_on_but_a_decay_to_another_end_is_refused(tmp_path):
+    first = run_in_process(tmp_path / "first", *SHORT, "train.steps=2", "train.lr_schedule=cosine")
+    constant = run_in_process(tmp_path / "constant", *SHORT, "train.steps=2")
+    assert first["status"] == constant["status"] == "ok"
+    # raising train.steps moves a cosine's end (lr_decay_steps defaults to it): every rate would change
+    moved = run_in_process(tmp_path / "moved", *SHORT, "train.steps=4", "train.lr_schedule=cosine",
+                           f"train.load={tmp_path / 'first' / 'checkpoints'}")
+    assert moved["status"] == "error" and moved["error"].endswith(
+        "was trained with train.lr_decay_steps=2 (this run: 4); set it so, the rate of every step follows from "
+        "the schedule")
+    kept = run_in_process(tmp_path / "kept", *SHORT, "train.steps=4", "train.lr_schedule=cosine",
+                          "train.lr_decay_steps=2", f"train.load={tmp_path / 'first' / 'checkpoints'}")
+    longer = run_in_process(tmp_path / "longer", *SHORT, "train.steps=4",
+                            f"train.load={tmp_path / 'constant' / 'checkpoints'}")
+    assert (kept["status"], kept["resumed_from_step"]) == (longer["status"], longer["resumed_from_step"]) == ("ok", 2)
+
+
+def test_auto_does_not_go_on_from_another_runs_checkpoints(tmp_path):
+    saved = tmp_path / "saved"
+    first = run_in_process(tmp_path / "first", *SHORT, "train.steps=2", f"train.save_dir={saved}")
+    assert first["status"] == "ok"
+    other = run_in_process(tmp_path / "other", *SHORT[:2], "seq=128", *SHORT[3:], "train.steps=4",
+                           f"train.save_dir={saved}")
+    assert other["status"] == "error" and other["error"] == (
+        f"{saved / 'step_0000002'} is of a run with seq=64 (this run: 128); choose another train.save_dir, or name "
+        "the checkpoint in train.load to go on from it")
+    # named, the same checkpoint starts a run at the longer length (a context extension)
+    named = run_in_process(tmp_path / "named", *SHORT[:2], "seq=128", *SHORT[3:], "train.steps=4",
+                           f"train.load={saved / 'step_0000002'}", "train.save_interval=null")
+    assert named["status"] == "ok" and named["resumed_from_step"] == 2
+    wider = run_in_process(tmp_path / "wider", *SHORT, "model.ffn_hidden_size=512", "train.steps=4",
+                           f"train.load={saved}", "train.save_interval=null")
+    assert wider["status"] == "error" and wider["error"].startswith(
+        f"{saved / 'step_0000002'} is of another model (model.ffn_hidden_size=1024); load a checkpoint")

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from memo.config import ConfigError, TrainConfig
-from memo.data.corpus import SampleCounts
 from memo.execute.data import ByteTokens, SyntheticTokens, micro_batches, token_source
 
 
@@ -57,4 +56,4 @@ def test_text_file_shorter_than_a_sample_is_refused(tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("hello")
     with pytest.raises(ConfigError, match=r"has 5 bytes but a sample needs seq \+ 1 = 9"):
-        token_source(TrainConfig(data=str(path)), 50257, 8, SampleCounts(train=1))
+        token_source(TrainConfig(data=str(path)), 50257, 8)

@@ -1,0 +1,67 @@
+"""``python -m memo.modes.export``: a checkpoint that training saved, in transformers' format,
+loads in ``transformers`` and gives the logits of our model with the checkpoint's weights."""
+
+import subprocess
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, _one_process, resolve_config, run_in_process
+from memo.execute.checkpoint import load_weights
+from memo.model import build_gpt
+
+transformers = pytest.importorskip("transformers")
+
+
+def _trained(tmp_path, model: str):
+    row = run_in_process(tmp_path / "run", f"model={model}", "seq=64", "train.steps=2", "train.warmup_steps=1",
+                         "train.save_interval=2")
+    assert row["status"] == "ok", row["error"]
+    return tmp_path / "run" / "checkpoints" / "step_0000002"
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen"])
+def test_an_exported_checkpoint_gives_our_logits_in_transformers(tmp_path, model):
+    saved = _trained(tmp_path, model)
+    done = subprocess.run([PYTHON, "-m", "memo.modes.export", str(saved.parent), str(tmp_path / "hf")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == f"{saved} -> {tmp_path / 'hf'} (transformers' format)"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    run = resolve_config(f"model={model}", "seq=64")
+    ids = torch.randint(0, run.workload.model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    group = _one_process()
+    next(group)
+    try:
+        ours = build_gpt(run.workload, "cpu").module
+        facts = load_weights(saved, ours)
+        with torch.no_grad():
+            logits = ours(ids, torch.arange(64).unsqueeze(0), None)[0]
+    finally:
+        next(group, None)
+    assert facts["step"] == 2 and facts["model_config"]["name"] == model
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits[0]
+    torch.testing.assert_close(theirs, logits)
+    # trained weights, not the initial ones: the checkpoint's step moved them
+    assert not torch.equal(hf.model.embed_tokens.weight, _initial_embedding(model))
+
+
+def _initial_embedding(model: str) -> torch.Tensor:
+    run = resolve_config(f"model={model}", "seq=64")
+    group = _one_process()
+    next(group)
+    try:
+        torch.manual_seed(run.train.seed)
+        return build_gpt(run.workload, "cpu").module.embedding.word_embeddings.weight.detach().clone()
+    finally:
+        next(group, None)
+
+
+def test_a_model_transformers_has_no_format_for_is_one_line(tmp_path):
+    saved = _trained(tmp_path, "tiny")
+    done = subprocess.run([PYTHON, "-m", "memo.modes.export", str(saved), str(tmp_path / "hf")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and not (tmp_path / "hf").exists()
+    assert done.stderr.strip().splitlines()[-1] == ("error: model=tiny is not a Llama or Qwen2 shape (SwiGLU, RMSNorm, no linear "
+                                   "biases): transformers' format has no place for it")
