@@ -6,7 +6,8 @@ Without ``--all`` or ``--only`` the pack runs its first steps, the most informat
 budgets together keep it inside one command of eight minutes: ``smoke`` (every place the GPU path
 can break, quickly), ``cp_kernels`` (each block kernel against a float64 reference, then timed),
 ``numerics`` (every method's gradients against keeping everything) and ``probe`` (the physical
-bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``, ``tiles``, ``frontier``) run with
+bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``, ``tiles``, ``frontier``,
+``checkpoints``) run with
 ``--all`` or by name with ``--only``, when device time is left.
 
 A step whose finished result (``<step>.csv``) in ``DIR`` was made by the code checked out now
@@ -57,6 +58,7 @@ STEPS = [
     Step("calibration", ("memo.gpucheck.calibration",), 60),
     Step("tiles", ("memo.gpucheck.tiles",), 420),
     Step("frontier", ("memo.gpucheck.frontier",), 480),
+    Step("checkpoints", ("memo.gpucheck.checkpoints",), 300),
 ]
 FIRST_BUDGET_S = sum(step.budget_s for step in STEPS if step.first)
 CPU_BUDGET_FACTOR = 3

@@ -81,7 +81,7 @@ def test_a_step_of_this_code_is_kept_and_one_of_other_code_is_set_aside_then_run
     assert pack.main(["--cpu", "--out", str(tmp_path), "--all"]) == 0
     # every step but probe, whose result is this code's
     assert fake.ran[8:] == ["smoke", "cp_kernels", "numerics", "models", "throughput", "overlap", "longest",
-                            "calibration", "tiles", "frontier"]
+                            "calibration", "tiles", "frontier", "checkpoints"]
 
 
 def test_a_failing_step_records_why(tmp_path):
@@ -173,9 +173,10 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     assert "# GPU validation pack: cpu" in summary and "## numerics" in summary and "megatron-core" in summary
 
     # the later steps, each alone; the GPU-only ones say why they did not run
-    steps = pack_run("--only", "throughput", "calibration", "overlap", "longest", "probe", "models", "tiles")
+    steps = pack_run("--only", "throughput", "calibration", "overlap", "longest", "probe", "models", "tiles",
+                     "checkpoints")
     assert steps.loc["probe", "status"] == "done before"
-    assert set(steps.loc[["throughput", "calibration", "models", "tiles"], "status"]) == {"ok"}
+    assert set(steps.loc[["throughput", "calibration", "models", "tiles", "checkpoints"], "status"]) == {"ok"}
     assert set(steps.loc[["overlap", "longest"], "status"]) == {"skipped"}
     assert all(steps.loc[["overlap", "longest"], "detail"].str.startswith("needs a GPU: "))
     throughput = pd.read_csv(tmp_path / "throughput.csv")
@@ -190,6 +191,9 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     assert list(tiles["job"]) == ["memo-tiny_llama-256-2l"] and (tiles["status"] == "ok").all()
     assert (tiles["tiles.tiles"] == 4).all() and (tiles["declared_device_bytes"] > 0).all()
     assert tiles["tiles.alpha_mean"].between(0, 1).all()
+    (checkpoints,) = pd.read_csv(tmp_path / "checkpoints.csv").to_dict("records")  # the CPU: bit for bit
+    assert (checkpoints["status"], checkpoints["resumed_from_step"], checkpoints["optimizer"]) == ("ok", 3, "torch_adamw")
+    assert checkpoints["max_loss_diff"] == 0 and checkpoints["max_tensor_diff"] == 0
 
 
 def test_overlap_counts_copy_time_under_compute_and_compute_idle_during_copies():

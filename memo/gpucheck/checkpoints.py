@@ -1,0 +1,79 @@
+"""Pack step ``checkpoints``: a save and a resume at 64K tokens with each optimizer path.
+
+For Megatron's optimizer on the device, its distributed optimizer, and Adam on the host
+(``train.optimizer_offload=host``), ``memo`` (α fixed) trains a Llama-shaped model for six steps,
+saving after the third and the sixth; a second job loads the third step's checkpoint in a new
+process and trains steps four to six. Its losses and its final weights and optimizer state are
+set beside the uninterrupted run's: the GPU's attention backward sums in a nondeterministic
+order, so they agree to rounding (``max_loss_diff``, ``max_tensor_diff``), not bit for bit as on
+the CPU (``tests/execute/test_checkpoint.py``). ``--cpu`` rehearses it with the tiny model, the
+CPU's one optimizer path, at 256 tokens.
+
+    python -m memo.gpucheck.checkpoints --out DIR [--cpu]
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from memo.gpucheck.common import arguments, run_job, runs_dir, write_rows
+
+PATHS = {"device": [], "distributed": ["train.distributed_optimizer=true"], "host": ["train.optimizer_offload=host"]}
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _max_tensor_diff(a: Path, b: Path) -> float:
+    """The largest difference between two checkpoints' tensors (weights and Adam's state)."""
+    import torch
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    from memo.config import ParallelConfig
+    from memo.execute import distributed
+
+    distributed.initialize(ParallelConfig(), "cpu", distributed.ProcessInfo(rank=0, world_size=1, local_rank=0))
+    try:
+        first, second = load_plain_tensors(str(a)), load_plain_tensors(str(b))
+    finally:
+        distributed.shutdown()
+    keys = [k for k, v in first.items() if isinstance(v, torch.Tensor)]
+    if sorted(keys) != sorted(k for k, v in second.items() if isinstance(v, torch.Tensor)):
+        return float("inf")
+    return max((first[k].double() - second[k].double()).abs().max().item() for k in keys)
+
+
+def main(argv=None) -> int:
+    args = arguments(__doc__.splitlines()[0], argv)
+    if args.cpu:
+        common, paths = ["model=tiny", "seq=256"], {"host_cpu": []}
+    else:
+        common, paths = ["model=tiny_llama", "seq=64k"], PATHS
+    common += ["method=memo", "alpha=0.5", "train.warmup_steps=1", "train.save_interval=3"]
+    rows = []
+    for name, extra in paths.items():
+        whole_dir, resumed_dir = runs_dir(args.out) / f"checkpoints-{name}", runs_dir(args.out) / f"checkpoints-{name}-resumed"
+        (whole,) = run_job(whole_dir, *common, *extra, "train.steps=6")
+        row = {"path": name, "status": whole.get("status"), "error": whole.get("error"),
+               "optimizer": whole.get("optimizer"), "device_name": whole.get("device_name")}
+        if whole.get("status") == "ok":
+            (resumed,) = run_job(resumed_dir, *common, *extra, "train.steps=6",
+                                 f"train.load={whole_dir / 'checkpoints' / 'step_0000003'}")
+            row.update(status=resumed.get("status"), error=resumed.get("error"),
+                       resumed_from_step=resumed.get("resumed_from_step"))
+            if resumed.get("status") == "ok":
+                expected, got = _losses(whole_dir), _losses(resumed_dir)
+                row["max_loss_diff"] = max(abs(got[s] - expected[s]) for s in got)
+                row["max_tensor_diff"] = _max_tensor_diff(whole_dir / "checkpoints" / "step_0000006",
+                                                          resumed_dir / "checkpoints" / "step_0000006")
+                row["loss_last"] = got[6]
+        rows.append(row)
+        write_rows(args.out, "checkpoints", rows)  # a step cut short by its budget keeps its table
+        print(f"checkpoints: {name}: {row['status']} resumed from {row.get('resumed_from_step')}, loss within "
+              f"{row.get('max_loss_diff')}, tensors within {row.get('max_tensor_diff')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
