@@ -63,7 +63,7 @@ def test_a_blend_draws_from_each_prefix_by_its_weight(tmp_path):
     vocab = LocalTokenizer(str(tokenizer)).vocab
     upper = {i for w, i in vocab.items() if w.isalpha() and w.isupper()}
     lower = {i for w, i in vocab.items() if w.isalpha() and w.islower()}
-    n = len(corpus.train)  # one pass: as many samples as both corpora's tokens make
+    n = len(corpus.train)  # a pass of each corpus at its weight: a's samples, and four thirds of them in all
     assert n > 50
     drawn = [set(corpus.sample(i, 33).tolist()) for i in range(n)]
     from_a, from_b = sum(not s & upper for s in drawn), sum(not s & lower for s in drawn)
@@ -97,6 +97,13 @@ def test_bad_settings_are_one_line(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message) as error:
         MegatronCorpus(train, 64, 16)
     assert "\n" not in str(error.value)
+
+
+def test_a_split_shorter_than_a_sequence_is_one_line(tmp_path):
+    prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=20)
+    with pytest.raises(ConfigError, match=r"the train split has fewer than seq \+ 1 = 4097 tokens; give train a "
+                                          "larger share of train.data_split, or a shorter seq"):
+        MegatronCorpus(_train(prefix, tokenizer, tmp_path), 64, 4096)
 
 
 @pytest.mark.parametrize("split, validation, message", [

@@ -12,6 +12,7 @@ prefix) under a hash of every setting that shapes them, built once by global ran
 import contextlib
 import fcntl
 import logging
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -46,7 +47,10 @@ def _index_build_lock(train: TrainConfig, prefix: str) -> Iterator[None]:
         yield
         return
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: build as megatron-core does alone
+            pass
         yield
 
 
@@ -55,8 +59,8 @@ class MegatronCorpus:
     of the train split, ``valid_sample(i, seq + 1)`` of the valid split (built where
     ``validation``).
 
-    Each split is built as one pass over its documents (a blend: as many samples as its
-    prefixes' documents have tokens, drawn by weight), whatever the run's steps and batch, and a
+    Each split is built as one pass over its documents (a blend: as many samples, drawn by
+    weight, as give every prefix at least one pass), whatever the run's steps and batch, and a
     run that draws more goes through it again in the same order: sample ``i`` is the same for a
     run of any length, so a run resumed with more steps or another global batch draws what it
     would have drawn had it not stopped.
@@ -94,11 +98,14 @@ class MegatronCorpus:
         config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if validation else None, None]
         drawn = {"train": config.split_matrix[0], **({"valid": config.split_matrix[1]} if validation else {})}
         try:
-            tokens = {name: sum(self._split_tokens(train, prefix, name, bookends) for prefix in prefixes)
-                      for name, bookends in drawn.items()}
             # one pass: megatron-core builds as many samples as it is asked for, reshuffled by the
-            # count; a blend must be told a count, a single prefix is given its own (None)
-            sizes = [None if weights is None else max(tokens[name] // seq, 1) if name in tokens else 0
+            # count; a single prefix is given its own (None), a blend as many as give each prefix
+            # one pass at its weight
+            passes = {name: [self._split_tokens(train, prefix, name, bookends) // seq for prefix in prefixes]
+                      for name, bookends in drawn.items()}  # samples of one pass, per prefix
+            shares = None if weights is None else [w / sum(weights) for w in weights]
+            sizes = [None if shares is None else 0 if name not in drawn else
+                     max(1, max(math.ceil(n / share) for n, share in zip(passes[name], shares, strict=True)))
                      for name in ("train", "valid", "test")]
             with _index_build_lock(train, prefixes[0]):
                 self.train, self.valid, _ = BlendedMegatronDatasetBuilder(
@@ -109,6 +116,10 @@ class MegatronCorpus:
             raise ConfigError(f"train.data={train.data}: megatron-core cannot build its dataset "
                               f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}); "
                               "check the .bin/.idx pair, train.data_split and train.data_cache") from None
+        for name, split in (("train", self.train), ("valid", self.valid if validation else None)):
+            if split is not None and len(split) == 0:
+                raise ConfigError(f"train.data={train.data}: the {name} split has fewer than seq + 1 = {seq + 1} tokens; "
+                                  f"give {name} a larger share of train.data_split, or a shorter seq")
         log.info("megatron data: %s, %d train samples of %d tokens%s", ", ".join(prefixes), len(self.train), seq,
                  f", {len(self.valid)} valid" if self.valid is not None else "")
 

@@ -171,7 +171,14 @@ class RunFacts:
     @staticmethod
     def of(model: ModelConfig, dtype: str, optimizer: str, schedule: dict, seq: int, train: TrainConfig) -> "RunFacts":
         return RunFacts({**dataclasses.asdict(model), "init_from": None}, dtype, optimizer, schedule,
-                        {"seq": seq, "train.seed": train.seed, "train.data": train.data})
+                        {"seq": seq, "train.seed": train.seed, "train.data": train.data,
+                         "train.data_split": train.data_split, "train.tokenizer": train.tokenizer,
+                         "train.eod_token": train.eod_token})
+
+
+# What a model's tensors do not depend on: a run may go on with these changed (a context
+# extension raises the rotary base).
+_FREE_MODEL_FIELDS = ("name", "init_from", "rotary_base", "rope_scaling", "rope_scaling_factor", "norm_epsilon")
 
 
 def _agreed(problem: Optional[str]) -> None:
@@ -250,6 +257,9 @@ def saved_facts(path: Path) -> dict:
     if common.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is a checkpoint of format {common.get('format')}, this version reads "
                               f"{CHECKPOINT_FORMAT}; load it with the version that wrote it")
+    missing = [k for k in ("step", "consumed_samples", "layout", "run_facts") if k not in common]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}; load a checkpoint this version saved")
     return {**{k: v for k, v in common.items() if k != "run_facts"}, **common["run_facts"]}
 
 
@@ -263,14 +273,18 @@ def check_resumable(path: Path, saved: dict, facts: RunFacts, auto: bool) -> Non
     Raises:
         ConfigError: naming the first difference and what to set.
     """
-    if saved["model_config"] != facts.model_config:
-        key = next(k for k in facts.model_config if saved["model_config"].get(k) != facts.model_config[k])
-        raise ConfigError(f"{path} is of another model (model.{key}={saved['model_config'].get(key)}); load a "
-                          "checkpoint of this model, or export it (python -m memo.modes.export) to start from")
+    # (a field the model gained since keeps its value; one it lost is not compared)
+    ours = facts.model_config
+    different = [k for k in ours if k not in _FREE_MODEL_FIELDS and saved["model_config"].get(k, ours[k]) != ours[k]]
+    if different:
+        raise ConfigError(f"{path} is of another model (model.{different[0]}={saved['model_config'][different[0]]}); "
+                          "load a checkpoint of this model, or export it (python -m memo.modes.export) to start from")
     if saved["optimizer"] != facts.optimizer or saved["dtype"] != facts.dtype:
+        hint = {"megatron_distributed": "train.distributed_optimizer=true", "megatron": "train.distributed_optimizer="
+                "false"}.get(saved["optimizer"], "the same device")
         raise ConfigError(f"{path} holds the {saved['optimizer']} optimizer's state of {saved['dtype']} weights, this "
-                          f"run has the {facts.optimizer} optimizer's of {facts.dtype} ones; resume it with the same "
-                          "train.dtype, device and train.distributed_optimizer")
+                          f"run has the {facts.optimizer} optimizer's of {facts.dtype} ones; resume it with "
+                          f"train.dtype={saved['dtype']} and {hint}")
     for key, value in saved["schedule"].items():
         if facts.schedule.get(key) != value:
             raise ConfigError(f"{path} was trained with {key}={value} (this run: {facts.schedule.get(key)}); set it "

@@ -11,6 +11,7 @@ process (any layout it was saved at), so the host needs the model's size in memo
 """
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -34,9 +35,13 @@ def export(source: Path, output: Path) -> Path:
         ConfigError: a checkpoint that cannot be read, a model ``transformers`` has no format
             for, or an ``output`` that holds a checkpoint already.
     """
+    for name in (hf_checkpoint.CONFIG_FILE, hf_checkpoint.WEIGHTS_FILE, hf_checkpoint.INDEX_FILE):
+        if (Path(output) / name).exists():  # before the model is loaded, which takes a while
+            raise ConfigError(f"{Path(output) / name} exists and is kept; export to another directory")
     found = checkpoint.find(Path(source))
     facts = checkpoint.saved_facts(found.path)
-    model = ModelConfig(**{**facts["model_config"], "init_from": None})
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in facts["model_config"].items() if k in known and k != "init_from"})
     hf_checkpoint.hf_config(model, torch.float32)  # a shape transformers has a format for, before any work
     # One process of the model as saved, with nothing that swaps or walks tiles: only its weights count.
     run = resolve(OmegaConf.structured(RunConfig(model=model, method=MethodConfig(name="none"), seq="1k",
