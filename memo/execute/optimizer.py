@@ -189,7 +189,7 @@ class MegatronStepOptimizer:
         config = module.config
         offload = train.optimizer_offload == "host"
         sharded = sharded or offload
-        self.checkpoint_format = "megatron_distributed" if sharded else "megatron"
+        self.checkpoint_format = "megatron_distributed" if sharded else "megatron"  # (checkpoint_format())
         self.weight_decay = train.weight_decay
         self._finalize = finalize_model_grads
         self.model = DistributedDataParallel(
@@ -246,6 +246,15 @@ class MegatronStepOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def checkpoint_format(train: TrainConfig, device_type: str, parallel: ParallelConfig) -> str:
+    """The format of the state :func:`build_optimizer` builds, in a checkpoint (one optimizer cannot
+    load another's): known before it is built, so that a resume it cannot serve is refused first."""
+    if device_type != "cuda":
+        return HostOptimizer.checkpoint_format
+    sharded = shards_optimizer(train.distributed_optimizer, parallel) or train.optimizer_offload == "host"
+    return "megatron_distributed" if sharded else "megatron"
 
 
 def build_optimizer(module: torch.nn.Module, train: TrainConfig, device_type: str,

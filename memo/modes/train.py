@@ -20,7 +20,7 @@ from memo import hardware
 from memo.config import ConfigError, Run, resolve
 from memo.execute import checkpoint, distributed
 from memo.execute.data import micro_batches, token_source
-from memo.execute.optimizer import build_optimizer
+from memo.execute.optimizer import build_optimizer, checkpoint_format
 from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
 from memo.execute.plan_server import ServingStats
 from memo.execute.schedule import schedule_settings
@@ -173,6 +173,11 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                           "train.steps to train further")
     if train.save_interval is not None:
         checkpoint.check_save_dir(save_dir, resume_from)
+    facts = checkpoint.RunFacts.of(model, dtype_setting(dtype), checkpoint_format(train, device_type, workload.parallel),
+                                   schedule_settings(train), seq, train)
+    if resume_from is not None:  # before the model is built: a refusal comes in seconds
+        checkpoint.check_resumable(resume_from.path, checkpoint.saved_facts(resume_from.path), facts,
+                                   auto=train.load == "auto")
     torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     memory = PeakMemory(device_type, arena)
     memory.reset()
@@ -189,11 +194,6 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         # taken out below, though part of it is allocated only at the first step)
         budget = host_budget(hw, device, info.world_size) if workload.method.swaps else 0
         optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
-        facts = checkpoint.RunFacts.of(model, dtype_setting(dtype), optimizer.checkpoint_format,
-                                       schedule_settings(train), seq, train)
-        if resume_from is not None:
-            checkpoint.check_resumable(resume_from.path, checkpoint.saved_facts(resume_from.path), facts,
-                                       auto=train.load == "auto")
         resumed = checkpoint.load(resume_from, built.module, optimizer) if resume_from is not None else None
         start_step, consumed = (resumed.step, resumed.consumed_samples) if resumed else (0, 0)
         row["resumed_from_step"] = start_step if resumed else None

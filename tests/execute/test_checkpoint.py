@@ -193,6 +193,7 @@ def test_auto_does_not_go_on_from_another_runs_checkpoints(tmp_path):
     assert other["status"] == "error" and other["error"] == (
         f"{saved / 'step_0000002'} is of a run with seq=64 (this run: 128); choose another train.save_dir, or name "
         "the checkpoint in train.load to go on from it")
+    assert other["params"] is None  # refused before the model was built (minutes for a large one)
     # named, the same checkpoint starts a run at the longer length (a context extension)
     named = run_in_process(tmp_path / "named", *SHORT[:2], "seq=128", *SHORT[3:], "train.steps=4",
                            f"train.load={saved / 'step_0000002'}", "train.save_interval=null")
