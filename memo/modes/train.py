@@ -169,6 +169,9 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     save_dir = _save_dir(train, job.writer.output_dir)
     resume_from = checkpoint.to_load(train, save_dir)
     if resume_from is not None and resume_from.step >= train.steps:
+        if train.load == "auto" and resume_from.step == train.steps:  # a requeue after the last save
+            raise ConfigError(f"{resume_from.path} has all train.steps={train.steps} steps: this run trained to its end "
+                              "and stopped before writing its row; its weights are there to load or export")
         raise ConfigError(f"{resume_from.path} has {resume_from.step} steps done, train.steps={train.steps}; raise "
                           "train.steps to train further")
     if train.save_interval is not None:

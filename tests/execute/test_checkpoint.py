@@ -184,6 +184,15 @@ def test_more_steps_at_a_constant_rate_go_on_but_a_decay_to_another_end_is_refus
     assert (kept["status"], kept["resumed_from_step"]) == (longer["status"], longer["resumed_from_step"]) == ("ok", 2)
 
 
+def test_a_run_that_has_all_its_steps_says_so(tmp_path):
+    saved = tmp_path / "saved"
+    first = run_in_process(tmp_path / "first", *SHORT, "train.steps=2", f"train.save_dir={saved}")
+    again = run_in_process(tmp_path / "again", *SHORT, "train.steps=2", f"train.save_dir={saved}")
+    assert first["status"] == "ok" and again["status"] == "error"
+    assert again["error"] == (f"{saved / 'step_0000002'} has all train.steps=2 steps: this run trained to its end and "
+                              "stopped before writing its row; its weights are there to load or export")
+
+
 def test_auto_does_not_go_on_from_another_runs_checkpoints(tmp_path):
     saved = tmp_path / "saved"
     first = run_in_process(tmp_path / "first", *SHORT, "train.steps=2", f"train.save_dir={saved}")
