@@ -113,13 +113,13 @@ class MegatronCorpus:
         except ConfigError:
             raise
         except Exception as error:  # megatron-core raises bare Exceptions too (an unwritable cache)
-            raise ConfigError(f"train.data={train.data}: megatron-core cannot build its dataset "
-                              f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}); "
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(f"train.data={train.data}: megatron-core cannot build its dataset ({reason}); "
                               "check the .bin/.idx pair, train.data_split and train.data_cache") from None
         for name, split in (("train", self.train), ("valid", self.valid if validation else None)):
             if split is not None and len(split) == 0:
-                raise ConfigError(f"train.data={train.data}: the {name} split has fewer than seq + 1 = {seq + 1} tokens; "
-                                  f"give {name} a larger share of train.data_split, or a shorter seq")
+                raise ConfigError(f"train.data={train.data}: the {name} split has fewer than seq + 1 = {seq + 1} "
+                                  f"tokens; give {name} a larger share of train.data_split, or a shorter seq")
         log.info("megatron data: %s, %d train samples of %d tokens%s", ", ".join(prefixes), len(self.train), seq,
                  f", {len(self.valid)} valid" if self.valid is not None else "")
 

@@ -3,8 +3,9 @@
 A checkpoint is a directory ``step_<7 digits>/`` of ``train.save_dir`` in megatron-core's
 ``torch_dist`` format: the weights and the optimizer's state as sharded tensors in the model's
 own (unsharded) coordinates, so that any tensor-, context- or data-parallel layout loads them;
-the steps done, the samples consumed and the layout it was saved at, once; and each rank's
-random-number generators, restored only at the same layout. The learning rate is a function of
+the steps done, the samples consumed and the layout it was saved at, and what fixes the steps
+after it (:class:`RunFacts`), once; and each rank's random-number generators, restored only at
+the same layout. The learning rate is a function of
 the step (:mod:`memo.execute.schedule`) and sample ``i`` a function of the seed and ``i``
 (:mod:`memo.execute.data`), so the step and the samples consumed are the whole position of the
 run. MEMO's runtime (α, the buffers, a memory plan) is rebuilt by the run that loads, never saved.
@@ -34,7 +35,7 @@ from memo.config import ConfigError, ModelConfig, TrainConfig
 log = logging.getLogger("memo")
 
 CHECKPOINT_FORMAT = 1
-_STEP_DIR = re.compile(r"step_(\d{7})")
+_STEP_DIR = re.compile(r"step_(\d{7,})")  # (zero-padded to 7 digits: they sort as their steps)
 
 
 class CheckpointError(ConfigError):

@@ -59,7 +59,8 @@ def run_steps(
     process's steps from 0), whose phase marker, if it yields one, is told when the
     backward pass and the optimizer step begin; what it does on leaving is not timed. Under
     context parallelism each rank trains on its tokens of every micro-batch
-    (``this_ranks_tokens``, :func:`rank_tokens`), put in ``token_order`` (layers walked in tiles under sequence parallelism need their tile order,
+    (``this_ranks_tokens``, :func:`rank_tokens`), put in ``token_order`` (layers walked in
+    tiles under sequence parallelism need their tile order,
     :func:`memo.model.tiles.batch_in_tile_order`). ``step_end`` is called after the last
     micro-batch's backward pass of every step (:attr:`memo.model.BuiltModel.step_end`).
     """

@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     common += ["method=memo", "alpha=0.5", "train.warmup_steps=1", "train.save_interval=3"]
     rows = []
     for name, extra in paths.items():
-        whole_dir, resumed_dir = runs_dir(args.out) / f"checkpoints-{name}", runs_dir(args.out) / f"checkpoints-{name}-resumed"
+        whole_dir = runs_dir(args.out) / f"checkpoints-{name}"
+        resumed_dir = whole_dir.with_name(f"{whole_dir.name}-resumed")
         (whole,) = run_job(whole_dir, *common, *extra, "train.steps=6")
         row = {"path": name, "status": whole.get("status"), "error": whole.get("error"),
                "optimizer": whole.get("optimizer"), "device_name": whole.get("device_name")}

@@ -22,10 +22,10 @@ from memo.execute import checkpoint, distributed
 from memo.execute.data import micro_batches, token_source
 from memo.execute.optimizer import build_optimizer, checkpoint_format
 from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
-from memo.execute.plan_server import ServingStats
-from memo.execute.schedule import schedule_settings
-from memo.execute.progress import format_seconds, step_progress
 from memo.execute.evaluate import validation_loss
+from memo.execute.plan_server import ServingStats
+from memo.execute.progress import format_seconds, step_progress
+from memo.execute.schedule import schedule_settings
 from memo.execute.train import rank_tokens, run_steps, untimed_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import (
@@ -48,12 +48,12 @@ log = logging.getLogger("memo")
 
 # Fields every row carries, so that a table of ok and failed runs has the same columns.
 METRIC_FIELDS = (
-    "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "resumed_from_step", "checkpoint_last",
-    "steps_timed",
-    "iter_time_s", "iter_time_s_median", "tgs", "mfu", "loss_first", "loss_last",
+    "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "resumed_from_step",
+    "checkpoint_last", "steps_timed", "iter_time_s", "iter_time_s_median", "tgs", "mfu", "loss_first", "loss_last",
     *(f"swap.{f.name}" for f in dataclasses.fields(SwapReport)),
     *(f"tiles.{name}" for name in TileReport.row_fields()),
-    "valid_loss", "valid_loss_by_position", *ALLOCATOR_FIELDS, "plan.serving", *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
+    "valid_loss", "valid_loss_by_position", *ALLOCATOR_FIELDS, "plan.serving",
+    *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
 )
 
 
@@ -170,13 +170,14 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     resume_from = checkpoint.to_load(train, save_dir)
     if resume_from is not None and resume_from.step >= train.steps:
         if train.load == "auto" and resume_from.step == train.steps:  # a requeue after the last save
-            raise ConfigError(f"{resume_from.path} has all train.steps={train.steps} steps: this run trained to its end "
-                              "and stopped before writing its row; its weights are there to load or export")
+            raise ConfigError(f"{resume_from.path} has all train.steps={train.steps} steps: this run trained to "
+                              "its end and stopped before writing its row; its weights are there to load or export")
         raise ConfigError(f"{resume_from.path} has {resume_from.step} steps done, train.steps={train.steps}; raise "
                           "train.steps to train further")
     if train.save_interval is not None:
         checkpoint.check_save_dir(save_dir, resume_from)
-    facts = checkpoint.RunFacts.of(model, dtype_setting(dtype), checkpoint_format(train, device_type, workload.parallel),
+    facts = checkpoint.RunFacts.of(model, dtype_setting(dtype),
+                                   checkpoint_format(train, device_type, workload.parallel),
                                    schedule_settings(train), seq, train)
     if resume_from is not None:  # before the model is built: a refusal comes in seconds
         checkpoint.check_resumable(resume_from.path, checkpoint.saved_facts(resume_from.path), facts,
