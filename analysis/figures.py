@@ -74,11 +74,16 @@ def alpha_sweep(df: pd.DataFrame) -> Figure:
 
 def loss_curves(steps: pd.DataFrame) -> Figure:
     """Loss against step, one line per run (rows of :func:`analysis.rows.read_steps`) labelled
-    by variant and α, one panel per sequence length."""
+    by variant and α, one panel per sequence length; a run that validated (``train.eval_interval``)
+    has its validation losses as dashed points of the same colour."""
     steps = _steps_with(steps, "loss")
     fig, panels = _step_panels(steps, "loss")
     for seq, label, run in _runs(steps):
-        panels[seq].plot(run["step"].to_numpy(), run["loss"].to_numpy(float), label=label)
+        (line,) = panels[seq].plot(run["step"].to_numpy(), run["loss"].to_numpy(float), label=label)
+        validated = run[run["valid_loss"].notna()] if "valid_loss" in run else run.iloc[:0]
+        if not validated.empty:
+            panels[seq].plot(validated["step"].to_numpy(), validated["valid_loss"].to_numpy(float), marker="o",
+                             linestyle="--", color=line.get_color(), label=f"{label} (validation)")
     for ax in panels.values():
         ax.legend(fontsize="small")
     return fig

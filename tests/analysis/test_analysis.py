@@ -259,6 +259,19 @@ def test_loss_curves_label_runs_by_variant_and_alpha(sweep):
     assert np.allclose(ax.lines[0].get_ydata(), [10.9, 10.8, 10.7, 10.6, 10.5, 10.4])
 
 
+def test_loss_curves_draw_a_runs_validation_beside_its_training(sweep):
+    steps = rows.steps_of(load_steps(sweep), load_results(sweep))
+    convergence = steps[steps["experiment"] == "convergence_cpu_smoke"].copy()
+    alpha_0 = convergence["run_dir"].str.endswith("conv_memo_0") & convergence["step"].isin([3, 6])
+    convergence.loc[alpha_0, "valid_loss"] = [10.8, 10.6]  # validated every third step
+    (ax,) = figures.loss_curves(convergence).axes
+    assert [line.get_label() for line in ax.lines] == [
+        "memo α=0", "memo α=0 (validation)", "memo α=1", "megatron_full_recompute"]
+    validation = ax.lines[1]
+    assert validation.get_xdata().tolist() == [3, 6] and validation.get_ydata().tolist() == [10.8, 10.6]
+    assert validation.get_color() == ax.lines[0].get_color() and validation.get_linestyle() == "--"
+
+
 def test_step_times_mark_the_warm_up(sweep):
     steps = load_steps(sweep)
     ablation = steps[steps["experiment"] == "ablation_cpu_smoke"]
