@@ -5,8 +5,8 @@
 BlendedMegatronDatasetBuilder` splits each prefix's documents into train, valid and test by
 ``train.data_split``, shuffles them, and packs them end to end (an end-of-document token after
 each) into samples of ``seq + 1`` tokens; a blend draws samples from its prefixes by weight. Its
-sample indices are cached as ``.npy`` files (``train.data_cache``, else ``cache/`` beside the
-prefix) under a hash of every setting that shapes them, built once by global rank 0.
+sample indices are cached as ``.npy`` files (``train.data_cache``, else megatron-core's
+``<prefix>/cache/``) under a hash of every setting that shapes them, built once by global rank 0.
 """
 
 import contextlib
@@ -80,7 +80,6 @@ class MegatronCorpus:
             raise ConfigError(f"train.tokenizer={train.tokenizer} has ids up to {tokenizer.vocab_size - 1} but the "
                               f"model's vocabulary is {vocab_size}; set model.vocab_size to at least "
                               f"{tokenizer.vocab_size}")
-        self.eod = tokenizer.eod
         config = GPTDatasetConfig(
             random_seed=train.seed,
             sequence_length=seq,
@@ -101,7 +100,9 @@ class MegatronCorpus:
             # one pass: megatron-core builds as many samples as it is asked for, reshuffled by the
             # count; a single prefix is given its own (None), a blend as many as give each prefix
             # one pass at its weight
-            passes = {name: [self._split_tokens(train, prefix, name, bookends) // seq for prefix in prefixes]
+            indexes = [IndexedDataset(prefix) for prefix in prefixes]
+            passes = {name: [self._split_tokens(train, prefix, index, name, bookends) // seq
+                             for prefix, index in zip(prefixes, indexes, strict=True)]
                       for name, bookends in drawn.items()}  # samples of one pass, per prefix
             shares = None if weights is None else [w / sum(weights) for w in weights]
             sizes = [None if shares is None else 0 if name not in drawn else
@@ -124,11 +125,10 @@ class MegatronCorpus:
                  f", {len(self.valid)} valid" if self.valid is not None else "")
 
     @staticmethod
-    def _split_tokens(train: TrainConfig, prefix: str, name: str, bookends) -> int:
+    def _split_tokens(train: TrainConfig, prefix: str, index: IndexedDataset, name: str, bookends) -> int:
         """Tokens of ``prefix``'s documents in one split (book-ends as fractions of its documents,
         as megatron-core cuts them); a split drawn from must have a document: megatron-core,
         asked for samples of an empty split, never returns."""
-        index = IndexedDataset(prefix)
         documents = len(index)
         first, end = (round(b * documents) for b in bookends) if bookends is not None else (0, 0)
         if end <= first:

@@ -39,12 +39,12 @@ class LocalTokenizer(MegatronTokenizerBase):
             raise TokenizerError(f"{path}: not a tokenizer file of the tokenizers library ({error}); give a "
                                  "tokenizer.json") from None
         names = (eod_token,) if eod_token is not None else EOD_TOKENS
-        self._eod = next((self._tokenizer.token_to_id(n) for n in names if self._tokenizer.token_to_id(n) is not None),
-                         None)
+        self._eod = next((i for i in map(self._tokenizer.token_to_id, names) if i is not None), None)
         if self._eod is None:
             raise TokenizerError(f"{path}: the vocabulary has no end-of-document token {' or '.join(names)}; set "
                                  f"{eod_setting} to the one it has")
-        self.eod_token = names[[self._tokenizer.token_to_id(n) for n in names].index(self._eod)]
+        # one more than the largest id, not the count: a vocabulary may leave gaps
+        self._vocab_size = max(self.vocab.values()) + 1
 
     @property
     def eod(self) -> int:
@@ -53,8 +53,8 @@ class LocalTokenizer(MegatronTokenizerBase):
 
     @property
     def vocab_size(self) -> int:
-        """Ids the tokenizer can produce: one more than its largest (a vocabulary may leave gaps)."""
-        return max(self.vocab.values()) + 1
+        """Ids the tokenizer can produce: one more than its largest."""
+        return self._vocab_size
 
     @property
     def vocab(self) -> dict[str, int]:

@@ -106,11 +106,8 @@ def check_save_dir(save_dir: Path, resumed: Optional[Checkpoint]) -> None:
         ConfigError: saying which checkpoint is in the way and what to set.
     """
     found = checkpoints(save_dir)
-    if not found:
-        return
     start = resumed.step if resumed is not None else 0
-    later = [c for c in found if c.step > start]
-    if resumed is None or later:
+    if any(c.step > start for c in found):
         raise ConfigError(f"train.save_dir={save_dir} holds {found[-1].path.name}, which this run "
                           f"{'does not load' if resumed is None else f'(resumed at step {start}) would replace'}; "
                           "set train.load=auto to go on from it, or choose another train.save_dir")
@@ -236,7 +233,6 @@ class Resumed:
 
     step: int
     consumed_samples: int
-    rng_restored: bool  # False when saved at another layout (each rank's generators differ)
 
 
 def _first_line(error: BaseException) -> str:
@@ -312,14 +308,14 @@ def load_weights(path: Path, module: torch.nn.Module) -> dict:
     return common
 
 
-def load(checkpoint: Checkpoint, module: torch.nn.Module, optimizer) -> Resumed:
-    """Load ``checkpoint`` into the model and the optimizer (collective), at this run's layout.
+def load(checkpoint: Checkpoint, common: dict, module: torch.nn.Module, optimizer) -> Resumed:
+    """Load ``checkpoint`` (its :func:`saved_facts` ``common``) into the model and the optimizer
+    (collective), at this run's layout.
 
     Raises:
-        CheckpointError: a directory megatron-core cannot read, of another format, or of another model.
+        CheckpointError: a checkpoint of another model, dtype or optimizer.
     """
     path = checkpoint.path
-    common = saved_facts(path)
     same_layout = common["layout"] == _layout()
     state = _sharded_state(module, optimizer, is_loading=True)
     if not same_layout:
@@ -335,4 +331,4 @@ def load(checkpoint: Checkpoint, module: torch.nn.Module, optimizer) -> Resumed:
         _set_rng_state(loaded["rng"])
     log.info("resumed from %s: step %d, %d samples consumed%s", path, common["step"], common["consumed_samples"],
              "" if same_layout else f" (saved at {common['layout']}; random generators not restored)")
-    return Resumed(common["step"], common["consumed_samples"], same_layout)
+    return Resumed(common["step"], common["consumed_samples"])

@@ -56,9 +56,9 @@ def validation_loss(
         every rank.
     """
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    (batch,) = [next(micro_batches(ValidationSamples(source), seq, micro_batch_size, micro_batches_per_pass,
-                                   parallel_state.get_data_parallel_rank(),
-                                   parallel_state.get_data_parallel_world_size(), device))]
+    batch = next(micro_batches(ValidationSamples(source), seq, micro_batch_size, micro_batches_per_pass,
+                               parallel_state.get_data_parallel_rank(),
+                               parallel_state.get_data_parallel_world_size(), device))
     sums = torch.zeros(buckets, dtype=torch.float64, device=device)
     counts = torch.zeros(buckets, dtype=torch.float64, device=device)
     model.eval()

@@ -179,9 +179,9 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     facts = checkpoint.RunFacts.of(model, dtype_setting(dtype),
                                    checkpoint_format(train, device_type, workload.parallel),
                                    schedule_settings(train), seq, train)
-    if resume_from is not None:  # before the model is built: a refusal comes in seconds
-        checkpoint.check_resumable(resume_from.path, checkpoint.saved_facts(resume_from.path), facts,
-                                   auto=train.load == "auto")
+    saved = checkpoint.saved_facts(resume_from.path) if resume_from is not None else None
+    if saved is not None:  # before the model is built: a refusal comes in seconds
+        checkpoint.check_resumable(resume_from.path, saved, facts, auto=train.load == "auto")
     torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     memory = PeakMemory(device_type, arena)
     memory.reset()
@@ -198,7 +198,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         # taken out below, though part of it is allocated only at the first step)
         budget = host_budget(hw, device, info.world_size) if workload.method.swaps else 0
         optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
-        resumed = checkpoint.load(resume_from, built.module, optimizer) if resume_from is not None else None
+        resumed = checkpoint.load(resume_from, saved, built.module, optimizer) if saved is not None else None
         start_step, consumed = (resumed.step, resumed.consumed_samples) if resumed else (0, 0)
         row["resumed_from_step"] = start_step if resumed else None
         if optimizer.offload.host_bytes:
