@@ -6,7 +6,7 @@
 
 Per configuration (method memo in tiles, bf16, fake tensors, rank 0), as ``mode=plan`` plans it:
 seconds to trace the template (two iterations of three layers of three tiles) and to plan its
-iteration at the run's length and tile; the largest level-1 block of a tile's forward and
+iteration at the run's length and tile (making that iteration of the template is in neither); the largest level-1 block of a tile's forward and
 backward and of a block of its attention against their lower bounds; the level-2 peak (the arena)
 against the most bytes alive at once; and the reserved peak of PyTorch's caching allocator
 (simulated) for the same requests. A benchmark, not a test: the times depend on the machine.

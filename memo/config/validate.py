@@ -432,7 +432,7 @@ def _check_schedule(t) -> None:
         raise ConfigError(f"the learning rate decays until step {decay} (train.lr_decay_steps, else train.steps), "
                           f"not after its warm-up of train.lr_warmup_steps={t.lr_warmup_steps}; lower the "
                           "warm-up or set train.lr_decay_steps above it")
-    if t.lr_schedule == "wsd" and not 0 < lr_wsd_decay_steps(t) <= decay - t.lr_warmup_steps:
+    if t.lr_schedule == "wsd" and lr_wsd_decay_steps(t) > decay - t.lr_warmup_steps:  # (it is at least 1)
         raise ConfigError(f"train.lr_wsd_decay_steps={t.lr_wsd_decay_steps} must be between 1 and the "
                           f"{decay - t.lr_warmup_steps} steps between the warm-up and step {decay}")
 

@@ -98,9 +98,9 @@ def prepare(inputs: Sequence[Path], tokenizer_path: Path, output_prefix: Path, j
         builder = IndexedDatasetBuilder(str(temporary_bin), dtype=dtype)
         for path in inputs:
             for text in _documents(Path(path), json_key):
-                ids = numpy.array([*tokenizer.tokenize(text), eod], dtype=dtype)
-                builder.add_document(ids, [ids.size])
-                documents, tokens = documents + 1, tokens + ids.size
+                ids = [*tokenizer.tokenize(text), eod]  # (the builder makes its array of them)
+                builder.add_document(ids, [len(ids)])
+                documents, tokens = documents + 1, tokens + len(ids)
         if documents == 0:
             raise PrepareError(f"no document in {', '.join(map(str, inputs))}; give --input files with text")
         builder.finalize(str(temporary_idx))

@@ -19,23 +19,15 @@ Only the rate is taken from the scheduler; our optimizers are handed it each ste
 host and distributed optimizers take it alike), and weight decay stays ``train.weight_decay``.
 """
 
-from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from memo.config import TrainConfig
 from memo.config.validate import DECAYING_SCHEDULES, lr_decay_steps, lr_wsd_decay_steps
 
-# train.lr_schedule -> Megatron's lr_decay_style
-_DECAY_STYLES = {"constant": "constant", "linear": "linear", "cosine": "cosine", "wsd": "WSD",
-                 "inverse_sqrt": "inverse-square-root"}
-
-
-@dataclass
-class _NoParameters:
-    """What the scheduler sets rates on: nothing (it is asked for the rate only)."""
-
-    param_groups: list = field(default_factory=list)
+# train.lr_schedule -> Megatron's lr_decay_style, where the names differ
+_DECAY_STYLES = {"wsd": "WSD", "inverse_sqrt": "inverse-square-root"}
 
 
 class LearningRateSchedule:
@@ -43,12 +35,13 @@ class LearningRateSchedule:
 
     def __init__(self, train: TrainConfig):
         self._scheduler = OptimizerParamScheduler(
-            _NoParameters(), init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
+            SimpleNamespace(param_groups=[]),  # (it is asked for the rate only: no parameters to set)
+            init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
             # (a constant or inverse-square-root rate never reaches its decay steps, which Megatron
             # asks to be after the warm-up all the same)
             lr_warmup_steps=train.lr_warmup_steps,
             lr_decay_steps=max(lr_decay_steps(train), train.lr_warmup_steps + 1),
-            lr_decay_style=_DECAY_STYLES[train.lr_schedule], start_wd=train.weight_decay, end_wd=train.weight_decay,
+            lr_decay_style=_DECAY_STYLES.get(train.lr_schedule, train.lr_schedule), start_wd=train.weight_decay, end_wd=train.weight_decay,
             wd_incr_steps=1, wd_incr_style="constant",
             wsd_decay_steps=lr_wsd_decay_steps(train) if train.lr_schedule == "wsd" else None,
             lr_wsd_decay_style=train.lr_wsd_decay_style)
