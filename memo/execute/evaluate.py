@@ -67,7 +67,8 @@ def validation_loss(
             for micro_batch in batch:
                 mb = this_ranks_tokens(micro_batch)
                 per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
-                bucket = (mb["position_ids"] * buckets // seq).reshape(-1)
+                # the bucket whose span (bucket_bounds) holds each position
+                bucket = (((mb["position_ids"] + 1) * buckets - 1) // seq).reshape(-1)
                 sums.index_add_(0, bucket, per_token.double().reshape(-1))
                 counts.index_add_(0, bucket, torch.ones_like(bucket, dtype=torch.float64))
                 del per_token

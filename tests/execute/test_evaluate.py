@@ -38,6 +38,20 @@ def test_the_loss_by_position_is_the_mean_of_each_spans_token_losses(single_proc
     assert not train & {tuple(source.valid_sample(i, 65).tolist()) for i in range(4)}
 
 
+def test_the_buckets_are_the_spans_of_bucket_bounds_where_they_differ_in_length(single_process):
+    run = resolve_config("model=tiny", "model.vocab_size=1000", "seq=30")
+    torch.manual_seed(0)
+    model = build_gpt(run.workload, "cpu").module
+    source = SyntheticTokens(1000, seed=3)
+    got = validation_loss(model, source, 30, 1, 1, 4, torch.device("cpu"), lambda mb: mb)
+    (mb,) = next(micro_batches(ValidationSamples(source), 30, 1, 1, 0, 1, torch.device("cpu")))
+    with torch.no_grad():
+        losses = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"]).double()[0]
+    assert bucket_bounds(30, 4) == [(0, 7), (7, 15), (15, 22), (22, 30)]
+    expected = [losses[start:end].mean().item() for start, end in bucket_bounds(30, 4)]
+    assert got["valid_loss_by_position"] == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize("method", [["method=none"], ["method=memo", "alpha=0.5"]], ids=["none", "memo"])
 def test_a_run_validates_at_its_interval_and_after_its_last_step(tmp_path, method):
     row = run_in_process(tmp_path, "model.vocab_size=1000", "seq=128", "train.steps=5", "train.warmup_steps=1",
