@@ -2,10 +2,10 @@
 
 For Megatron's optimizer on the device, its distributed optimizer, and Adam on the host
 (``train.optimizer_offload=host``), ``memo`` (α fixed) trains a Llama-shaped model for six steps,
-saving after the third and the sixth; a second job loads the third step's checkpoint in a new
-process and trains steps four to six. Its losses and its final weights and optimizer state are
-set beside the uninterrupted run's: the GPU's attention backward sums in a nondeterministic
-order, so they agree to rounding (``max_loss_diff``, ``max_tensor_diff``), not bit for bit as on
+saving (and validating on one held-out sequence) after the third and the sixth; a second job loads the third step's checkpoint in a new
+process and trains steps four to six. Its losses, its last validation loss and its final weights
+and optimizer state are set beside the uninterrupted run's: the GPU's attention backward sums in a nondeterministic
+order, so they agree to rounding (``max_loss_diff``, ``valid_loss_diff``, ``max_tensor_diff``), not bit for bit as on
 the CPU (``tests/execute/test_checkpoint.py``). ``--cpu`` rehearses it with the tiny model, the
 CPU's one optimizer path, at 256 tokens.
 
@@ -21,8 +21,10 @@ from memo.gpucheck.common import arguments, run_job, runs_dir, write_rows
 PATHS = {"device": [], "distributed": ["train.distributed_optimizer=true"], "host": ["train.optimizer_offload=host"]}
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+def _losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    """Each step's ``key`` (``loss``, or ``valid_loss`` at the steps that validated) from ``metrics.jsonl``."""
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r[key] for r in records if key in r}
 
 
 def _max_tensor_diff(a: Path, b: Path) -> float:
@@ -50,7 +52,8 @@ def main(argv=None) -> int:
         common, paths = ["model=tiny", "seq=256"], {"host_cpu": []}
     else:
         common, paths = ["model=tiny_llama", "seq=64k"], PATHS
-    common += ["method=memo", "alpha=0.5", "train.warmup_steps=1", "train.save_interval=3"]
+    common += ["method=memo", "alpha=0.5", "train.warmup_steps=1", "train.save_interval=3",
+               "train.eval_interval=3", "train.eval_iters=1"]
     rows = []
     for name, extra in paths.items():
         whole_dir = runs_dir(args.out) / f"checkpoints-{name}"
@@ -66,13 +69,15 @@ def main(argv=None) -> int:
             if resumed.get("status") == "ok":
                 expected, got = _losses(whole_dir), _losses(resumed_dir)
                 row["max_loss_diff"] = max(abs(got[s] - expected[s]) for s in got)
+                row["valid_loss_diff"] = abs(_losses(resumed_dir, "valid_loss")[6]
+                                             - _losses(whole_dir, "valid_loss")[6])
                 row["max_tensor_diff"] = _max_tensor_diff(whole_dir / "checkpoints" / "step_0000006",
                                                           resumed_dir / "checkpoints" / "step_0000006")
                 row["loss_last"] = got[6]
         rows.append(row)
         write_rows(args.out, "checkpoints", rows)  # a step cut short by its budget keeps its table
         print(f"checkpoints: {name}: {row['status']} resumed from {row.get('resumed_from_step')}, loss within "
-              f"{row.get('max_loss_diff')}, tensors within {row.get('max_tensor_diff')}", flush=True)
+              f"{row.get('max_loss_diff')}, validation loss within {row.get('valid_loss_diff')}, tensors within {row.get('max_tensor_diff')}", flush=True)
     return 0
 
 

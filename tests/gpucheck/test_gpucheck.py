@@ -194,6 +194,7 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     (checkpoints,) = pd.read_csv(tmp_path / "checkpoints.csv").to_dict("records")  # the CPU: bit for bit
     assert (checkpoints["status"], checkpoints["resumed_from_step"], checkpoints["optimizer"]) == ("ok", 3, "torch_adamw")
     assert checkpoints["max_loss_diff"] == 0 and checkpoints["max_tensor_diff"] == 0
+    assert checkpoints["valid_loss_diff"] == 0
 
 
 def test_overlap_counts_copy_time_under_compute_and_compute_idle_during_copies():
