@@ -31,6 +31,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from memo.config import ConfigError, ModelConfig, TrainConfig
+from memo.execute.optimizer_offload import STATE_CLASSES
 
 log = logging.getLogger("memo")
 
@@ -235,6 +236,12 @@ class Resumed:
     consumed_samples: int
 
 
+def reading():
+    """A context in which megatron-core's loads (a ``torch.load`` of weights only) read a checkpoint
+    of the offloaded optimizer, whose state names its optimizer classes."""
+    return torch.serialization.safe_globals(list(STATE_CLASSES))
+
+
 def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
@@ -247,7 +254,8 @@ def saved_facts(path: Path) -> dict:
         CheckpointError: a directory megatron-core cannot read, or of another format.
     """
     try:
-        common = dist_checkpointing.load_common_state_dict(str(path))
+        with reading():
+            common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as error:  # a torch.load of a missing or damaged file: many types
         raise CheckpointError(f"{path} is not a readable checkpoint ({_first_line(error)}); load another one, "
                               "or set train.load=null to start afresh") from None
@@ -294,7 +302,8 @@ def check_resumable(path: Path, saved: dict, facts: RunFacts, auto: bool) -> Non
 
 def _load_sharded(state: dict, path: Path) -> dict:
     try:
-        return dist_checkpointing.load(state, str(path))
+        with reading():
+            return dist_checkpointing.load(state, str(path))
     except Exception as error:
         raise CheckpointError(f"{path} cannot be loaded into this model ({_first_line(error)}); load a checkpoint "
                               "of the same model") from None

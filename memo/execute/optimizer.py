@@ -20,6 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, \
     optim_state_to_sharding_state
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -240,9 +242,32 @@ class MegatronStepOptimizer:
         return float("nan") if grad_norm is None else float(grad_norm)
 
     def sharded_state_dict(self, model_state: dict, is_loading: bool = False) -> dict:
+        if is_loading:
+            self._allocate_state()
         # Megatron-LM's choice for a checkpoint any layout loads: the distributed optimizer's
         # shards gathered into each parameter's own coordinates ("fully_reshardable").
         return self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_RESHARDABLE)
+
+    def _allocate_state(self) -> None:
+        """Give each distributed optimizer's inner optimizer its state (Adam's moments and step),
+        which a load overwrites. Megatron-core's distributed optimizer reads the step from that
+        state to describe what it loads, and with PyTorch's Adam (no Transformer Engine or Apex)
+        cannot before the first step. One step at learning rate and weight decay 0, on zero
+        gradients, makes the state without moving a weight."""
+        parts = self.optimizer.chained_optimizers if isinstance(self.optimizer, ChainedOptimizer) else [self.optimizer]
+        for part in parts:
+            inner = part.optimizer
+            if not isinstance(part, DistributedOptimizer) or len(inner.state) > 0:
+                continue  # (Megatron's other optimizers make their state when asked to load)
+            settings = [(group["lr"], group["weight_decay"]) for group in inner.param_groups]
+            for group in inner.param_groups:
+                group["lr"] = group["weight_decay"] = 0.0
+                for param in group["params"]:
+                    param.grad = torch.zeros_like(param)
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+            for group, (lr, weight_decay) in zip(inner.param_groups, settings):
+                group["lr"], group["weight_decay"] = lr, weight_decay
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)

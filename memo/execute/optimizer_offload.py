@@ -47,9 +47,14 @@ from dataclasses import asdict, astuple, dataclass
 from typing import Sequence
 
 import torch
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import SGD, Adam, CPUAdam, CPUSGD, MegatronOptimizer, OptimizerConfig, \
+    get_megatron_optimizer
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+# HybridDeviceOptimizer keeps the classes of its inner optimizers among its param groups' settings,
+# so a checkpoint's common state names them; torch.load reads weights only unless allowed these.
+STATE_CLASSES = (Adam, SGD, CPUAdam, CPUSGD)
 
 FP32_BYTES = 4  # main weights, moments and gradients on the host are fp32
 STEP_BYTES = 4  # the fused AdamW's step counter: an fp32 scalar per tensor

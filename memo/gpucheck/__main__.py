@@ -47,9 +47,9 @@ class Step:
 
 
 STEPS = [
-    Step("smoke", ("memo.gpucheck.smoke",), 180, first=True),
-    Step("cp_kernels", ("memo.gpucheck.cp_kernels",), 70, first=True),
-    Step("numerics", ("memo.gpucheck.numerics",), 135, first=True),
+    Step("smoke", ("memo.gpucheck.smoke",), 225, first=True),
+    Step("cp_kernels", ("memo.gpucheck.cp_kernels",), 55, first=True),
+    Step("numerics", ("memo.gpucheck.numerics",), 110, first=True),
     Step("probe", ("memo.gpucheck.probe",), 60, first=True),
     Step("models", ("memo.gpucheck.models",), 300),
     Step("throughput", ("memo.gpucheck.jobs", "throughput"), 360),

@@ -33,11 +33,12 @@ def _max_tensor_diff(a: Path, b: Path) -> float:
     from megatron.core.dist_checkpointing import load_plain_tensors
 
     from memo.config import ParallelConfig
-    from memo.execute import distributed
+    from memo.execute import checkpoint, distributed
 
     distributed.initialize(ParallelConfig(), "cpu", distributed.ProcessInfo(rank=0, world_size=1, local_rank=0))
     try:
-        first, second = load_plain_tensors(str(a)), load_plain_tensors(str(b))
+        with checkpoint.reading():
+            first, second = load_plain_tensors(str(a)), load_plain_tensors(str(b))
     finally:
         distributed.shutdown()
     keys = [k for k, v in first.items() if isinstance(v, torch.Tensor)]

@@ -211,3 +211,21 @@ def test_auto_does_not_go_on_from_another_runs_checkpoints(tmp_path):
                            f"train.load={saved}", "train.save_interval=null")
     assert wider["status"] == "error" and wider["error"].startswith(
         f"{saved / 'step_0000002'} is of another model (model.ffn_hidden_size=1024); load a checkpoint")
+
+
+def test_a_checkpoint_whose_optimizer_groups_name_their_optimizer_classes_loads(tmp_path):
+    # Megatron's HybridDeviceOptimizer (train.optimizer_offload=host, GPU only) keeps its inner
+    # optimizers' classes among its param groups' settings, so its checkpoints' common state
+    # pickles them; torch.load, weights only, refuses such a file unless they are allowed.
+    from megatron.core.optimizer import Adam, CPUAdam
+
+    first = run_in_process(tmp_path / "first", *SHORT, "train.steps=2")
+    common_file = tmp_path / "first" / "checkpoints" / "step_0000002" / "common.pt"
+    common = torch.load(common_file, weights_only=False)
+    for group in common["optimizer"]["param_groups"]:
+        group.update(cpu_optimizer_cls=CPUAdam, gpu_optimizer_cls=Adam)
+    torch.save(common, common_file)
+    resumed = run_in_process(tmp_path / "resumed", *SHORT, "train.steps=3",
+                             f"train.load={tmp_path / 'first' / 'checkpoints'}")
+    assert first["status"] == "ok"
+    assert (resumed["status"], resumed["error"], resumed["resumed_from_step"]) == ("ok", None, 2)
