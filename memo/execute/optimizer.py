@@ -270,7 +270,32 @@ class MegatronStepOptimizer:
                 group["lr"], group["weight_decay"] = lr, weight_decay
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+        # (one state per part, read as ChainedOptimizer.load_state_dict reads them)
+        parts = self.optimizer.chained_optimizers if isinstance(self.optimizer, ChainedOptimizer) else [self.optimizer]
+        states = [state] if len(parts) == 1 else [state[key] for key in sorted(state)]
+        for part, part_state in zip(parts, states, strict=True):
+            if isinstance(part, DistributedOptimizer) and "param_state" in part_state:
+                _load_distributed(part, part_state)
+            else:
+                part.load_state_dict(part_state)
+
+
+def _load_distributed(optimizer: DistributedOptimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)`` for PyTorch's Adam as well as for Transformer
+    Engine's. Megatron-core writes the loaded tensors into every entry of the Adam state of each
+    parameter, which for PyTorch's Adam includes the step, which the checkpoint holds apart (a
+    KeyError), and gives every parameter the same step tensor, which each step then advances once
+    per parameter. So the tensors are loaded with the steps set aside, and each parameter gets a
+    step of its own."""
+    if state["param_state_sharding_type"] != _RESHARDABLE["distrib_optim_sharding_type"]:
+        raise ValueError(f"the distributed optimizer's state is {state['param_state_sharding_type']}, this version "
+                         f"loads {_RESHARDABLE['distrib_optim_sharding_type']}")
+    optimizer.load_state_dict({k: v for k, v in state.items() if k != "param_state"})  # groups, step
+    steps = {param: param_state.pop("step") for param, param_state in optimizer.optimizer.state.items()
+             if "step" in param_state}
+    optimizer.load_parameter_state_from_fully_reshardable(state["param_state"])
+    for param, step in steps.items():
+        optimizer.optimizer.state[param]["step"] = step.clone()
 
 
 def checkpoint_format(train: TrainConfig, device_type: str, parallel: ParallelConfig) -> str:

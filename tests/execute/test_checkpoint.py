@@ -12,8 +12,10 @@ import subprocess
 import pytest
 import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
+from torch.overrides import TorchFunctionMode
 
-from conftest import PYTHON, REPO, _one_process, free_port, run_in_process
+from conftest import PYTHON, REPO, _one_process, free_port, resolve_config, run_in_process
+from memo.config import TrainConfig
 from memo.execute.checkpoint import checkpoints
 
 # a schedule that decays over the ten steps, so that a resumed run must know where it is in it
@@ -229,3 +231,64 @@ def test_a_checkpoint_whose_optimizer_groups_name_their_optimizer_classes_loads(
                              f"train.load={tmp_path / 'first' / 'checkpoints'}")
     assert first["status"] == "ok"
     assert (resumed["status"], resumed["error"], resumed["resumed_from_step"]) == ("ok", None, 2)
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """Megatron's DDP and optimizers allocate on CUDA and accept only CUDA tensor types: this
+    places what they allocate on the CPU and shows them CPU tensors as CUDA ones, so that their
+    path runs here as it runs on a GPU without Transformer Engine (PyTorch's Adam)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and (device == "cuda" or isinstance(device, int) or getattr(device, "type", "") == "cuda"):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def test_megatrons_distributed_optimizer_resumes_bit_for_bit_without_transformer_engine(tmp_path, single_process,
+                                                                                         monkeypatch):
+    # megatron-core 0.16 cannot describe the state of its distributed optimizer over PyTorch's Adam
+    # before the first step, cannot load the step it saved (KeyError), and gives every parameter
+    # one step tensor that each step advances once per parameter
+    from megatron.core.optimizer import distrib_optimizer
+
+    from memo.execute import checkpoint
+    from memo.execute.optimizer import MegatronStepOptimizer
+    from memo.model import build_gpt
+
+    assert not distrib_optimizer.HAVE_APEX_OR_TE  # the path under test
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    workload = resolve_config("model=tiny", "model.vocab_size=64", "seq=16", "train.dtype=bf16").workload
+
+    def build():
+        torch.manual_seed(0)
+        module = build_gpt(workload, "cpu").module
+        return module, MegatronStepOptimizer(module, TrainConfig(), sharded=True)
+
+    def train(module, optimizer, steps) -> list[float]:
+        losses = []
+        for step in steps:
+            tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(step))
+            optimizer.zero_grad()
+            loss = optimizer.model(tokens, torch.arange(16)[None], None, labels=tokens).float().mean()
+            optimizer.scale_loss(loss).backward()
+            optimizer.step(1e-2)
+            losses.append(loss.item())
+        return losses
+
+    facts = checkpoint.RunFacts(model_config={}, dtype="bf16", optimizer="megatron_distributed", schedule={}, data={})
+    with _CudaOnCpu():
+        whole = train(*build(), range(6))
+        module, optimizer = build()
+        first = train(module, optimizer, range(3))
+        saved = checkpoint.save(tmp_path, 3, 3, module, optimizer, facts)
+        module, optimizer = build()
+        resumed = checkpoint.load(saved, checkpoint.saved_facts(saved.path), module, optimizer)
+        rest = train(module, optimizer, range(3, 6))
+    assert resumed.step == 3
+    assert first + rest == whole
