@@ -51,6 +51,15 @@ def _tensors(value) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _storage(tensor: torch.Tensor):
+    """``tensor``'s storage, or ``None`` for a wrapper without one of its own (torch.distributed's
+    ``ShardedTensor``, which a checkpoint's save and load make around tensors that have one)."""
+    try:
+        return tensor.untyped_storage()
+    except RuntimeError:
+        return None
+
+
 class CudaStandIn(TorchFunctionMode):
     """The torch-function mode of :func:`cuda_stand_in`; it tracks storages, so views and
     ``param.data = ...`` swaps keep the place of the memory they use."""
@@ -62,7 +71,8 @@ class CudaStandIn(TorchFunctionMode):
 
     def on_device(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory stands for GPU memory."""
-        return tensor.untyped_storage() in self._device
+        storage = _storage(tensor)
+        return storage is not None and storage in self._device
 
     def pinned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory stands for page-locked host memory."""
@@ -91,6 +101,8 @@ class CudaStandIn(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func == torch.Tensor.is_cuda.__get__:
             return self.on_device(args[0])
+        if func == torch.Tensor.device.__get__ and self.on_device(args[0]):
+            return torch.device("cuda", 0)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(args[0])
             return name.replace("torch.", "torch.cuda.", 1) if self.on_device(args[0]) else name
@@ -124,9 +136,9 @@ class CudaStandIn(TorchFunctionMode):
     def _where_inputs_are(self, out, inputs: list[torch.Tensor]):
         """``out``, an operation's result: each new storage in it is on the device if an input is."""
         if any(self.on_device(t) for t in inputs):
-            seen = {id(t.untyped_storage()) for t in inputs}
+            seen = {id(_storage(t)) for t in inputs}
             for tensor in _tensors(out):
-                if id(tensor.untyped_storage()) not in seen:
+                if _storage(tensor) is not None and id(tensor.untyped_storage()) not in seen:
                     self._to_device(tensor)
         return out
 
@@ -179,6 +191,7 @@ def cuda_stand_in() -> Iterator[CudaStandIn]:
         patch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
         patch.setattr(torch.cuda, "Stream", _Stream)
         patch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        patch.setattr(torch.cuda, "synchronize", lambda device=None: None)
         # the host allocator's cache: nothing is cached here
         patch.setattr(torch.accelerator, "empty_host_cache", lambda: None)
         with CudaStandIn() as mode:

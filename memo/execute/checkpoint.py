@@ -286,7 +286,8 @@ def check_resumable(path: Path, saved: dict, facts: RunFacts, auto: bool) -> Non
                           "load a checkpoint of this model, or export it (python -m memo.modes.export) to start from")
     if saved["optimizer"] != facts.optimizer or saved["dtype"] != facts.dtype:
         hint = {"megatron_distributed": "train.distributed_optimizer=true", "megatron": "train.distributed_optimizer="
-                "false"}.get(saved["optimizer"], "the same device")
+                "false", "megatron_host_offload": "train.optimizer_offload=host"}.get(saved["optimizer"],
+                                                                                   "the same device")
         raise ConfigError(f"{path} holds the {saved['optimizer']} optimizer's state of {saved['dtype']} weights, this "
                           f"run has the {facts.optimizer} optimizer's of {facts.dtype} ones; resume it with "
                           f"train.dtype={saved['dtype']} and {hint}")

@@ -13,13 +13,14 @@ host memory (:mod:`memo.execute.optimizer_offload`).
 
 import logging
 import math
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, \
     optim_state_to_sharding_state
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -28,7 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from memo.config import ParallelConfig, TrainConfig, shards_optimizer
 from memo.config.resolve import check_optimizer_offload
 from memo.execute.optimizer_offload import NO_OFFLOAD, OffloadBytes, build_offloaded, built_offload_bytes, \
-    offload_config
+    offload_config, release_build_copies, settle_loaded_state
 
 
 log = logging.getLogger("memo")
@@ -191,7 +192,7 @@ class MegatronStepOptimizer:
         config = module.config
         offload = train.optimizer_offload == "host"
         sharded = sharded or offload
-        self.checkpoint_format = "megatron_distributed" if sharded else "megatron"  # (checkpoint_format())
+        self.checkpoint_format = checkpoint_format(train, "cuda", None, sharded)
         self.weight_decay = train.weight_decay
         self._finalize = finalize_model_grads
         self.model = DistributedDataParallel(
@@ -286,7 +287,7 @@ def _load_distributed(optimizer: DistributedOptimizer, state: dict) -> None:
     parameter, which for PyTorch's Adam includes the step, which the checkpoint holds apart (a
     KeyError), and gives every parameter the same step tensor, which each step then advances once
     per parameter. So the tensors are loaded with the steps set aside, and each parameter gets a
-    step of its own."""
+    step of its own (with Adam offloaded to the host, :func:`settle_loaded_state` places it)."""
     if state["param_state_sharding_type"] != _RESHARDABLE["distrib_optim_sharding_type"]:
         raise ValueError(f"the distributed optimizer's state is {state['param_state_sharding_type']}, this version "
                          f"loads {_RESHARDABLE['distrib_optim_sharding_type']}")
@@ -294,16 +295,26 @@ def _load_distributed(optimizer: DistributedOptimizer, state: dict) -> None:
     steps = {param: param_state.pop("step") for param, param_state in optimizer.optimizer.state.items()
              if "step" in param_state}
     optimizer.load_parameter_state_from_fully_reshardable(state["param_state"])
+    if isinstance(optimizer.optimizer, HybridDeviceOptimizer):
+        if steps:
+            settle_loaded_state(optimizer.optimizer, next(iter(steps.values())))
+        release_build_copies()  # the 16-bit page-locked copies the load's rebuilds of it made
+        return
     for param, step in steps.items():
         optimizer.optimizer.state[param]["step"] = step.clone()
 
 
-def checkpoint_format(train: TrainConfig, device_type: str, parallel: ParallelConfig) -> str:
+def checkpoint_format(train: TrainConfig, device_type: str, parallel: Optional[ParallelConfig],
+                      sharded: Optional[bool] = None) -> str:
     """The format of the state :func:`build_optimizer` builds, in a checkpoint (one optimizer cannot
-    load another's): known before it is built, so that a resume it cannot serve is refused first."""
+    load another's, and Adam on the host steps fused where the device's does not): known before
+    it is built, so that a resume it cannot serve is refused first. ``sharded``: whether the
+    distributed optimizer is on, else as ``parallel`` makes it."""
     if device_type != "cuda":
         return HostOptimizer.checkpoint_format
-    sharded = shards_optimizer(train.distributed_optimizer, parallel) or train.optimizer_offload == "host"
+    if train.optimizer_offload == "host":
+        return "megatron_host_offload"
+    sharded = shards_optimizer(train.distributed_optimizer, parallel) if sharded is None else sharded
     return "megatron_distributed" if sharded else "megatron"
 
 

@@ -211,6 +211,24 @@ def hybrid_optimizers(optimizer: MegatronOptimizer) -> list[HybridDeviceOptimize
     return [part.optimizer for part in parts if isinstance(part.optimizer, HybridDeviceOptimizer)]
 
 
+def settle_loaded_state(hybrid: HybridDeviceOptimizer, step: torch.Tensor) -> None:
+    """Put a loaded ``hybrid``'s state where its stepping expects it, as its own steps leave it:
+    each parameter's moments in storage of their own on that parameter's device (megatron-core
+    moves the device sub-optimizer's to the host too, since without Transformer Engine both
+    sub-optimizers are PyTorch's AdamW, and keeps views of the loaded whole tensors), its master
+    weight the tensor its sub-optimizer steps, and a step of its own (``step``'s value) where a
+    fused or capturable Adam keeps it (the parameter's device), else on the host."""
+    for sub in hybrid.sub_optimizers:
+        for group in sub.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for param in group["params"]:
+                state = sub.state[param]  # (the same dict as the hybrid's state of its parameter)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = state[key].to(param.device, copy=True)
+                state["master_param"] = param
+                state["step"] = step.to(device=param.device if on_device else "cpu", dtype=torch.float32, copy=True)
+
+
 def built_offload_bytes(optimizer: MegatronOptimizer, param_bytes: int) -> OffloadBytes:
     """:func:`offload_bytes` of a built offloaded ``optimizer`` (``param_bytes`` bytes per weight
     element): its tensors, fraction and gradient pinning as it holds them. Bytes."""

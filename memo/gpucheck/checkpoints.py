@@ -1,7 +1,7 @@
 """Pack step ``checkpoints``: a save and a resume at 64K tokens with each optimizer path.
 
 For Megatron's optimizer on the device, its distributed optimizer, and Adam on the host
-(``train.optimizer_offload=host``), ``memo`` (α fixed) trains a Llama-shaped model for six steps,
+(``train.optimizer_offload=host``, all the states there and half), ``memo`` (α fixed) trains a Llama-shaped model for six steps,
 saving (and validating on one held-out sequence) after the third and the sixth; a second job
 loads the third step's checkpoint in a new process and trains steps four to six. Its losses, its
 last validation loss and its final weights and optimizer state are set beside the uninterrupted
@@ -23,7 +23,9 @@ from memo.gpucheck.common import arguments, run_job, runs_dir, write_rows
 # nondeterministic sums move a resumed run's losses by rounding (5e-5 on an H100); a wrong Adam
 # step or moment moves them by tenths
 LOSS_TOLERANCE = 1e-2
-PATHS = {"device": [], "distributed": ["train.distributed_optimizer=true"], "host": ["train.optimizer_offload=host"]}
+PATHS = {"device": [], "distributed": ["train.distributed_optimizer=true"], "host": ["train.optimizer_offload=host"],
+         # half the states on the host: the device's sub-optimizer is resumed too
+         "host_half": ["train.optimizer_offload=host", "train.optimizer_offload_fraction=0.5"]}
 
 
 def _losses(run_dir: Path, key: str = "loss") -> dict[int, float]:

@@ -3,6 +3,7 @@ if it had never stopped, at another tensor-parallel size within rounding; a save
 leaves the earlier checkpoint loadable; bad checkpoints and save directories are one line."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -12,10 +13,8 @@ import subprocess
 import pytest
 import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
-from torch.overrides import TorchFunctionMode
 
 from conftest import PYTHON, REPO, _one_process, free_port, resolve_config, run_in_process
-from memo.config import TrainConfig
 from memo.execute.checkpoint import checkpoints
 
 # a schedule that decays over the ten steps, so that a resumed run must know where it is in it
@@ -233,62 +232,68 @@ def test_a_checkpoint_whose_optimizer_groups_name_their_optimizer_classes_loads(
     assert (resumed["status"], resumed["error"], resumed["resumed_from_step"]) == ("ok", None, 2)
 
 
-class _CudaOnCpu(TorchFunctionMode):
-    """Megatron's DDP and optimizers allocate on CUDA and accept only CUDA tensor types: this
-    places what they allocate on the CPU and shows them CPU tensors as CUDA ones, so that their
-    path runs here as it runs on a GPU without Transformer Engine (PyTorch's Adam)."""
+def _adam_places(cuda, optimizer) -> list[tuple]:
+    """Where each Adam that steps keeps each state of each parameter: (key, on the device, dtype),
+    and whether each state's step is a tensor of its own."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        device = kwargs.get("device")
-        if device is not None and (device == "cuda" or isinstance(device, int) or getattr(device, "type", "") == "cuda"):
-            kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            return func(*args).replace("torch.", "torch.cuda.", 1)
-        return func(*args, **kwargs)
+    places, steps = [], []
+    for part in optimizer.optimizer.chained_optimizers:
+        inner = part.optimizer
+        for adam in inner.sub_optimizers if isinstance(inner, HybridDeviceOptimizer) else [inner]:
+            for group in adam.param_groups:
+                for param in group["params"]:
+                    state = adam.state[param]
+                    places.append(tuple((key, cuda.on_device(value), value.dtype) for key, value in sorted(state.items())
+                                        if key != "master_param"))
+                    steps.append(state["step"].untyped_storage().data_ptr())
+    return [*places, ("steps of their own", len(set(steps)) == len(steps))]
 
 
+@pytest.mark.parametrize("offload, fraction", [("none", 1.0), ("host", 1.0), ("host", 0.5)],
+                         ids=["distributed", "host", "host-half"])
 def test_megatrons_distributed_optimizer_resumes_bit_for_bit_without_transformer_engine(tmp_path, single_process,
-                                                                                         monkeypatch):
-    # megatron-core 0.16 cannot describe the state of its distributed optimizer over PyTorch's Adam
-    # before the first step, cannot load the step it saved (KeyError), and gives every parameter
-    # one step tensor that each step advances once per parameter
-    from megatron.core.optimizer import distrib_optimizer
+                                                                                         monkeypatch, offload, fraction):
+    # megatron-core 0.16 without Transformer Engine cannot describe its distributed optimizer's
+    # state before the first step, cannot load the step it saved (KeyError), gives every parameter
+    # one step tensor that each step advances once per parameter, and moves the device Adam's
+    # state of an offloaded optimizer to the host; run here by Megatron's own code, CUDA stood in for
+    from cuda_standin import cuda_stand_in
 
     from memo.execute import checkpoint
     from memo.execute.optimizer import MegatronStepOptimizer
     from memo.model import build_gpt
 
-    assert not distrib_optimizer.HAVE_APEX_OR_TE  # the path under test
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    workload = resolve_config("model=tiny", "model.vocab_size=64", "seq=16", "train.dtype=bf16").workload
+    run = resolve_config("model=tiny", "model.vocab_size=64", "seq=16", "train.dtype=bf16")
+    train = dataclasses.replace(run.train, optimizer_offload=offload, optimizer_offload_fraction=fraction)
 
-    def build():
+    def model():  # built before CUDA is stood in for (cuda_standin)
         torch.manual_seed(0)
-        module = build_gpt(workload, "cpu").module
-        return module, MegatronStepOptimizer(module, TrainConfig(), sharded=True)
+        return build_gpt(run.workload, "cpu").module
 
-    def train(module, optimizer, steps) -> list[float]:
+    def steps(optimizer, numbers) -> list[float]:
         losses = []
-        for step in steps:
-            tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(step))
+        for number in numbers:
+            tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(number)).cuda()
             optimizer.zero_grad()
-            loss = optimizer.model(tokens, torch.arange(16)[None], None, labels=tokens).float().mean()
+            loss = optimizer.model(tokens, torch.arange(16)[None].cuda(), None, labels=tokens).float().mean()
             optimizer.scale_loss(loss).backward()
             optimizer.step(1e-2)
             losses.append(loss.item())
         return losses
 
     facts = checkpoint.RunFacts(model_config={}, dtype="bf16", optimizer="megatron_distributed", schedule={}, data={})
-    with _CudaOnCpu():
-        whole = train(*build(), range(6))
-        module, optimizer = build()
-        first = train(module, optimizer, range(3))
-        saved = checkpoint.save(tmp_path, 3, 3, module, optimizer, facts)
-        module, optimizer = build()
-        resumed = checkpoint.load(saved, checkpoint.saved_facts(saved.path), module, optimizer)
-        rest = train(module, optimizer, range(3, 6))
+    modules = [model() for _ in range(3)]
+    with cuda_stand_in() as cuda:
+        whole = steps(MegatronStepOptimizer(modules[0].cuda(), train, sharded=True), range(6))
+        saving = MegatronStepOptimizer(modules[1].cuda(), train, sharded=True)
+        first = steps(saving, range(3))
+        with monkeypatch.context() as gpu:  # the GPU's save: its tensors staged to the host first
+            gpu.setattr(torch.cuda, "is_available", lambda: True)
+            saved = checkpoint.save(tmp_path, 3, 3, modules[1], saving, facts)
+        loading = MegatronStepOptimizer(modules[2].cuda(), train, sharded=True)
+        resumed = checkpoint.load(saved, checkpoint.saved_facts(saved.path), modules[2], loading)
+        assert _adam_places(cuda, loading) == _adam_places(cuda, saving)
+        rest = steps(loading, range(3, 6))
     assert resumed.step == 3
     assert first + rest == whole
