@@ -42,6 +42,7 @@ class Workload:
     dtype: str = "fp32"  # "fp32", "bf16", "fp16" or "fp64" (never "auto")
     loss_tile_tokens: Optional[int] = None  # the tiled loss's tokens per tile; None: its default
     tile_tokens: Optional[int] = None  # the layers' tiles (method.tile_tokens); None: whole layers
+    document_mask: bool = False  # attention within each packed document (train.document_mask)
 
     @property
     def dtype_bytes(self) -> int:
@@ -137,6 +138,7 @@ def resolve(cfg, gpu_visible: bool) -> Run:
         dtype=dtype,
         loss_tile_tokens=cfg.train.loss_tile_tokens,
         tile_tokens=tile_tokens(method),
+        document_mask=cfg.train.document_mask,
     )
     return Run(
         mode=cfg.mode,

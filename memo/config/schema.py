@@ -182,6 +182,9 @@ class TrainConfig:
     data: str = "synthetic"
     tokenizer: Optional[str] = None  # megatron data: the corpus's tokenizer.json (nothing downloaded)
     eod_token: Optional[str] = None  # its end-of-document token; None: <|endoftext|>, </s>, ... it has
+    # megatron data: each packed document attends within itself, its rotary positions restart, and
+    # no token is predicted across its end (memo.model.documents)
+    document_mask: bool = False
     # megatron data: Megatron's train,valid,test weights of the documents of each prefix
     data_split: str = "969,30,1"
     # megatron data: where megatron-core caches its sample indices; None: cache/ beside the prefix

@@ -133,6 +133,7 @@ def validate(cfg) -> Optional[int]:
     if t.save_interval is not None:
         _positive("train.save_interval", t.save_interval)
     _check_validation(cfg, seq)
+    _check_documents(cfg)
     if t.data.startswith(MEGATRON_DATA):
         megatron_blend(t)
     elif t.data != "synthetic" and not Path(t.data).is_file():
@@ -363,6 +364,22 @@ def _check_validation(cfg, seq: Optional[int]) -> None:
     if cfg.plan:
         raise ConfigError("train.eval_interval: a validation pass allocates outside the memory plan's steps; "
                           "set plan=false or train.eval_interval=null")
+
+
+def _check_documents(cfg) -> None:
+    t, p = cfg.train, cfg.parallel
+    if not t.document_mask:
+        return
+    if not str(t.data).startswith(MEGATRON_DATA):
+        raise ConfigError(f"train.document_mask needs documents, which train.data={t.data} does not mark; "
+                          "train on Megatron data (python -m memo.data.prepare, train.data=megatron:<prefix>)")
+    if t.micro_batch_size != 1:
+        raise ConfigError(f"train.document_mask keeps the documents of one sequence per micro-batch apart; set "
+                          f"train.micro_batch_size=1 (not {t.micro_batch_size}) and raise train.micro_batches")
+    if p.cp > 1 or tile_tokens(cfg.method) is not None or t.attention_backend == "te":
+        raise ConfigError("train.document_mask runs in memo's own attention over whole layers without context "
+                          "parallelism so far; set parallel.cp=1, method.tile_tokens=whole and an "
+                          "attention_backend other than te, or train.document_mask=false")
 
 
 def megatron_blend(train) -> tuple[list[str], Optional[list[float]]]:

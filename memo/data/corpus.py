@@ -76,6 +76,7 @@ class MegatronCorpus:
             tokenizer = LocalTokenizer(train.tokenizer, train.eod_token)
         except TokenizerError as error:
             raise ConfigError(f"train.tokenizer: {error}") from None
+        self.eod = tokenizer.eod  # the end-of-document id, which ends every packed document
         if tokenizer.vocab_size > vocab_size:
             raise ConfigError(f"train.tokenizer={train.tokenizer} has ids up to {tokenizer.vocab_size - 1} but the "
                               f"model's vocabulary is {vocab_size}; set model.vocab_size to at least "

@@ -7,7 +7,7 @@ parallel layout; tensor- and context-parallel ranks of one replica read identica
 """
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -15,6 +15,7 @@ import torch
 from memo.config import ConfigError, TrainConfig
 from memo.config.validate import MEGATRON_DATA
 from memo.data.corpus import MegatronCorpus
+from memo.model.documents import DocumentParams, Documents
 
 SYNTHETIC_ALPHABET = 1024
 
@@ -89,10 +90,16 @@ def micro_batches(
     dp_size: int,
     device: torch.device,
     consumed_samples: int = 0,
+    eod: Optional[int] = None,
 ) -> Iterator[list[dict]]:
     """Yield, for each step, this rank's micro-batches as ``tokens``/``labels``/``position_ids``
     tensors of shape ``[micro_batch_size, seq]`` on ``device``; labels are tokens shifted by one.
-    The first step's samples follow the ``consumed_samples`` an earlier run (a checkpoint) drew."""
+    The first step's samples follow the ``consumed_samples`` an earlier run (a checkpoint) drew.
+
+    With ``eod`` (documents kept apart, one sequence per micro-batch) a micro-batch also holds
+    ``documents`` (:class:`~memo.model.documents.DocumentParams`, the model's
+    ``packed_seq_params``) and ``loss_mask`` (0 where the token is ``eod``: its label begins the
+    next document), and its positions restart at every document."""
     positions = torch.arange(seq, device=device).expand(micro_batch_size, seq)
     step = 0
     while True:
@@ -100,7 +107,12 @@ def micro_batches(
         for k in range(micro_batches_per_step):
             first = consumed_samples + ((step * micro_batches_per_step + k) * dp_size + dp_rank) * micro_batch_size
             rows = torch.stack([source.sample(first + j, seq + 1) for j in range(micro_batch_size)])
-            rows = rows.to(device)
-            batch.append({"tokens": rows[:, :-1], "labels": rows[:, 1:], "position_ids": positions})
+            micro_batch = {"tokens": rows[:, :-1].to(device), "labels": rows[:, 1:].to(device), "position_ids": positions}
+            if eod is not None:
+                documents = Documents.of(rows[0, :-1], eod)  # (on the host: no device sync per step)
+                micro_batch.update(position_ids=documents.position_ids()[None].to(device),
+                                   documents=DocumentParams.of(documents, device),
+                                   loss_mask=micro_batch["tokens"] != eod)
+            batch.append(micro_batch)
         yield batch
         step += 1

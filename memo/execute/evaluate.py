@@ -11,13 +11,14 @@ Without gradients the layers run Megatron's own forward (no swapping, nothing sa
 validation pass holds one layer's transient tensors at a time, as inference does.
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from memo.execute.data import micro_batches
+from memo.execute.train import token_losses
 
 
 class ValidationSamples:
@@ -44,12 +45,15 @@ def validation_loss(
     buckets: int,
     device: torch.device,
     this_ranks_tokens: Callable[[dict], dict],
+    eod: Optional[int] = None,
 ) -> dict:
     """The mean loss (nats per token) over one pass of validation samples, and per position bucket.
 
     Args:
         micro_batches_per_pass: micro-batches of each data-parallel rank (eval_iters · micro_batches).
         this_ranks_tokens: a micro-batch cut to this rank's tokens (context parallelism).
+        eod: the end-of-document id where documents are kept apart (positions then count within
+            each document).
 
     Returns:
         ``valid_loss`` and ``valid_loss_by_position`` (a list, bucket by bucket), the same on
@@ -58,7 +62,7 @@ def validation_loss(
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     batch = next(micro_batches(ValidationSamples(source), seq, micro_batch_size, micro_batches_per_pass,
                                parallel_state.get_data_parallel_rank(),
-                               parallel_state.get_data_parallel_world_size(), device))
+                               parallel_state.get_data_parallel_world_size(), device, eod=eod))
     sums = torch.zeros(buckets, dtype=torch.float64, device=device)
     counts = torch.zeros(buckets, dtype=torch.float64, device=device)
     model.eval()
@@ -66,11 +70,13 @@ def validation_loss(
         with torch.no_grad():
             for micro_batch in batch:
                 mb = this_ranks_tokens(micro_batch)
-                per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
-                # the bucket whose span (bucket_bounds) holds each position
+                per_token, counted = token_losses(model, mb)
+                # the bucket whose span (bucket_bounds) holds each position (within its document,
+                # where documents are kept apart: the context the token had)
                 bucket = (((mb["position_ids"] + 1) * buckets - 1) // seq).reshape(-1)
-                sums.index_add_(0, bucket, per_token.double().reshape(-1))
-                counts.index_add_(0, bucket, torch.ones_like(bucket, dtype=torch.float64))
+                weight = torch.ones_like(per_token, dtype=torch.float64) if counted is None else counted.double()
+                sums.index_add_(0, bucket, (per_token.double() * weight).reshape(-1))
+                counts.index_add_(0, bucket, weight.reshape(-1))
                 del per_token
     finally:
         model.train()

@@ -32,6 +32,23 @@ def rank_tokens(layout: str) -> Callable[[dict], dict]:
     return lambda micro_batch: batch_for_rank(micro_batch, rank, cp, layout)
 
 
+def token_losses(model: torch.nn.Module, micro_batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The model's loss of every token of ``micro_batch`` (``[b, s]``, nats), and which tokens
+    count (``None``: all): documents kept apart (:func:`memo.execute.data.micro_batches`'
+    ``documents``) do not count a token whose label begins the next document."""
+    documents = micro_batch.get("documents")
+    per_token = model(micro_batch["tokens"], micro_batch["position_ids"], None, labels=micro_batch["labels"],
+                      **({} if documents is None else {"packed_seq_params": documents}))
+    return per_token, micro_batch.get("loss_mask")
+
+
+def mean_loss(per_token: torch.Tensor, counted: Optional[torch.Tensor]) -> torch.Tensor:
+    """The mean loss in float32 over the tokens that count (:func:`token_losses`)."""
+    if counted is None:
+        return per_token.float().mean()
+    return (per_token.float() * counted).sum() / counted.sum()
+
+
 def untimed_steps(train: TrainConfig, start_step: int) -> int:
     """Steps left out of the timing from ``start_step`` on: ``train.warmup_steps``, fewer where
     fewer are left, so that one is timed (a run resumed near its end)."""
@@ -53,9 +70,11 @@ def run_steps(
     """Train from step ``start_step`` (a checkpoint's, else 0) up to ``train.steps``, calling
     ``on_step`` with each step's record.
 
-    A record holds ``step`` (1-based), ``loss``, ``lr``, ``grad_norm``, ``iter_time_s`` and
-    ``timed`` (False for the first ``train.warmup_steps`` steps this process runs, fewer if it runs
-    no more, so that one is timed). Each step runs inside ``step_scope(k)`` (k counts this
+    A record holds ``step`` (1-based), ``loss``, ``lr``, ``grad_norm``, ``iter_time_s``,
+    ``document_squared_tokens`` where documents are kept apart (``Σ n²`` over the global batch's
+    documents, for :func:`memo.metrics.flops.model_flops`) and ``timed`` (False for the first
+    ``train.warmup_steps`` steps this process runs, fewer if it runs no more, so that one is
+    timed). Each step runs inside ``step_scope(k)`` (k counts this
     process's steps from 0), whose phase marker, if it yields one, is told when the
     backward pass and the optimizer step begin; what it does on leaving is not timed. Under
     context parallelism each rank trains on its tokens of every micro-batch
@@ -78,15 +97,17 @@ def run_steps(
             start = time.perf_counter()
             optimizer.zero_grad()
             loss_sum = torch.zeros((), device=device_type, dtype=torch.float32)
+            squared = 0  # Σ n² over the documents of this replica's micro-batches, where kept apart
             for micro_batch in batch:
+                if "documents" in micro_batch:
+                    squared += micro_batch["documents"].documents.squared_lengths()
                 mb = token_order(this_ranks_tokens(micro_batch))
-                per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
-                loss = per_token.float().mean() / len(batch)
+                loss = mean_loss(*token_losses(model, mb)) / len(batch)
                 if marker is not None:
                     marker.backward()
                 optimizer.scale_loss(loss).backward()
                 loss_sum += loss.detach()
-                del per_token, loss  # freed within the step, as a recorded iteration has them
+                del loss  # freed within the step, as a recorded iteration has them
             step_end()
             if marker is not None:
                 marker.optimizer()
@@ -96,13 +117,16 @@ def run_steps(
         dist.all_reduce(loss_sum, group=dp_group)
         loss_value = loss_sum.item()
         del loss_sum  # not alive into the next step, which a recorded step did not see
-        on_step(
-            {
-                "step": step + 1,
-                "loss": loss_value / dist.get_world_size(dp_group),
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "iter_time_s": elapsed,
-                "timed": step - start_step >= untimed,
-            }
-        )
+        record = {
+            "step": step + 1,
+            "loss": loss_value / dist.get_world_size(dp_group),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "iter_time_s": elapsed,
+            "timed": step - start_step >= untimed,
+        }
+        if squared:  # over the replicas (a replica's context-parallel ranks share its documents)
+            total = torch.tensor(squared, dtype=torch.float64, device=device_type)
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            record["document_squared_tokens"] = int(total.item())
+        on_step(record)

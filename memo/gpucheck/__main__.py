@@ -7,7 +7,7 @@ budgets together keep it inside one command of eight minutes: ``smoke`` (every p
 can break, quickly), ``cp_kernels`` (each block kernel against a float64 reference, then timed),
 ``numerics`` (every method's gradients against keeping everything) and ``probe`` (the physical
 bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``, ``tiles``, ``frontier``,
-``checkpoints``) run with
+``checkpoints``, ``documents``) run with
 ``--all`` or by name with ``--only``, when device time is left.
 
 A step whose finished result (``<step>.csv``) in ``DIR`` was made by the code checked out now
@@ -59,6 +59,7 @@ STEPS = [
     Step("tiles", ("memo.gpucheck.tiles",), 420),
     Step("frontier", ("memo.gpucheck.frontier",), 480),
     Step("checkpoints", ("memo.gpucheck.checkpoints",), 300),
+    Step("documents", ("memo.gpucheck.documents",), 150),
 ]
 FIRST_BUDGET_S = sum(step.budget_s for step in STEPS if step.first)
 CPU_BUDGET_FACTOR = 3

@@ -105,6 +105,20 @@ def relative_errors(loss: float, grads: dict, reference: tuple[float, dict]) -> 
     return {"loss_error": abs(loss - ref_loss) / abs(ref_loss), "grad_error": worst, "worst_parameter": name}
 
 
+def judged(errors: dict, dtype: torch.dtype, **fields) -> dict:
+    """A row of ``fields`` and :func:`relative_errors`' ``errors``, with the tolerance of ``dtype``
+    (:data:`TOLERANCE`) and its verdict (``status``)."""
+    ok = errors["grad_error"] <= TOLERANCE[dtype] and errors["loss_error"] <= TOLERANCE[dtype]
+    return {**fields, "dtype": dtype_label(dtype), **errors, "tolerance": TOLERANCE[dtype],
+            "status": "ok" if ok else "failed"}
+
+
+def say(step: str, what: str, row: dict) -> None:
+    """Print a :func:`judged` row's errors and verdict."""
+    print(f"{step}: {what}: loss error {row['loss_error']:.2e}, gradient error {row['grad_error']:.2e} "
+          f"({'ok' if row['status'] == 'ok' else 'ABOVE'} {row['tolerance']:g})", flush=True)
+
+
 def kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:
     """The SDPA kernels that run here for this head size, fastest first."""
     names = []
@@ -126,14 +140,10 @@ def compare_methods(model_overrides: list[str], seq: int, device: torch.device, 
             reference = gradients("none", None, model_overrides, seq, device, dtype, kernel)
             for method, alpha, tile in methods:
                 loss, grads = gradients(method, alpha, model_overrides, seq, device, dtype, kernel, tile)
-                errors = relative_errors(loss, grads, reference)
-                ok = errors["grad_error"] <= TOLERANCE[dtype] and errors["loss_error"] <= TOLERANCE[dtype]
-                rows.append({"model": compose(*model_overrides).model.name, "kernel": kernel, "method": method,
-                             "alpha": alpha, "tile_tokens": tile, "seq": seq,
-                             "dtype": dtype_label(dtype), **errors,
-                             "tolerance": TOLERANCE[dtype], "status": "ok" if ok else "failed"})
-                print(f"numerics: {kernel} {method} alpha={alpha} tile={tile}: gradient error {errors['grad_error']:.2e} "
-                      f"({'ok' if ok else 'ABOVE'} {TOLERANCE[dtype]:g})", flush=True)
+                rows.append(judged(relative_errors(loss, grads, reference), dtype,
+                                   model=compose(*model_overrides).model.name, kernel=kernel, method=method,
+                                   alpha=alpha, tile_tokens=tile, seq=seq))
+                say("numerics", f"{kernel} {method} alpha={alpha} tile={tile}", rows[-1])
     finally:
         distributed.shutdown()
     return rows

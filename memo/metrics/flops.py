@@ -12,12 +12,24 @@ same two s×s products).
 6·s·P is forward (2) plus backward (4) of every weight; 6·n·h·s² is the same for the two s×s
 attention matmuls at half density (the causal mask). Recomputation adds no model FLOPs, so a
 method that recomputes more scores a lower MFU for the same work.
+
+Where a sequence's documents are kept apart (``train.document_mask``) attention computes only
+each document's own square: s² becomes Σ nᵢ² over the documents' lengths nᵢ
+(:func:`model_flops`). A run then reports both: ``mfu`` by the paper's formula, as if the whole
+sequence were attended, and ``mfu_documents`` by the attention computed.
 """
+
+
+def model_flops(tokens: int, squared_spans: int, params: int, num_layers: int, hidden_size: int) -> float:
+    """Model FLOPs (forward and backward) of ``tokens`` tokens whose causal attention spans
+    (a whole sequence, or each document of one where documents are kept apart) have lengths
+    whose squares sum to ``squared_spans`` (tokens²)."""
+    return 6.0 * tokens * params + 6.0 * num_layers * hidden_size * squared_spans
 
 
 def model_flops_per_sample(seq: int, params: int, num_layers: int, hidden_size: int) -> float:
     """Model FLOPs of one training sample (forward and backward) of ``seq`` tokens."""
-    return 6.0 * seq * params + 6.0 * num_layers * hidden_size * seq**2
+    return model_flops(seq, seq**2, params, num_layers, hidden_size)
 
 
 def mfu(flops_per_iter: float, iter_time_s: float, num_devices: int, peak_flops: float) -> float:

@@ -23,7 +23,9 @@ from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memo.config import ConfigError
+from memo.model import attention_blocks
 from memo.model.context_parallel import CP_COMM_TYPES, context_parallel_attention
+from memo.model.documents import DocumentParams, Documents, document_attention
 from memo.model.placement import Placed, Placement
 
 # Fastest first on Hopper: cuDNN's fused attention, then FlashAttention-2, then the rest.
@@ -46,17 +48,22 @@ def causal_attention(
     placement: Optional[Placement] = None,
     cp_group=None,
     cp_comm_type: str = "all_gather",
+    documents: Optional[Documents] = None,
 ) -> torch.Tensor:
     """Causal attention with one SDPA kernel: ``[s, b, heads, dim]`` in, ``[s, b, heads·dim]`` out.
 
     ``placement`` (:class:`memo.model.placement.Placement`) sees the kernel's inputs and may
     replay its output instead of running it. With ``cp_group`` the tokens are this rank's part of
-    a sequence split over that context-parallel group, exchanged by ``cp_comm_type``.
+    a sequence split over that context-parallel group, exchanged by ``cp_comm_type``. With
+    ``documents`` each query attends within its document only
+    (:func:`memo.model.documents.document_attention`, with ``backend``'s block kernel).
     """
     # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take strided batch and head dims.
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
 
     def kernel() -> torch.Tensor:
+        if documents is not None:
+            return document_attention(q, k, v, documents, attention_blocks.kernel_for(backend, q), scale)
         if cp_group is not None:
             return context_parallel_attention(q, k, v, cp_group, backend, scale, cp_comm_type)
         with sdpa_kernel([_CANDIDATES[backend]]):
@@ -150,10 +157,19 @@ class SdpaAttention(Placed, MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        """Attend causally; returns ``[s, b, heads·head_dim]``. ``attention_mask`` is unused:
-        the causal mask is implicit, so no s×s tensor is ever built."""
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SdpaAttention supports neither attention bias nor packed sequences")
+        """Attend causally (within each document, given :class:`~memo.model.documents.DocumentParams`);
+        returns ``[s, b, heads·head_dim]``. ``attention_mask`` is unused: the causal mask is
+        implicit, so no s×s tensor is ever built."""
+        if attention_bias is not None:
+            raise ValueError("SdpaAttention supports no attention bias")
+        documents = None
+        if packed_seq_params is not None:
+            if not isinstance(packed_seq_params, DocumentParams):
+                raise ValueError("SdpaAttention takes packed sequences as memo's DocumentParams only")
+            if self.cp_group is not None or (self.dropout and self.training) or query.shape[1] != 1:
+                raise ValueError("SdpaAttention keeps documents apart in one sequence per micro-batch, without "
+                                 "context parallelism or attention dropout")
+            documents = packed_seq_params.documents
         return causal_attention(
             query,
             key,
@@ -165,4 +181,5 @@ class SdpaAttention(Placed, MegatronModule):
             placement=self.placement,
             cp_group=self.cp_group,
             cp_comm_type=self.cp_comm_type,
+            documents=documents,
         )

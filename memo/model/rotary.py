@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
+from memo.model.documents import DocumentParams
 from memo.model.placement import Placed, Placement, copy_into, new_output
 
 
@@ -92,8 +93,10 @@ class RotarySelfAttention(Placed, SelfAttention):
     giving v its own storage so that the fused QKV output is not kept alive behind it. With a
     swap placement (``placement``) q, k and v are made in the rounding buffer that keeps them.
 
-    ``rotary_table`` is bound in the layer spec. Inference, packed sequences and interleaved or
-    partial rotations are left to Megatron's own path.
+    ``rotary_table`` is bound in the layer spec. Documents kept apart
+    (:class:`~memo.model.documents.DocumentParams`) rotate each token by its position within its
+    document. Inference, Megatron's packed sequences and interleaved or partial rotations are left
+    to Megatron's own path.
     """
 
     def __init__(self, *args, rotary_table: RotaryTable, **kwargs):
@@ -106,14 +109,17 @@ class RotarySelfAttention(Placed, SelfAttention):
         # get_query_key_value_tensors below sees them and rotates q and k.
         own = (
             isinstance(rotary_pos_emb, torch.Tensor) and not args
-            and kwargs.get("inference_context") is None and kwargs.get("packed_seq_params") is None
+            and kwargs.get("inference_context") is None
+            and (kwargs.get("packed_seq_params") is None or isinstance(kwargs["packed_seq_params"], DocumentParams))
             and not self.config.rotary_interleaved and not self.config.attention_output_gate
             and not self.config.fused_single_qkv_rope and not self.config.flash_decode
         )
         if not own:
             return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb,
                                    **kwargs)
-        self._freqs = rotary_pos_emb
+        documents = kwargs.get("packed_seq_params")
+        # positions restart at every document
+        self._freqs = rotary_pos_emb if documents is None else documents.rotary_angles(rotary_pos_emb)
         try:
             return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
         finally:

@@ -27,7 +27,7 @@ from memo.execute.plan_server import ServingStats
 from memo.execute.progress import format_seconds, step_progress
 from memo.execute.schedule import schedule_settings
 from memo.execute.train import rank_tokens, run_steps, untimed_steps
-from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
+from memo.metrics import PeakMemory, mfu, model_flops, model_flops_per_sample, tgs
 from memo.model import (
     build_gpt,
     dtype_label,
@@ -49,7 +49,8 @@ log = logging.getLogger("memo")
 # Fields every row carries, so that a table of ok and failed runs has the same columns.
 METRIC_FIELDS = (
     "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "resumed_from_step",
-    "checkpoint_last", "steps_timed", "iter_time_s", "iter_time_s_median", "tgs", "mfu", "loss_first", "loss_last",
+    "checkpoint_last", "steps_timed", "iter_time_s", "iter_time_s_median", "tgs", "mfu", "mfu_documents", "loss_first",
+    "loss_last",
     *(f"swap.{f.name}" for f in dataclasses.fields(SwapReport)),
     *(f"tiles.{name}" for name in TileReport.row_fields()),
     "valid_loss", "valid_loss_by_position", *ALLOCATOR_FIELDS, "plan.serving",
@@ -225,12 +226,14 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         dp_size = parallel_state.get_data_parallel_world_size()
         global_batch = workload.micro_batch_size * train.micro_batches * dp_size
         source = token_source(train, model.vocab_size, seq, validation=train.eval_interval is not None)
+        eod = source.eod if train.document_mask else None  # (Megatron data: validated)
         batches = micro_batches(
             source, seq, workload.micro_batch_size, train.micro_batches,
-            parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type), consumed,
+            parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type), consumed, eod,
         )
-        flops_per_iter = global_batch * model_flops_per_sample(seq, model_flops_parameters(model),
-                                                               model.num_layers, model.hidden_size)
+        flops_parameters = model_flops_parameters(model)
+        flops_per_iter = global_batch * model_flops_per_sample(seq, flops_parameters, model.num_layers,
+                                                               model.hidden_size)
         row.update(
             params=built.params,
             global_batch_size=global_batch,
@@ -253,6 +256,11 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         def on_step(record: dict) -> None:  # runs inside the `with` below, where progress is set
             record["tgs"] = tgs(global_batch * seq, record["iter_time_s"], info.world_size)
             record["mfu"] = mfu(flops_per_iter, record["iter_time_s"], info.world_size, hw.peak_flops)
+            if "document_squared_tokens" in record:  # the attention computed: each document's square
+                record["flops_documents"] = model_flops(global_batch * seq, record["document_squared_tokens"],
+                                                        flops_parameters, model.num_layers, model.hidden_size)
+                record["mfu_documents"] = mfu(record["flops_documents"], record["iter_time_s"], info.world_size,
+                                              hw.peak_flops)
             record.update(memory.read())
             if isinstance(placement, SwapRuntime):
                 record.update(_swap_accounting(placement, record["step"], writer))
@@ -262,7 +270,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             if train.eval_interval is not None and (step % train.eval_interval == 0 or step == train.steps):
                 record.update(validation_loss(
                     optimizer.model, source, seq, workload.micro_batch_size, train.eval_iters * train.micro_batches,
-                    train.eval_buckets, torch.device(device_type), this_ranks_tokens))
+                    train.eval_buckets, torch.device(device_type), this_ranks_tokens, eod))
                 row.update(valid_loss=record["valid_loss"], valid_loss_by_position=record["valid_loss_by_position"])
                 if info.rank == 0:
                     log.info("step %d validation loss %.4f, by position: %s", step, record["valid_loss"],
@@ -312,6 +320,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         iter_time_s_median=statistics.median(times),
         tgs=tgs(global_batch * seq, iter_time, info.world_size),
         mfu=mfu(flops_per_iter, iter_time, info.world_size, hw.peak_flops),
+        mfu_documents=(mfu(statistics.fmean(r["flops_documents"] for r in records if r["timed"]), iter_time,
+                           info.world_size, hw.peak_flops) if "flops_documents" in records[0] else None),
         loss_first=records[0]["loss"],
         loss_last=records[-1]["loss"],
     )

@@ -32,6 +32,7 @@ from memo import hardware
 from memo.config import ParallelConfig, Workload
 from memo.hardware import Hardware
 from memo.model import torch_dtype
+from memo.model.documents import DocumentParams, Documents
 from memo.swap.alpha import SkeletalBytes, check_host, choose_alpha, host_bound
 from memo.swap.layout import ATTENTION, EXTERNAL, INPUT, TOKENS
 from memo.swap.runtime import SwapRuntime
@@ -202,7 +203,10 @@ def _layer_arguments(model, workload: Workload, runtime: SwapRuntime) -> dict:
     generator = torch.Generator(device.type).manual_seed(0)
     hidden = torch.randn(tokens, workload.micro_batch_size, model.config.hidden_size, dtype=torch_dtype(workload),
                          device=device, generator=generator, requires_grad=True)
-    return {"hidden_states": hidden, "attention_mask": None, "rotary_pos_emb": model.rotary_pos_emb(seq)}
+    arguments = {"hidden_states": hidden, "attention_mask": None, "rotary_pos_emb": model.rotary_pos_emb(seq)}
+    if workload.document_mask:  # attention within documents saves its own tensors, in its own order
+        arguments["packed_seq_params"] = DocumentParams.of(Documents((0,), tokens), device)
+    return arguments
 
 
 def swapping_walk(workload: Workload, num_layers: int, streams: Streams, device: torch.device,

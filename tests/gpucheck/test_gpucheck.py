@@ -81,7 +81,7 @@ def test_a_step_of_this_code_is_kept_and_one_of_other_code_is_set_aside_then_run
     assert pack.main(["--cpu", "--out", str(tmp_path), "--all"]) == 0
     # every step but probe, whose result is this code's
     assert fake.ran[8:] == ["smoke", "cp_kernels", "numerics", "models", "throughput", "overlap", "longest",
-                            "calibration", "tiles", "frontier", "checkpoints"]
+                            "calibration", "tiles", "frontier", "checkpoints", "documents"]
 
 
 def test_a_failing_step_records_why(tmp_path):
@@ -174,9 +174,10 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
 
     # the later steps, each alone; the GPU-only ones say why they did not run
     steps = pack_run("--only", "throughput", "calibration", "overlap", "longest", "probe", "models", "tiles",
-                     "checkpoints")
+                     "checkpoints", "documents")
     assert steps.loc["probe", "status"] == "done before"
-    assert set(steps.loc[["throughput", "calibration", "models", "tiles", "checkpoints"], "status"]) == {"ok"}
+    assert set(steps.loc[["throughput", "calibration", "models", "tiles", "checkpoints", "documents"],
+                         "status"]) == {"ok"}
     assert set(steps.loc[["overlap", "longest"], "status"]) == {"skipped"}
     assert all(steps.loc[["overlap", "longest"], "detail"].str.startswith("needs a GPU: "))
     throughput = pd.read_csv(tmp_path / "throughput.csv")
@@ -195,6 +196,9 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     assert (checkpoints["status"], checkpoints["resumed_from_step"], checkpoints["optimizer"]) == ("ok", 3, "torch_adamw")
     assert checkpoints["max_loss_diff"] == 0 and checkpoints["max_tensor_diff"] == 0
     assert checkpoints["valid_loss_diff"] == 0
+    documents = pd.read_csv(tmp_path / "documents.csv")  # packed against one by one, fp32
+    assert list(documents["method"]) == ["none", "memo"] and (documents["status"] == "ok").all()
+    assert (documents["grad_error"] <= 1e-5).all() and (documents["documents"] == "100 40 116").all()
 
 
 def test_overlap_counts_copy_time_under_compute_and_compute_idle_during_copies():

@@ -8,7 +8,7 @@ import torch
 
 from memo import hardware
 from memo.config import ConfigError
-from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
+from memo.metrics import PeakMemory, mfu, model_flops, model_flops_per_sample, tgs
 from memo.model import build_gpt, padded_vocab_size, parameter_count
 
 from conftest import compose_config, resolve_config
@@ -29,6 +29,12 @@ def test_parameter_count_of_7b():
 
 def test_model_flops_per_sample_7b_at_1m():
     assert model_flops_per_sample(S_1M, P_7B, 32, 4096) == FLOPS_7B_1M
+
+
+def test_documents_kept_apart_count_the_attention_of_each_documents_square():
+    # 10 tokens in documents of 4 and 6: 6·10·100 weight FLOPs, 6·2·8·(16 + 36) attention FLOPs
+    assert model_flops(10, 4**2 + 6**2, 100, 2, 8) == 6000 + 4992
+    assert model_flops(10, 10**2, 100, 2, 8) == model_flops_per_sample(10, 100, 2, 8) == 6000 + 9600
 
 
 def test_mfu_and_tgs_7b_at_1m_on_8_a800():

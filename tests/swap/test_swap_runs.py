@@ -114,3 +114,23 @@ def test_llama_shaped_gradients_of_every_method_match_keeping_everything_in_two_
     for (layout, loss), result in zip(LLAMA_LAYOUTS, torchrun_results, strict=True):
         methods = 8 if layout == "tp2-sp" else 6
         assert result.passed() == (f"{methods} methods match over 3 steps with {loss} (tiny_llama, {layout})",) * 2
+
+
+def test_documents_kept_apart_train_alike_with_memo_and_keeping_everything(tmp_path):
+    prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=120)
+    common = ["seq=128", "train.steps=4", "train.warmup_steps=1", f"train.data=megatron:{prefix}",
+              f"train.tokenizer={tokenizer}", "train.loss=tiled", "model.vocab_size=64", "train.eval_interval=2",
+              "train.eval_buckets=4", "train.data_split='80,20,0'"]
+    rows = {name: run_in_process(tmp_path / name, *common, *overrides) for name, overrides in [
+        ("none", ["train.document_mask=true"]), ("memo", ["train.document_mask=true", "method=memo", "alpha=0.5"]),
+        ("across", [])]}
+    assert {name: row["status"] for name, row in rows.items()} == dict.fromkeys(rows, "ok"), rows
+    losses = {name: _losses(tmp_path / name) for name in rows}
+    assert losses["memo"] == pytest.approx(losses["none"], abs=1e-5)
+    assert losses["none"] != pytest.approx(losses["across"], abs=1e-3)  # the documents did not see each other
+    assert rows["memo"]["valid_loss"] == pytest.approx(rows["none"]["valid_loss"], abs=1e-5)
+    assert len(rows["none"]["valid_loss_by_position"]) == 4
+    # MFU of the attention computed, each step's documents' squares, beside the paper's
+    steps = [json.loads(line) for line in (tmp_path / "none" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < s["document_squared_tokens"] < 128**2 for s in steps)
+    assert 0 < rows["none"]["mfu_documents"] < rows["none"]["mfu"] and rows["across"]["mfu_documents"] is None

@@ -1,0 +1,115 @@
+"""Pack step ``documents``: a packed sequence of documents kept apart against the same documents
+run one by one.
+
+A Llama-shaped model (grouped keys and values, rotary positions) takes one sequence of three
+documents with ``train.document_mask``'s attention (one causal block per document, with each
+block kernel the device runs), rotary positions restarting at each document, and no loss on a
+token whose label begins the next document; its layers kept (``none``) and swapped (``memo``,
+α 0.5). The reference runs each document alone through whole-sequence causal attention
+(``none``). A row per kernel and method: the summed loss's relative error and the largest
+normwise relative gradient error (:func:`memo.gpucheck.numerics.relative_errors`), within
+:data:`memo.gpucheck.numerics.TOLERANCE` (bf16 on a GPU; fp32 on the CPU, where the suite
+asserts agreement to 1e-9 in fp64).
+
+    python -m memo.gpucheck.documents --out DIR [--cpu]
+"""
+
+import dataclasses
+import sys
+
+import torch
+
+from memo.config import resolve
+from memo.execute import distributed
+from memo.execute.data import SyntheticTokens
+from memo.execute.distributed import ProcessInfo
+from memo.gpucheck.common import arguments, compose, placed_model, write_rows
+from memo.gpucheck.numerics import judged, kernels, relative_errors, say
+from memo.model import dtype_setting
+from memo.model.documents import DocumentParams, Documents
+
+METHODS = [("none", None), ("memo", 0.5)]
+
+
+def sequence(vocab_size: int, lengths: list[int]) -> tuple[torch.Tensor, int]:
+    """``sum(lengths) + 1`` synthetic tokens in documents of ``lengths``, each but the last ending
+    with the end-of-document id, and that id (one the synthetic alphabet never draws)."""
+    source = SyntheticTokens(vocab_size, 0)
+    eod = next(i for i in range(vocab_size) if i not in set(source.alphabet.tolist()))
+    tokens = source.sample(0, sum(lengths) + 1)
+    for end in torch.tensor(lengths).cumsum(0)[:-1]:
+        tokens[end - 1] = eod
+    return tokens, eod
+
+
+def losses_and_grads(model, tokens: torch.Tensor, eod: int, documents=None) -> tuple[float, dict]:
+    """The summed loss of the tokens that are not ``eod`` and its gradients (fp32, by name)."""
+    inputs, labels = tokens[:-1][None], tokens[1:][None]
+    positions = torch.arange(inputs.shape[1], device=tokens.device)[None]
+    extra = {} if documents is None else {"packed_seq_params": documents}
+    per_token = model(inputs, positions, None, labels=labels, **extra)
+    loss = (per_token.float() * (inputs != eod)).sum()
+    model.zero_grad()
+    loss.backward()
+    return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(model_overrides: list[str], lengths: list[int], device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """One row per (kernel, method): the packed documents against the documents one by one."""
+    seq = sum(lengths)
+    settings = [*model_overrides, f"seq={seq}", f"train.dtype={dtype_setting(dtype)}", "train.loss=megatron"]
+    rows = []
+    distributed.initialize(compose(*settings).parallel, device.type, ProcessInfo(0, 1, 0))
+    try:
+        run = resolve(compose("method=none", *settings), gpu_visible=device.type == "cuda")
+        tokens, eod = sequence(run.workload.model.vocab_size, lengths)
+        tokens = tokens.to(device)
+        documents = Documents.of(tokens[:-1].cpu(), eod)
+        head_dim = run.workload.model.hidden_size // run.workload.model.num_attention_heads
+        # (math keeps whole s×s probabilities, which swapping refuses)
+        for kernel in [k for k in kernels(device, dtype, head_dim) if k != "math"]:
+            torch.manual_seed(run.train.seed)
+            reference_model, _, _ = placed_model(run.workload, device, None, kernel)
+            loss, grads = 0.0, None
+            for start, end in documents.spans():  # each document alone, its positions from 0
+                part_loss, part = losses_and_grads(reference_model, tokens[start:end + 1], eod)
+                loss += part_loss
+                grads = part if grads is None else {n: grads[n] + g for n, g in part.items()}
+            del reference_model
+            for method, alpha in METHODS:
+                given = [] if alpha is None else [f"alpha={alpha}"]
+                packed_run = resolve(compose(f"method={method}", *given, *settings), gpu_visible=device.type == "cuda")
+                workload = dataclasses.replace(packed_run.workload, document_mask=True)
+                torch.manual_seed(packed_run.train.seed)
+                model, placement, _ = placed_model(workload, device, packed_run.alpha, kernel)
+                got = losses_and_grads(model, tokens, eod, DocumentParams.of(documents, device))
+                if placement is not None:
+                    placement.release()
+                rows.append(judged(relative_errors(*got, (loss, grads)), dtype, model=run.workload.model.name,
+                                   kernel=kernel, method=method, alpha=alpha, seq=seq,
+                                   documents=" ".join(map(str, lengths))))
+                say("documents", f"{kernel} {method} alpha={alpha}", rows[-1])
+                del model, placement
+    finally:
+        distributed.shutdown()
+    return rows
+
+
+def main(argv=None) -> int:
+    args = arguments(__doc__.splitlines()[0], argv)
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    overrides = ["model=tiny_llama"]
+    if args.cpu:
+        lengths = [100, 40, 116]
+    else:
+        torch.cuda.set_device(0)
+        overrides += ["model.num_layers=6", "model.hidden_size=1024", "model.ffn_hidden_size=3584"]
+        lengths = [3000, 1100, 4092]
+    rows = compare(overrides, lengths, device, dtype)
+    write_rows(args.out, "documents", rows)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
