@@ -376,10 +376,18 @@ def _check_documents(cfg) -> None:
     if t.micro_batch_size != 1:
         raise ConfigError(f"train.document_mask keeps the documents of one sequence per micro-batch apart; set "
                           f"train.micro_batch_size=1 (not {t.micro_batch_size}) and raise train.micro_batches")
-    if p.cp > 1 or tile_tokens(cfg.method) is not None or t.attention_backend == "te":
-        raise ConfigError("train.document_mask runs in memo's own attention over whole layers without context "
-                          "parallelism so far; set parallel.cp=1, method.tile_tokens=whole and an "
-                          "attention_backend other than te, or train.document_mask=false")
+    if p.cp > 1 or t.attention_backend == "te":
+        raise ConfigError("train.document_mask runs in memo's own attention without context parallelism so far; "
+                          "set parallel.cp=1 and an attention_backend other than te, or train.document_mask=false")
+    if cfg.plan:
+        raise ConfigError("train.document_mask: each sequence's documents change what attention allocates, which a "
+                          "memory plan replays step for step; set plan=false or train.document_mask=false")
+    if cfg.method.cp_attention == "deepspeed" or cfg.method.offload_modules:
+        raise ConfigError(f"train.document_mask runs in memo's own attention, not in method={cfg.method.name}'s "
+                          "(DeepSpeed's or Transformer Engine's); choose another method or train.document_mask=false")
+    if p.sequence_parallel and (cfg.method.layer_activations != "megatron" or tile_tokens(cfg.method) is not None):
+        raise ConfigError(f"train.document_mask with parallel.sequence_parallel runs with Megatron's layers only so "
+                          f"far, not method={cfg.method.name}'s; set parallel.sequence_parallel=false")
 
 
 def megatron_blend(train) -> tuple[list[str], Optional[list[float]]]:

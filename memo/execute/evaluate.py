@@ -77,10 +77,13 @@ def validation_loss(
                 weight = torch.ones_like(per_token, dtype=torch.float64) if counted is None else counted.double()
                 sums.index_add_(0, bucket, (per_token.double() * weight).reshape(-1))
                 counts.index_add_(0, bucket, weight.reshape(-1))
+                if "documents" in mb:  # its rotary angles (and their table) are done with
+                    mb["documents"].forget_angles()
                 del per_token
     finally:
         model.train()
     dist.all_reduce(sums, group=dp_group)
     dist.all_reduce(counts, group=dp_group)
+    # (a bucket no token counted in, past every document's length, has no loss: None)
     return {"valid_loss": (sums.sum() / counts.sum()).item(),
-            "valid_loss_by_position": (sums / counts).tolist()}
+            "valid_loss_by_position": [None if n == 0 else total / n for total, n in zip(sums.tolist(), counts.tolist())]}

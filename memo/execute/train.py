@@ -107,6 +107,8 @@ def run_steps(
                     marker.backward()
                 optimizer.scale_loss(loss).backward()
                 loss_sum += loss.detach()
+                if "documents" in micro_batch:  # its rotary angles (and their table) are done with
+                    micro_batch["documents"].forget_angles()
                 del loss  # freed within the step, as a recorded iteration has them
             step_end()
             if marker is not None:

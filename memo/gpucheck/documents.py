@@ -1,11 +1,11 @@
 """Pack step ``documents``: a packed sequence of documents kept apart against the same documents
 run one by one.
 
-A Llama-shaped model (grouped keys and values, rotary positions) takes one sequence of three
-documents with ``train.document_mask``'s attention (one causal block per document, with each
+A Llama-shaped model (grouped keys and values, rotary positions) takes one sequence of
+documents (one of a single token, others of lengths around the kernels' tiles) with ``train.document_mask``'s attention (one causal block per document, with each
 block kernel the device runs), rotary positions restarting at each document, and no loss on a
-token whose label begins the next document; its layers kept (``none``) and swapped (``memo``,
-α 0.5). The reference runs each document alone through whole-sequence causal attention
+token whose label begins the next document; its layers kept (``none``), swapped (``memo``,
+α 0.5) and walked in four sequence tiles (``memo``, α per tile). The reference runs each document alone through whole-sequence causal attention
 (``none``). A row per kernel and method: the summed loss's relative error and the largest
 normwise relative gradient error (:func:`memo.gpucheck.numerics.relative_errors`), within
 :data:`memo.gpucheck.numerics.TOLERANCE` (bf16 on a GPU; fp32 on the CPU, where the suite
@@ -28,7 +28,8 @@ from memo.gpucheck.numerics import judged, kernels, relative_errors, say
 from memo.model import dtype_setting
 from memo.model.documents import DocumentParams, Documents
 
-METHODS = [("none", None), ("memo", 0.5)]
+# method, α (memo's), tokens per sequence tile as a share of the sequence (None: whole layers)
+METHODS = [("none", None, None), ("memo", 0.5, None), ("memo", None, 4)]
 
 
 def sequence(vocab_size: int, lengths: list[int]) -> tuple[torch.Tensor, int]:
@@ -76,8 +77,9 @@ def compare(model_overrides: list[str], lengths: list[int], device: torch.device
                 loss += part_loss
                 grads = part if grads is None else {n: grads[n] + g for n, g in part.items()}
             del reference_model
-            for method, alpha in METHODS:
-                given = [] if alpha is None else [f"alpha={alpha}"]
+            for method, alpha, tiles in METHODS:
+                given = ([] if alpha is None else [f"alpha={alpha}"]) + \
+                    ([] if tiles is None else [f"method.tile_tokens={seq // tiles}"])
                 packed_run = resolve(compose(f"method={method}", *given, *settings), gpu_visible=device.type == "cuda")
                 workload = dataclasses.replace(packed_run.workload, document_mask=True)
                 torch.manual_seed(packed_run.train.seed)
@@ -86,9 +88,10 @@ def compare(model_overrides: list[str], lengths: list[int], device: torch.device
                 if placement is not None:
                     placement.release()
                 rows.append(judged(relative_errors(*got, (loss, grads)), dtype, model=run.workload.model.name,
-                                   kernel=kernel, method=method, alpha=alpha, seq=seq,
+                                   kernel=kernel, method=method, alpha=alpha,
+                                   tile_tokens=None if tiles is None else seq // tiles, seq=seq,
                                    documents=" ".join(map(str, lengths))))
-                say("documents", f"{kernel} {method} alpha={alpha}", rows[-1])
+                say("documents", f"{kernel} {method} alpha={alpha} tiles={tiles}", rows[-1])
                 del model, placement
     finally:
         distributed.shutdown()
@@ -100,12 +103,13 @@ def main(argv=None) -> int:
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     dtype = torch.float32 if args.cpu else torch.bfloat16
     overrides = ["model=tiny_llama"]
+    # documents of one token and of lengths around the kernels' tile sizes among long ones
     if args.cpu:
-        lengths = [100, 40, 116]
+        lengths = [100, 1, 39, 116]
     else:
         torch.cuda.set_device(0)
         overrides += ["model.num_layers=6", "model.hidden_size=1024", "model.ffn_hidden_size=3584"]
-        lengths = [3000, 1100, 4092]
+        lengths = [3000, 1, 63, 65, 127, 129, 4807]
     rows = compare(overrides, lengths, device, dtype)
     write_rows(args.out, "documents", rows)
     return 0 if all(r["status"] == "ok" for r in rows) else 1

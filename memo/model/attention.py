@@ -23,9 +23,8 @@ from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memo.config import ConfigError
-from memo.model import attention_blocks
 from memo.model.context_parallel import CP_COMM_TYPES, context_parallel_attention
-from memo.model.documents import DocumentParams, Documents, document_attention
+from memo.model.documents import DocumentParams, Documents, block_kernel, document_attention
 from memo.model.placement import Placed, Placement
 
 # Fastest first on Hopper: cuDNN's fused attention, then FlashAttention-2, then the rest.
@@ -63,7 +62,7 @@ def causal_attention(
 
     def kernel() -> torch.Tensor:
         if documents is not None:
-            return document_attention(q, k, v, documents, attention_blocks.kernel_for(backend, q), scale)
+            return document_attention(q, k, v, documents, block_kernel(backend, q), scale)
         if cp_group is not None:
             return context_parallel_attention(q, k, v, cp_group, backend, scale, cp_comm_type)
         with sdpa_kernel([_CANDIDATES[backend]]):

@@ -18,6 +18,7 @@ attention over the whole sequence saves (q, k, v, the output and its log-sum-exp
 so that MEMO places them as it places causal attention's.
 """
 
+import bisect
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -85,7 +86,10 @@ class Documents:
         """
         (q0, q1), (k0, k1) = queries, keys
         found = []
-        for start, end in self.spans():
+        ends = (*self.starts[1:], self.tokens)
+        meet_q, meet_k = self._meeting(q0, q1), self._meeting(k0, k1)
+        for d in range(max(meet_q.start, meet_k.start), min(meet_q.stop, meet_k.stop)):
+            start, end = self.starts[d], ends[d]
             qa, qb, ka, kb = max(q0, start), min(q1, end), max(k0, start), min(k1, end)
             if qa >= qb or ka >= kb or ka >= qb:
                 continue
@@ -96,6 +100,13 @@ class Documents:
             else:
                 raise ValueError(f"queries [{q0}, {q1}) and keys [{k0}, {k1}) overlap but are not the same tokens")
         return found
+
+    def _meeting(self, start: int, end: int) -> range:
+        """The indices of the documents with a token in ``[start, end)`` (found by bisection: a
+        tile meets few of many documents)."""
+        if start >= end:
+            return range(0)
+        return range(bisect.bisect_right(self.starts, start) - 1, bisect.bisect_right(self.starts, end - 1))
 
     def squared_lengths(self) -> int:
         """``Σ n²`` over the documents' lengths ``n`` (tokens²): what ``s²`` is to the attention
@@ -111,6 +122,7 @@ class DocumentParams(PackedSeqParams):
     GPTModel hands it to every layer's attention as ``packed_seq_params``."""
 
     documents: Optional[Documents] = None
+    position_ids: Optional[torch.Tensor] = None  # each token's position within its document, on the device
     _angles: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
 
     @staticmethod
@@ -121,7 +133,13 @@ class DocumentParams(PackedSeqParams):
         # whose rows at the positions within documents rotary_angles takes, and whose runs of
         # rows a recomputation of the last tokens takes)
         return DocumentParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                              max_seqlen_q=documents.tokens, max_seqlen_kv=documents.tokens, documents=documents)
+                              max_seqlen_q=documents.tokens, max_seqlen_kv=documents.tokens, documents=documents,
+                              position_ids=documents.position_ids().to(device))
+
+    def forget_angles(self) -> None:
+        """Drop the angles :meth:`rotary_angles` made (``8·s·d`` bytes, with the rotary table's
+        cos and sin of them), once the micro-batch's passes are done."""
+        self._angles = None
 
     def rotary_angles(self, freqs: torch.Tensor) -> torch.Tensor:
         """The rotary angles of each token's position within its document: for ``freqs`` of
@@ -140,9 +158,24 @@ class DocumentParams(PackedSeqParams):
                              "positions of the documents")
         if self._angles is None or self._angles[0] is not base:
             whole = base.view(self.documents.tokens, *freqs.shape[1:])
-            self._angles = (base, whole[self.documents.position_ids().to(base.device)])
+            self._angles = (base, whole[self.position_ids.to(base.device)])
         first = (freqs.storage_offset() - base.storage_offset()) // row
         return self._angles[1][first:first + rows]
+
+
+def block_kernel(backend: str, q: torch.Tensor) -> str:
+    """The block kernel for documents' blocks of ``q``'s device, dtype and head size: as
+    :func:`memo.model.attention_blocks.kernel_for` chooses, but FlashAttention's where that would be
+    cuDNN's, which builds (and keeps) a graph for every block shape it meets, and documents' blocks
+    have as many shapes as documents have lengths."""
+    return blocks.kernel_for("flash" if backend == "cudnn" else backend, q)
+
+
+def documents_of(layer_arguments: dict) -> Optional[Documents]:
+    """The documents kept apart that a layer's keyword arguments carry (``packed_seq_params``,
+    :class:`DocumentParams`), or ``None``."""
+    params = layer_arguments.get("packed_seq_params")
+    return params.documents if isinstance(params, DocumentParams) else None
 
 
 def _span(t: torch.Tensor, start: int, end: int) -> torch.Tensor:

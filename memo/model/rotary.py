@@ -115,6 +115,9 @@ class RotarySelfAttention(Placed, SelfAttention):
             and not self.config.fused_single_qkv_rope and not self.config.flash_decode
         )
         if not own:
+            if isinstance(kwargs.get("packed_seq_params"), DocumentParams):
+                raise ValueError("documents kept apart rotate by their own positions in RotarySelfAttention only: "
+                                 "whole, non-interleaved heads, without inference or output gates")
             return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb,
                                    **kwargs)
         documents = kwargs.get("packed_seq_params")

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from memo.model import attention_blocks as blocks
+from memo.model.documents import Documents
 
 
 def block(store: torch.Tensor, index: int, tokens: int) -> torch.Tensor:
@@ -27,16 +28,33 @@ def block(store: torch.Tensor, index: int, tokens: int) -> torch.Tensor:
     return store[index * tokens:(index + 1) * tokens].permute(1, 2, 0, 3)
 
 
+def _sub_blocks(documents: Optional[Documents], tile: int, j: int, c: int):
+    """``(query rows, key rows, causal)`` within tile ``tile``'s queries and block ``j``'s keys
+    (``c`` tokens each) that attention computes: the whole block (causal on the diagonal), or
+    with ``documents`` each document's part of it (:meth:`Documents.blocks`)."""
+    if documents is None:
+        return [(slice(0, c), slice(0, c), j == tile)]
+    return [(slice(b.q_start - tile * c, b.q_end - tile * c), slice(b.k_start - j * c, b.k_end - j * c), b.causal)
+            for b in documents.blocks((tile * c, (tile + 1) * c), (j * c, (j + 1) * c))]
+
+
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Tokens ``rows`` of a ``[b, heads, tokens, ...]`` tensor (a view)."""
+    return t[:, :, rows]
+
+
 def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: int,
-                 scale: float, on_block: Optional[Callable[[Optional[int]], None]] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, on_block: Optional[Callable[[Optional[int]], None]] = None,
+                 documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of tile ``tile``'s queries ``q`` (``[b, heads, c, d]``) over the store's first
     ``tile + 1`` blocks of ``c`` tokens.
 
     The blocks are merged in place into one float32 output and log-sum-exp made before the first,
     and each block's tensors are freed before the next begins: the requests of a block are made
     and freed within it, so that every block of every tile allocates alike (the planner plans
-    one). ``on_block`` is told the block about to run, and ``None`` once the last is done.
+    one). ``on_block`` is told the block about to run, and ``None`` once the last is done. With
+    ``documents`` (of the whole sequence) each query attends within its document only: a block
+    runs its documents' parts, and one wholly of other documents runs none.
 
     Returns:
         ``(out, lse)``: ``out`` ``[b, heads, c, d]`` in ``q``'s dtype, laid out ``[c, b, heads, d]``
@@ -47,16 +65,21 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
     on_block = on_block or _no_blocks
     out = torch.empty(q.shape, dtype=acc, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+    if documents is not None:  # a query's first block of its document is merged into nothing
+        out.zero_()
+        lse.fill_(-torch.inf)
     for j in range(tile + 1):
         on_block(j)
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
-        part = blocks.forward(kernel, q, k, v, j == tile, scale)
-        if j == 0:
-            out.copy_(part[0])
-            lse.copy_(part[1])
-        else:
-            blocks.merge_into(out, lse, *part)
-        del k, v, part
+        for rows, cols, causal in _sub_blocks(documents, tile, j, c):
+            part = blocks.forward(kernel, _rows(q, rows), _rows(k, cols), _rows(v, cols), causal, scale)
+            if j == 0 and documents is None:
+                out.copy_(part[0])
+                lse.copy_(part[1])
+            else:
+                blocks.merge_into(_rows(out, rows), lse[..., rows], *part)
+            del part
+        del k, v
     on_block(None)
     token_major = torch.empty((c, q.shape[0], q.shape[1], q.shape[3]), dtype=q.dtype, device=q.device)
     token_major.permute(1, 2, 0, 3).copy_(out)
@@ -65,12 +88,12 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
 
 def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, tile: int, scale: float, key_grads: torch.Tensor,
-                  value_grads: torch.Tensor, on_block: Optional[Callable[[Optional[int]], None]] = None
-                  ) -> torch.Tensor:
+                  value_grads: torch.Tensor, on_block: Optional[Callable[[Optional[int]], None]] = None,
+                  documents: Optional[Documents] = None) -> torch.Tensor:
     """The backward pass of :func:`tile_forward`: returns ``dq`` (``q``'s dtype) and adds every
     block's key and value gradients into ``key_grads`` and ``value_grads`` (float32 or wider,
     the store's shape). Each block's tensors are freed before the next begins; ``on_block`` is
-    told as in :func:`tile_forward`."""
+    told as in :func:`tile_forward`; ``documents`` as there."""
     c, groups = q.shape[2], q.shape[1] // keys.shape[2]
     on_block = on_block or _no_blocks
     # in the layouts the kernels take, once for all the tile's blocks rather than per block
@@ -80,12 +103,15 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
     for j in range(tile + 1):
         on_block(j)
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
-        dqb, dkb, dvb = blocks.backward(kernel, dout, q, k, v, out, lse, j == tile, scale)
-        dq.add_(dqb)
-        # grouped heads' gradients summed in the accumulators' precision
-        block(key_grads, j, c).add_(blocks.fold_kv(dkb.to(key_grads.dtype), groups))
-        block(value_grads, j, c).add_(blocks.fold_kv(dvb.to(value_grads.dtype), groups))
-        del k, v, dqb, dkb, dvb
+        for rows, cols, causal in _sub_blocks(documents, tile, j, c):
+            dqb, dkb, dvb = blocks.backward(kernel, _rows(dout, rows), _rows(q, rows), _rows(k, cols), _rows(v, cols),
+                                            _rows(out, rows), lse[..., rows], causal, scale)
+            _rows(dq, rows).add_(dqb)
+            # grouped heads' gradients summed in the accumulators' precision
+            _rows(block(key_grads, j, c), cols).add_(blocks.fold_kv(dkb.to(key_grads.dtype), groups))
+            _rows(block(value_grads, j, c), cols).add_(blocks.fold_kv(dvb.to(value_grads.dtype), groups))
+            del dqb, dkb, dvb
+        del k, v
     on_block(None)
     return dq.to(q.dtype)
 

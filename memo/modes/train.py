@@ -63,7 +63,11 @@ def _check_runtime_support(run: Run) -> None:
     reason = unsupported_layout(w.parallel, w.method)
     if reason is not None:
         raise ConfigError(reason)
-    uses_transformer_engine(w.parallel, run.device_type, run.train.attention_backend, w.method)
+    te = uses_transformer_engine(w.parallel, run.device_type, run.train.attention_backend, w.method)
+    if te and w.document_mask:
+        raise ConfigError(f"train.document_mask keeps documents apart in memo's own attention, and method="
+                          f"{w.method.name} here runs Transformer Engine's; set train.attention_backend to flash, "
+                          "cudnn or efficient, or train.document_mask=false")
     if w.method.cp_attention == "deepspeed":
         require_deepspeed()
     if w.model.init_from is not None:

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
+from memo.model.documents import DocumentParams, Documents, block_kernel, documents_of
 from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS
 from memo.model.tiles import batch_in_tile_order, rank_tile_blocks
 from memo.swap.runtime import SwapRuntime, host_memory, register, unregister
@@ -156,6 +157,8 @@ class TiledLayers:
         self.layers: list = []
         self._index: dict[int, int] = {}
         self._tile: Optional[_Tile] = None
+        # the documents kept apart of the micro-batch being walked (DocumentParams), if any
+        self.documents: Optional[Documents] = None
         # called with (layer, part of its pass) as the walk goes: "fwd.t<t>", "rebuild" (before
         # the backward tiles, and under context parallelism before the forward ones too),
         # "bwd.t<t>", "bwd.kv.t<t>" (context parallelism), and the layer's own "fwd" or "bwd" when
@@ -258,8 +261,11 @@ class TiledLayers:
         """``layer``'s forward pass over its tiles (keyword arguments as Megatron passes them):
         ``(output, None)``."""
         for key in UNSUPPORTED_LAYER_ARGUMENTS:
-            if kwargs.get(key) is not None:
+            if kwargs.get(key) is not None and not isinstance(kwargs[key], DocumentParams):
                 raise ValueError(f"memo's tiles do not support the layer argument {key}")
+        self.documents = documents_of(kwargs)
+        if self.documents is not None and self.cp > 1:
+            raise ValueError("memo's tiles keep documents apart without context parallelism only")
         hidden = kwargs["hidden_states"]
         if not hidden.requires_grad:
             # the weights are not the walk's inputs: without a graph to the input no backward
@@ -499,6 +505,10 @@ class TiledLayers:
         """New memory: a tile's tensors are the tile's own (the walk places none of them)."""
         return torch.empty(shape, dtype=dtype, device=device)
 
+    def _kernel(self, backend: str, q: torch.Tensor) -> str:
+        """The block kernel of the walk's tiles (documents kept apart: :func:`block_kernel`)."""
+        return blocks.kernel_for(backend, q) if self.documents is None else block_kernel(backend, q)
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute, scale: float, backend: str):
         """Core attention of the tile being walked: ``q, k, v`` as the kernels take them
         (``[b, heads, c, dim]``); ``compute`` (whole attention of the tile alone) is not used."""
@@ -510,12 +520,12 @@ class TiledLayers:
         if self.swap is not None and self.swap.capturing:
             # a tile's forward, discovery or recomputation under the swap runtime: its capture
             # keeps (or, recomputing, gives back) the output and log-sum-exp in the tile's buffer
-            kernel = blocks.kernel_for(backend, q)
+            kernel = self._kernel(backend, q)
             return self.swap.attention(q, k, v, lambda: _SwappedTileAttention.apply(q, k, v, self, tile, kernel,
                                                                                       scale))
         if q.shape[2] != self.tile_tokens:
             raise RuntimeError(f"a tile's attention got {q.shape[2]} tokens, not {self.tile_tokens}")
-        kernel, c = blocks.kernel_for(backend, q), self.tile_tokens
+        kernel, c = self._kernel(backend, q), self.tile_tokens
         if tile.mode == KEYS:
             raise _KeysMade(k, v)
         if tile.mode == REBUILD or (tile.mode == FORWARD and self.cp == 1):
@@ -525,7 +535,7 @@ class TiledLayers:
             raise _Rebuilt
         if tile.mode == FORWARD:
             return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.block, scale,
-                                self.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"))[0]
+                                self.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"), self.documents)[0]
         return _TileAttention.apply(q, k, v, self, tile, kernel, scale)
 
 
@@ -538,8 +548,8 @@ class _TileAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, walk: TiledLayers, tile: _Tile, kernel: str, scale: float):
         out, lse = tile_forward(kernel, q, walk.stores.keys, walk.stores.values, tile.block, scale,
-                                walk.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"))
-        ctx.walk, ctx.tile, ctx.kernel, ctx.scale = walk, tile, kernel, scale
+                                walk.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"), walk.documents)
+        ctx.walk, ctx.tile, ctx.kernel, ctx.scale, ctx.documents = walk, tile, kernel, scale, walk.documents
         ctx.q, ctx.out, ctx.lse = q, out, lse
         ctx.kv_dtype = k.dtype
         return out.view_as(out)
@@ -550,7 +560,8 @@ class _TileAttention(torch.autograd.Function):
         stores = walk.stores
         dq = tile_backward(ctx.kernel, dout, ctx.q, stores.keys, stores.values, ctx.out, ctx.lse, j, ctx.scale,
                            stores.key_grads, stores.value_grads,
-                           walk.block_phases(ctx.tile.layer, f"{BACKWARD}.t{ctx.tile.index}", BACKWARD_BLOCK))
+                           walk.block_phases(ctx.tile.layer, f"{BACKWARD}.t{ctx.tile.index}", BACKWARD_BLOCK),
+                           ctx.documents)
         ctx.q = ctx.out = ctx.lse = None  # attributes, which autograd does not free with the node
         if walk.cp > 1:
             return dq, None, None, None, None, None, None
@@ -571,9 +582,10 @@ class _SwappedTileAttention(torch.autograd.Function):
             block(stores.keys, tile.block, c).copy_(k)
             block(stores.values, tile.block, c).copy_(v)
         out, lse = tile_forward(kernel, q, stores.keys, stores.values, tile.block, scale,
-                                walk.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"))
+                                walk.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"), walk.documents)
         ctx.save_for_backward(q, out, lse)
         ctx.walk, ctx.block, ctx.kernel, ctx.scale, ctx.kv_dtype = walk, tile.block, kernel, scale, k.dtype
+        ctx.documents = walk.documents
         ctx.layer, ctx.index = tile.layer, tile.index
         return out.view_as(out)
 
@@ -583,7 +595,8 @@ class _SwappedTileAttention(torch.autograd.Function):
         stores, j, c = ctx.walk.stores, ctx.block, q.shape[2]
         dq = tile_backward(ctx.kernel, dout, q, stores.keys, stores.values, out, lse, j, ctx.scale,
                            stores.key_grads, stores.value_grads,
-                           ctx.walk.block_phases(ctx.layer, f"{BACKWARD}.t{ctx.index}", BACKWARD_BLOCK))
+                           ctx.walk.block_phases(ctx.layer, f"{BACKWARD}.t{ctx.index}", BACKWARD_BLOCK),
+                           ctx.documents)
         if ctx.walk.cp > 1:  # final once summed over the ranks (:meth:`TiledLayers._key_gradients`)
             return dq, None, None, None, None, None, None
         dk, dv = (block(g, j, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
@@ -633,6 +646,7 @@ class _TiledLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        ctx.walk.documents = documents_of(ctx.kwargs)  # (the tiles' recomputations attend with them)
         if ctx.walk.swap is not None:
             ends, ctx.ends = ctx.ends, None  # the tiles' graphs, freed as the layer's backward goes
             grad_x = ctx.walk.run_backward_swapped(ctx.layer, ctx.index, ctx.kwargs, grad.contiguous(), ends)

@@ -197,8 +197,9 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     assert checkpoints["max_loss_diff"] == 0 and checkpoints["max_tensor_diff"] == 0
     assert checkpoints["valid_loss_diff"] == 0
     documents = pd.read_csv(tmp_path / "documents.csv")  # packed against one by one, fp32
-    assert list(documents["method"]) == ["none", "memo"] and (documents["status"] == "ok").all()
-    assert (documents["grad_error"] <= 1e-5).all() and (documents["documents"] == "100 40 116").all()
+    assert list(documents["method"]) == ["none", "memo", "memo"] and (documents["status"] == "ok").all()
+    assert documents["tile_tokens"].tolist()[2] == 64
+    assert (documents["grad_error"] <= 1e-5).all() and (documents["documents"] == "100 1 39 116").all()
 
 
 def test_overlap_counts_copy_time_under_compute_and_compute_idle_during_copies():

@@ -52,7 +52,9 @@ def _loss_and_grads(model, tokens, labels, **kwargs):
     return per_token.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("method, overrides", [("none", ()), ("memo", ("alpha=0.5",))], ids=["none", "memo"])
+@pytest.mark.parametrize("method, overrides", [
+    ("none", ()), ("memo", ("alpha=0.5",)), ("memo", ("method.tile_tokens=16",)),
+    ("full_recompute", ("method.tile_tokens=16",))], ids=["none", "memo", "memo-tiles", "full_recompute-tiles"])
 def test_packed_documents_train_as_the_documents_one_by_one(single_process, method, overrides):
     sequence = _sequence()
     tokens, labels = sequence[:-1], sequence[1:]
@@ -69,8 +71,10 @@ def test_packed_documents_train_as_the_documents_one_by_one(single_process, meth
     model, runtime = _built(method, *overrides)
     packed_losses, packed_grads = _loss_and_grads(model, tokens, labels,
                                                   packed_seq_params=DocumentParams.of(documents, "cpu"))
-    if method == "memo":
-        assert runtime is not None and runtime.swapped_units > 0  # swapping ran
+    if method == "memo" and not overrides[0].startswith("method.tile_tokens"):
+        assert runtime.swapped_units > 0  # swapping ran
+    elif method != "none":
+        assert runtime.tile_tokens == 16  # the layers walked in tiles of 16 tokens, across documents
     kept = tokens != EOD
     torch.testing.assert_close(packed_losses[kept], torch.cat(alone_losses)[kept], atol=1e-9, rtol=0)
     for name, grad in packed_grads.items():
@@ -83,8 +87,11 @@ def test_packed_documents_train_as_the_documents_one_by_one(single_process, meth
 @pytest.mark.parametrize("overrides, message", [
     ([], "train.document_mask needs documents, which train.data=synthetic does not mark"),
     (["train.data=megatron:x", "train.micro_batch_size=2"], "set train.micro_batch_size=1 \\(not 2\\)"),
-    (["train.data=megatron:x", "method=memo", "method.tile_tokens=64"], "over whole layers without context parallel"),
+    (["train.data=megatron:x", "plan=true"], "set plan=false or train.document_mask=false"),
     (["train.data=megatron:x", "parallel.cp=2"], "set parallel.cp=1"),
+    (["train.data=megatron:x", "method=deepspeed_ulysses"], "not in method=deepspeed_ulysses's"),
+    (["train.data=megatron:x", "parallel.tp=2", "parallel.sequence_parallel=true", "method=memo"],
+     "set parallel.sequence_parallel=false"),
 ])
 def test_documents_where_they_cannot_be_kept_apart_are_one_line(overrides, message):
     from memo.config import ConfigError

@@ -1,28 +1,41 @@
 """Causal attention of query tiles over a key/value store, merged by log-sum-exp, against PyTorch's
-whole-sequence attention in float64 (forward and every gradient)."""
+whole-sequence attention in float64 (forward and every gradient), and within documents against
+each document's own."""
 
 import pytest
 import torch
 
+from memo.model.documents import Documents
 from memo.model.tiled_attention import tile_backward, tile_forward
 from memo.model.tiles import rank_tile_blocks
 
 SEQ, BATCH, HEADS, DIM = 48, 2, 4, 8
 
 
+def _documents_alone(q, k, v, documents, scale, groups):
+    """Each document's own causal attention (``[s, b, heads, dim]`` in and out), one by one."""
+    parts = []
+    for start, end in documents.spans():
+        heads_first = [t[start:end].permute(1, 2, 0, 3) for t in (q, k, v)]
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            *heads_first, is_causal=True, scale=scale, enable_gqa=groups != HEADS).permute(2, 0, 1, 3))
+    return torch.cat(parts)
+
+
 @pytest.mark.parametrize("kernel", ["flash", "math"])
 @pytest.mark.parametrize("groups", [HEADS, 2])  # multi-head and grouped keys and values
 @pytest.mark.parametrize("tiles", [1, 2, 3, 8])
-def test_tiles_over_the_store_equal_whole_attention(tiles, groups, kernel):
+@pytest.mark.parametrize("starts", [None, (0, 5, 6, 29)], ids=["causal", "documents"])
+def test_tiles_over_the_store_equal_whole_attention(tiles, groups, kernel, starts):
+    # documents that start inside tiles, one of a single token, one across three tiles of 6
+    documents = None if starts is None else Documents(starts, SEQ)
     gen = torch.Generator().manual_seed(tiles * 10 + groups)
     q = torch.randn(SEQ, BATCH, HEADS, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
     k, v = (torch.randn(SEQ, BATCH, groups, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
             for _ in range(2))
     dout = torch.randn(SEQ, BATCH, HEADS, DIM, dtype=torch.float64, generator=gen)
     scale = DIM ** -0.5
-    heads_first = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
-    reference = torch.nn.functional.scaled_dot_product_attention(
-        *heads_first, is_causal=True, scale=scale, enable_gqa=groups != HEADS).permute(2, 0, 1, 3)
+    reference = _documents_alone(q, k, v, documents or Documents((0,), SEQ), scale, groups)
     reference.backward(dout)
 
     c = SEQ // tiles
@@ -30,7 +43,8 @@ def test_tiles_over_the_store_equal_whole_attention(tiles, groups, kernel):
     out, lse = torch.empty_like(q), []
     for t in range(tiles):
         rows = slice(t * c, (t + 1) * c)
-        o, l = tile_forward(kernel, q.detach()[rows].permute(1, 2, 0, 3), keys, values, t, scale)
+        o, l = tile_forward(kernel, q.detach()[rows].permute(1, 2, 0, 3), keys, values, t, scale,
+                            documents=documents)
         out[rows] = o.permute(2, 0, 1, 3)
         lse.append(l)
         assert o.permute(2, 0, 1, 3).is_contiguous()  # token-major, as Megatron's attention output
@@ -42,7 +56,7 @@ def test_tiles_over_the_store_equal_whole_attention(tiles, groups, kernel):
         rows = slice(t * c, (t + 1) * c)
         tile_q, tile_out, tile_dout = (x[rows].permute(1, 2, 0, 3) for x in (q.detach(), out, dout))
         dq[rows] = tile_backward(kernel, tile_dout, tile_q, keys, values, tile_out, lse[t], t, scale,
-                                 key_grads, value_grads).permute(2, 0, 1, 3)
+                                 key_grads, value_grads, documents=documents).permute(2, 0, 1, 3)
         # only tiles ≥ t see block t: its gradients are complete once tile t is done
         torch.testing.assert_close(key_grads[rows], k.grad[rows], rtol=0, atol=1e-12)
         torch.testing.assert_close(value_grads[rows], v.grad[rows], rtol=0, atol=1e-12)
