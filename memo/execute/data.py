@@ -109,9 +109,8 @@ def micro_batches(
             rows = torch.stack([source.sample(first + j, seq + 1) for j in range(micro_batch_size)])
             micro_batch = {"tokens": rows[:, :-1].to(device), "labels": rows[:, 1:].to(device), "position_ids": positions}
             if eod is not None:
-                documents = Documents.of(rows[0, :-1], eod)  # (on the host: no device sync per step)
-                micro_batch.update(position_ids=documents.position_ids()[None].to(device),
-                                   documents=DocumentParams.of(documents, device),
+                params = DocumentParams.of(Documents.of(rows[0, :-1], eod), device)  # (found on the host)
+                micro_batch.update(position_ids=params.position_ids[None], documents=params,
                                    loss_mask=micro_batch["tokens"] != eod)
             batch.append(micro_batch)
         yield batch

@@ -1,11 +1,13 @@
 """Pack step ``documents``: a packed sequence of documents kept apart against the same documents
 run one by one.
 
-A Llama-shaped model (grouped keys and values, rotary positions) takes one sequence of
-documents (one of a single token, others of lengths around the kernels' tiles) with ``train.document_mask``'s attention (one causal block per document, with each
-block kernel the device runs), rotary positions restarting at each document, and no loss on a
-token whose label begins the next document; its layers kept (``none``), swapped (``memo``,
-α 0.5) and walked in four sequence tiles (``memo``, α per tile). The reference runs each document alone through whole-sequence causal attention
+A Llama-shaped model (grouped keys and values, rotary positions) takes one sequence of documents
+(one of a single token, others of lengths around the kernels' tiles) with ``train.document_mask``'s
+attention (one causal block per document, on each block kernel documents run on the device:
+FlashAttention's, which stands in for cuDNN's, and the memory-efficient one), rotary positions
+restarting at each document, and no loss on a token whose label begins the next document; its
+layers kept (``none``), swapped (``memo``, α 0.5) and walked in four sequence tiles (``memo``, α
+per tile). The reference runs each document alone through whole-sequence causal attention
 (``none``). A row per kernel and method: the summed loss's relative error and the largest
 normwise relative gradient error (:func:`memo.gpucheck.numerics.relative_errors`), within
 :data:`memo.gpucheck.numerics.TOLERANCE` (bf16 on a GPU; fp32 on the CPU, where the suite
@@ -67,8 +69,9 @@ def compare(model_overrides: list[str], lengths: list[int], device: torch.device
         tokens = tokens.to(device)
         documents = Documents.of(tokens[:-1].cpu(), eod)
         head_dim = run.workload.model.hidden_size // run.workload.model.num_attention_heads
-        # (math keeps whole s×s probabilities, which swapping refuses)
-        for kernel in [k for k in kernels(device, dtype, head_dim) if k != "math"]:
+        # (math keeps whole s×s probabilities, which swapping refuses; where cuDNN's kernel runs,
+        # documents' blocks run FlashAttention's: memo.model.documents.block_kernel)
+        for kernel in [k for k in kernels(device, dtype, head_dim) if k not in ("math", "cudnn")]:
             torch.manual_seed(run.train.seed)
             reference_model, _, _ = placed_model(run.workload, device, None, kernel)
             loss, grads = 0.0, None

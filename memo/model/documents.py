@@ -122,7 +122,8 @@ class DocumentParams(PackedSeqParams):
     GPTModel hands it to every layer's attention as ``packed_seq_params``."""
 
     documents: Optional[Documents] = None
-    position_ids: Optional[torch.Tensor] = None  # each token's position within its document, on the device
+    # each token's position within its document, on the device
+    position_ids: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _angles: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
 
     @staticmethod

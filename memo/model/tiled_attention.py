@@ -70,8 +70,11 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
         lse.fill_(-torch.inf)
     for j in range(tile + 1):
         on_block(j)
+        parts = _sub_blocks(documents, tile, j, c)
+        if not parts:  # keys wholly of other documents: nothing to expand or attend
+            continue
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
-        for rows, cols, causal in _sub_blocks(documents, tile, j, c):
+        for rows, cols, causal in parts:
             part = blocks.forward(kernel, _rows(q, rows), _rows(k, cols), _rows(v, cols), causal, scale)
             if j == 0 and documents is None:
                 out.copy_(part[0])
@@ -102,8 +105,11 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
     dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
     for j in range(tile + 1):
         on_block(j)
+        parts = _sub_blocks(documents, tile, j, c)
+        if not parts:
+            continue
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
-        for rows, cols, causal in _sub_blocks(documents, tile, j, c):
+        for rows, cols, causal in parts:
             dqb, dkb, dvb = blocks.backward(kernel, _rows(dout, rows), _rows(q, rows), _rows(k, cols), _rows(v, cols),
                                             _rows(out, rows), lse[..., rows], causal, scale)
             _rows(dq, rows).add_(dqb)

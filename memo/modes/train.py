@@ -278,7 +278,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                 row.update(valid_loss=record["valid_loss"], valid_loss_by_position=record["valid_loss_by_position"])
                 if info.rank == 0:
                     log.info("step %d validation loss %.4f, by position: %s", step, record["valid_loss"],
-                             " ".join(f"{v:.4f}" for v in record["valid_loss_by_position"]))
+                             " ".join("-" if v is None else f"{v:.4f}" for v in record["valid_loss_by_position"]))
             records.append(record)
             writer.append_step(record)
             if train.save_interval is not None and (step % train.save_interval == 0 or step == train.steps):

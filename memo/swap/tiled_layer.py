@@ -220,12 +220,12 @@ class TiledLayers:
         rows = slice(0, self.tile_rows)
         tile_x = x[rows].detach().requires_grad_(True)
         tiled = self._tile_kwargs(kwargs, tile_x, 0)
-        self._tile = _Tile(FORWARD, 0, 0, 0)
+        self._tile, self.documents = _Tile(FORWARD, 0, 0, 0), documents_of(kwargs)
         try:
             with torch.enable_grad():
                 return self.swap.discover(layer, tiled, external_input=True)
         finally:
-            self._tile = None
+            self._tile, self.documents = None, None
 
     def time_tile(self, layer, kwargs: dict, t: int) -> None:
         """Run tile ``t`` of ``layer`` forward once, with autograd recording, as training does
@@ -233,12 +233,12 @@ class TiledLayers:
         x = kwargs["hidden_states"]
         _, rows, j = self._tiles(x.shape[0])[t]
         self._allocate(layer, x)
-        self._tile = _Tile(FORWARD, 0, t, j)
+        self._tile, self.documents = _Tile(FORWARD, 0, t, j), documents_of(kwargs)
         try:
             with torch.enable_grad():
                 layer.run(**self._tile_kwargs(kwargs, x[rows].detach().requires_grad_(True), t))
         finally:
-            self._tile = None
+            self._tile, self.documents = None, None
 
     def allocate_inputs(self, layers: int, x: torch.Tensor, pin: bool) -> None:
         """Host memory for the inputs of the checkpoint layers among ``layers`` (every k-th) but
@@ -264,9 +264,12 @@ class TiledLayers:
             if kwargs.get(key) is not None and not isinstance(kwargs[key], DocumentParams):
                 raise ValueError(f"memo's tiles do not support the layer argument {key}")
         self.documents = documents_of(kwargs)
-        if self.documents is not None and self.cp > 1:
-            raise ValueError("memo's tiles keep documents apart without context parallelism only")
         hidden = kwargs["hidden_states"]
+        if self.documents is not None and (self.cp > 1 or self.documents.tokens != hidden.shape[0] // self.tile_rows
+                                           * self.tile_tokens):
+            raise ValueError(f"memo's tiles keep the documents of a whole sequence apart, without context "
+                             f"parallelism: documents of {self.documents.tokens} tokens, a layer input of "
+                             f"{hidden.shape[0]} rows")
         if not hidden.requires_grad:
             # the weights are not the walk's inputs: without a graph to the input no backward
             # would run, and their gradients would be lost silently

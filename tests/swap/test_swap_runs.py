@@ -129,7 +129,9 @@ def test_documents_kept_apart_train_alike_with_memo_and_keeping_everything(tmp_p
     assert losses["memo"] == pytest.approx(losses["none"], abs=1e-5)
     assert losses["none"] != pytest.approx(losses["across"], abs=1e-3)  # the documents did not see each other
     assert rows["memo"]["valid_loss"] == pytest.approx(rows["none"]["valid_loss"], abs=1e-5)
-    assert len(rows["none"]["valid_loss_by_position"]) == 4
+    # positions count within documents (of 6 to 40 tokens here): the last half of 128 has none
+    assert len(rows["none"]["valid_loss_by_position"]) == 4 and rows["none"]["valid_loss_by_position"][3] is None
+    assert rows["across"]["valid_loss_by_position"][3] is not None
     # MFU of the attention computed, each step's documents' squares, beside the paper's
     steps = [json.loads(line) for line in (tmp_path / "none" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < s["document_squared_tokens"] < 128**2 for s in steps)
