@@ -370,6 +370,9 @@ def _check_documents(cfg) -> None:
     t, p = cfg.train, cfg.parallel
     if not t.document_mask:
         return
+    if cfg.mode != "train":
+        raise ConfigError(f"train.document_mask: mode={cfg.mode} traces and predicts attention over whole sequences, "
+                          "not over documents; set train.document_mask=false, or mode=train")
     if not str(t.data).startswith(MEGATRON_DATA):
         raise ConfigError(f"train.document_mask needs documents, which train.data={t.data} does not mark; "
                           "train on Megatron data (python -m memo.data.prepare, train.data=megatron:<prefix>)")

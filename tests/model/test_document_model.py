@@ -89,6 +89,7 @@ def test_packed_documents_train_as_the_documents_one_by_one(single_process, meth
     (["train.data=megatron:x", "train.micro_batch_size=2"], "set train.micro_batch_size=1 \\(not 2\\)"),
     (["train.data=megatron:x", "plan=true"], "set plan=false or train.document_mask=false"),
     (["train.data=megatron:x", "parallel.cp=2"], "set parallel.cp=1"),
+    (["train.data=megatron:x", "mode=fit"], "mode=fit traces and predicts attention over whole sequences"),
     (["train.data=megatron:x", "method=deepspeed_ulysses"], "not in method=deepspeed_ulysses's"),
     (["train.data=megatron:x", "parallel.tp=2", "parallel.sequence_parallel=true", "method=memo"],
      "set parallel.sequence_parallel=false"),
