@@ -1,5 +1,6 @@
 """Shared fixtures: composing configs as ``run.py`` does, and a one-process parallel state."""
 
+import contextlib
 import hashlib
 import os
 import re
@@ -93,10 +94,13 @@ def resolve_config(*overrides: str) -> Run:
 def _one_process():
     """Megatron's parallel state for one CPU process (tp = cp = pp = dp = 1), until the end."""
     distributed.initialize(compose_config().parallel, "cpu", ProcessInfo(rank=0, world_size=1, local_rank=0))
-    yield
-    distributed.shutdown()
+    try:
+        yield
+    finally:
+        distributed.shutdown()
 
 
+one_process = contextlib.contextmanager(_one_process)  # the same, for a block of a test
 single_process = pytest.fixture(name="single_process")(_one_process)
 # the same for every test of a module (the tests that train in-process, several runs each)
 parallel_state = pytest.fixture(scope="module", name="parallel_state")(_one_process)

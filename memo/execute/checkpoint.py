@@ -163,7 +163,7 @@ class RunFacts:
 
     model_config: dict  # a memo.config.ModelConfig as a dict
     dtype: str  # train.dtype's name of the weights' dtype: fp32, bf16, ...
-    optimizer: str  # the optimizer state's format (StepOptimizer.checkpoint_format)
+    optimizer: str  # the optimizer state's format (memo.execute.optimizer.checkpoint_format)
     schedule: dict  # memo.execute.schedule.schedule_settings
     data: dict  # seq, train.seed and train.data: what sample i is
 
@@ -310,10 +310,10 @@ def _load_sharded(state: dict, path: Path) -> dict:
                               "of the same model") from None
 
 
-def load_weights(path: Path, module: torch.nn.Module) -> dict:
+def load_weights(path: Path, module: torch.nn.Module, common: Optional[dict] = None) -> dict:
     """Load only the weights of the checkpoint at ``path`` into ``module`` (collective); returns
-    :func:`saved_facts`."""
-    common = saved_facts(path)
+    its :func:`saved_facts` (``common``, where the caller read them already)."""
+    common = saved_facts(path) if common is None else common
     module.load_state_dict(_load_sharded({"model": module.sharded_state_dict()}, path)["model"])
     return common
 

@@ -13,7 +13,7 @@ host memory (:mod:`memo.execute.optimizer_offload`).
 
 import logging
 import math
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,14 +22,14 @@ from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_p
     optim_state_to_sharding_state
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import ChainedOptimizer
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from memo.config import ParallelConfig, TrainConfig, shards_optimizer
 from memo.config.resolve import check_optimizer_offload
 from memo.execute.optimizer_offload import NO_OFFLOAD, OffloadBytes, build_offloaded, built_offload_bytes, \
-    offload_config, release_build_copies, settle_loaded_state
+    offload_config, optimizer_parts, release_build_copies, settle_loaded_state
 
 
 log = logging.getLogger("memo")
@@ -45,7 +45,6 @@ class StepOptimizer(Protocol):
     """What the training loop needs from an optimizer."""
 
     name: str
-    checkpoint_format: str  # its state's layout in a checkpoint: one optimizer cannot load another's
     model: torch.nn.Module  # the module to run forward on (a DDP wrapper on GPUs)
     offload: OffloadBytes  # what it keeps in host memory for a GPU (train.optimizer_offload=host)
 
@@ -95,7 +94,7 @@ def _all_reduce(tensors: list[torch.Tensor], group, average: bool = False) -> No
 class HostOptimizer:
     """``torch.optim.AdamW`` with Megatron's data-parallel averaging and global-norm clipping."""
 
-    name = checkpoint_format = "torch_adamw"
+    name = "torch_adamw"
     offload = NO_OFFLOAD  # its states are on the host, as the whole run is
 
     def __init__(self, module: torch.nn.Module, train: TrainConfig):
@@ -140,10 +139,7 @@ class HostOptimizer:
                     if not self.optimizer.state[p]:
                         self.optimizer.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         state = self.optimizer.state_dict()
-        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
-        if len(steps) > 1:
-            raise ValueError(f"Adam's step differs between parameters ({sorted(steps)}): cannot save it once")
-        step = next((s["step"] for s in state["state"].values() if "step" in s), None)
+        step = MegatronOptimizer._extract_common_per_param_step(state)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_state, params),
                                       exclude_keys=("step",))
@@ -154,8 +150,7 @@ class HostOptimizer:
     def load_state_dict(self, state: dict) -> None:
         step = state["state"].pop("common_step", None)
         if step is not None:
-            for param_state in state["state"].values():
-                param_state["step"] = step.clone()
+            MegatronOptimizer._restore_common_per_param_step(state, step)
         self.optimizer.load_state_dict(state)
 
     @staticmethod
@@ -192,7 +187,6 @@ class MegatronStepOptimizer:
         config = module.config
         offload = train.optimizer_offload == "host"
         sharded = sharded or offload
-        self.checkpoint_format = checkpoint_format(train, "cuda", None, sharded)
         self.weight_decay = train.weight_decay
         self._finalize = finalize_model_grads
         self.model = DistributedDataParallel(
@@ -255,24 +249,20 @@ class MegatronStepOptimizer:
         state to describe what it loads, and with PyTorch's Adam (no Transformer Engine or Apex)
         cannot before the first step. One step at learning rate and weight decay 0, on zero
         gradients, makes the state without moving a weight."""
-        parts = self.optimizer.chained_optimizers if isinstance(self.optimizer, ChainedOptimizer) else [self.optimizer]
-        for part in parts:
+        for part in optimizer_parts(self.optimizer):
             inner = part.optimizer
             if not isinstance(part, DistributedOptimizer) or len(inner.state) > 0:
                 continue  # (Megatron's other optimizers make their state when asked to load)
             settings = [(group["lr"], group["weight_decay"]) for group in inner.param_groups]
             for group in inner.param_groups:
                 group["lr"] = group["weight_decay"] = 0.0
-                for param in group["params"]:
-                    param.grad = torch.zeros_like(param)
-            inner.step()
-            inner.zero_grad(set_to_none=True)
+            part._init_optimizer_states_with_dummy_values()  # megatron-core's: zero gradients, one step
             for group, (lr, weight_decay) in zip(inner.param_groups, settings):
                 group["lr"], group["weight_decay"] = lr, weight_decay
 
     def load_state_dict(self, state: dict) -> None:
         # (one state per part, read as ChainedOptimizer.load_state_dict reads them)
-        parts = self.optimizer.chained_optimizers if isinstance(self.optimizer, ChainedOptimizer) else [self.optimizer]
+        parts = optimizer_parts(self.optimizer)
         states = [state] if len(parts) == 1 else [state[key] for key in sorted(state)]
         for part, part_state in zip(parts, states, strict=True):
             if isinstance(part, DistributedOptimizer) and "param_state" in part_state:
@@ -304,18 +294,15 @@ def _load_distributed(optimizer: DistributedOptimizer, state: dict) -> None:
         optimizer.optimizer.state[param]["step"] = step.clone()
 
 
-def checkpoint_format(train: TrainConfig, device_type: str, parallel: Optional[ParallelConfig],
-                      sharded: Optional[bool] = None) -> str:
+def checkpoint_format(train: TrainConfig, device_type: str, parallel: ParallelConfig) -> str:
     """The format of the state :func:`build_optimizer` builds, in a checkpoint (one optimizer cannot
     load another's, and Adam on the host steps fused where the device's does not): known before
-    it is built, so that a resume it cannot serve is refused first. ``sharded``: whether the
-    distributed optimizer is on, else as ``parallel`` makes it."""
+    it is built, so that a resume it cannot serve is refused first."""
     if device_type != "cuda":
-        return HostOptimizer.checkpoint_format
+        return HostOptimizer.name
     if train.optimizer_offload == "host":
         return "megatron_host_offload"
-    sharded = shards_optimizer(train.distributed_optimizer, parallel) if sharded is None else sharded
-    return "megatron_distributed" if sharded else "megatron"
+    return "megatron_distributed" if shards_optimizer(train.distributed_optimizer, parallel) else "megatron"
 
 
 def build_optimizer(module: torch.nn.Module, train: TrainConfig, device_type: str,

@@ -204,11 +204,15 @@ def release_build_copies() -> None:
     empty()
 
 
+def optimizer_parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    """The optimizers a Megatron optimizer is made of: a ``ChainedOptimizer``'s, else itself."""
+    return optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+
+
 def hybrid_optimizers(optimizer: MegatronOptimizer) -> list[HybridDeviceOptimizer]:
     """The ``HybridDeviceOptimizer`` inside each of ``optimizer``'s distributed optimizers
     (a rank without trainable parameters has none)."""
-    parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    return [part.optimizer for part in parts if isinstance(part.optimizer, HybridDeviceOptimizer)]
+    return [part.optimizer for part in optimizer_parts(optimizer) if isinstance(part.optimizer, HybridDeviceOptimizer)]
 
 
 def settle_loaded_state(hybrid: HybridDeviceOptimizer, step: torch.Tensor) -> None:

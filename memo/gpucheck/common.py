@@ -43,6 +43,14 @@ def placed_model(workload, device, alpha: Optional[float] = None, attention_back
     return model, placement, report
 
 
+def step_device(cpu: bool):
+    """``(device, dtype)`` a step computes on: the CPU in fp32 (``--cpu``), else GPU 0 in bf16
+    (nothing asked of CUDA yet: a step may first say that no GPU is visible)."""
+    import torch
+
+    return (torch.device("cpu"), torch.float32) if cpu else (torch.device("cuda", 0), torch.bfloat16)
+
+
 def runs_dir(out: Path) -> Path:
     """Where a step's training jobs write, under the pack's directory: one folder per code
     (:func:`source_digest`), so a job of other code is never taken for this code's."""

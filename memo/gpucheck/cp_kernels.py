@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from memo.gpucheck.common import arguments, mean_seconds, write_rows
+from memo.gpucheck.common import arguments, mean_seconds, step_device, write_rows
 from memo.model import attention_blocks as blocks
 from memo.model.attention import causal_attention, select_backend
 from memo.model.context_parallel import rank_chunks
@@ -169,8 +169,7 @@ def timings(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head
 
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    dtype = torch.float32 if args.cpu else torch.bfloat16
+    device, dtype = step_device(args.cpu)
     heads, head_dim = (2, 64) if args.cpu else (32, 128)
     # the CPU rehearses the step's code: its figures say nothing
     short, long, repeat = (256, 512, 1) if args.cpu else (64 * 1024, 128 * 1024, 3)

@@ -25,8 +25,8 @@ from memo.config import resolve
 from memo.execute import distributed
 from memo.execute.data import SyntheticTokens
 from memo.execute.distributed import ProcessInfo
-from memo.gpucheck.common import arguments, compose, placed_model, write_rows
-from memo.gpucheck.numerics import judged, kernels, relative_errors, say
+from memo.gpucheck.common import arguments, compose, placed_model, step_device, write_rows
+from memo.gpucheck.numerics import LLAMA_GPU, judged, kernels, relative_errors, say
 from memo.model import dtype_setting
 from memo.model.documents import DocumentParams, Documents
 
@@ -103,15 +103,14 @@ def compare(model_overrides: list[str], lengths: list[int], device: torch.device
 
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    dtype = torch.float32 if args.cpu else torch.bfloat16
+    device, dtype = step_device(args.cpu)
     overrides = ["model=tiny_llama"]
     # documents of one token and of lengths around the kernels' tile sizes among long ones
     if args.cpu:
         lengths = [100, 1, 39, 116]
     else:
         torch.cuda.set_device(0)
-        overrides += ["model.num_layers=6", "model.hidden_size=1024", "model.ffn_hidden_size=3584"]
+        overrides += LLAMA_GPU
         lengths = [3000, 1, 63, 65, 127, 129, 4807]
     rows = compare(overrides, lengths, device, dtype)
     write_rows(args.out, "documents", rows)

@@ -20,11 +20,14 @@ from memo.config import resolve
 from memo.execute import distributed
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.distributed import ProcessInfo
-from memo.gpucheck.common import arguments, compose, placed_model, run_job, runs_dir, write_rows
+from memo.gpucheck.common import (arguments, compose, placed_model, run_job, runs_dir, step_device,
+                                  write_rows)
 from memo.model import dtype_label, dtype_setting
 from memo.model.attention import select_backend
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# the Llama shape's size on a GPU (tiny_llama widened): six layers of width 1024
+LLAMA_GPU = ["model.num_layers=6", "model.hidden_size=1024", "model.ffn_hidden_size=3584"]
 # method, alpha (memo's), tokens per sequence tile (None: whole layers), as the pack compares them
 METHODS = [("memo", 0.0, None), ("memo", 0.5, None), ("memo", 1.0, None), ("full_swap", None, None),
            ("full_recompute", None, None), ("megatron_full_recompute", None, None)]
@@ -151,8 +154,7 @@ def compare_methods(model_overrides: list[str], seq: int, device: torch.device, 
 
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    dtype = torch.float32 if args.cpu else torch.bfloat16
+    device, dtype = step_device(args.cpu)
     # one loss for all, so that only the activation methods differ
     overrides = ["model=tiny", "model.num_layers=4", "train.loss=tiled"] if args.cpu else \
         ["model=125m", "model.num_layers=6", "train.loss=tiled"]
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
     # the Llama shape: grouped keys and values, SwiGLU and RMSNorm (CUDA's fused RMSNorm backward)
     llama = ["model=tiny_llama", "train.loss=tiled"]
     if not args.cpu:
-        llama += ["model.num_layers=6", "model.hidden_size=1024", "model.ffn_hidden_size=3584"]
+        llama += LLAMA_GPU
     rows += compare_methods(llama, seq, device, dtype, methods=[METHODS[1]] if args.cpu else
                             [METHODS[1], METHODS[3], METHODS[4], METHODS[5], *both_tiled])
     common = ["model=tiny", "seq=256", "train.steps=3", "train.warmup_steps=1", "method=memo", "alpha=0.5"]

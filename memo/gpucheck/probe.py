@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from memo.gpucheck.common import arguments, mean_seconds, write_rows
+from memo.gpucheck.common import arguments, mean_seconds, step_device, write_rows
 from memo.model.attention import causal_attention, select_backend
 
 
@@ -52,8 +52,7 @@ def host_bandwidth(device: torch.device, nbytes: int, repeat: int) -> tuple[floa
 
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    dtype = torch.float32 if args.cpu else torch.bfloat16
+    device, dtype = step_device(args.cpu)
     rows = []
     for head_dim in (64, 128):
         rows.append({"what": "sdpa_kernel", "head_dim": head_dim,

@@ -24,7 +24,7 @@ import torch
 
 from memo import hardware
 from memo.gpucheck import one_rank
-from memo.gpucheck.common import arguments, run_job, runs_dir, write_rows
+from memo.gpucheck.common import arguments, run_job, runs_dir, step_device, write_rows
 from memo.gpucheck.cp_kernels import kernel_errors
 from memo.gpucheck.numerics import compare_methods, kernels
 from memo.model.attention import select_backend
@@ -64,8 +64,7 @@ def _jobs(rows: list, out, name: str, *overrides: str, multirun: bool = False) -
 
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    dtype = torch.float32 if args.cpu else torch.bfloat16
+    device, dtype = step_device(args.cpu)
     rows = _Rows(args.out)
 
     def environment():

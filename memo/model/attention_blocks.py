@@ -100,6 +100,11 @@ def _check_block(kernel: str, q: torch.Tensor, k: torch.Tensor, causal: bool) ->
         raise ValueError(f"the {kernel} kernel does not run on the CPU")
 
 
+def rows(t: torch.Tensor, tokens: slice) -> torch.Tensor:
+    """Tokens ``tokens`` of a ``[b, heads, tokens, ...]`` tensor (a view)."""
+    return t[:, :, tokens]
+
+
 def token_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` (``[b, heads, tokens, dim]``) with its tokens outermost but for the batch, as the
     CUDA kernels write their outputs: itself if so already, else a copy."""

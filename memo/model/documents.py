@@ -46,11 +46,13 @@ class Documents:
 
     starts: tuple[int, ...]
     tokens: int
+    ends: tuple[int, ...] = field(init=False, repr=False, compare=False)  # where each document ends
 
     def __post_init__(self):
         if not self.starts or self.starts[0] != 0 or any(b <= a for a, b in zip(self.starts, self.starts[1:])) \
                 or self.starts[-1] >= self.tokens:
             raise ValueError(f"document starts {self.starts} must rise from 0 within {self.tokens} tokens")
+        object.__setattr__(self, "ends", (*self.starts[1:], self.tokens))
 
     @staticmethod
     def of(tokens: Union[torch.Tensor, Sequence[int]], eod: int) -> "Documents":
@@ -62,7 +64,7 @@ class Documents:
 
     def spans(self) -> list[tuple[int, int]]:
         """``(start, end)`` of every document, in order."""
-        return list(zip(self.starts, (*self.starts[1:], self.tokens)))
+        return list(zip(self.starts, self.ends))
 
     def cu_seqlens(self, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
         """The cumulative sequence lengths the variable-length kernels take: ``[0, ..., tokens]``,
@@ -86,10 +88,9 @@ class Documents:
         """
         (q0, q1), (k0, k1) = queries, keys
         found = []
-        ends = (*self.starts[1:], self.tokens)
         meet_q, meet_k = self._meeting(q0, q1), self._meeting(k0, k1)
         for d in range(max(meet_q.start, meet_k.start), min(meet_q.stop, meet_k.stop)):
-            start, end = self.starts[d], ends[d]
+            start, end = self.starts[d], self.ends[d]
             qa, qb, ka, kb = max(q0, start), min(q1, end), max(k0, start), min(k1, end)
             if qa >= qb or ka >= kb or ka >= qb:
                 continue
@@ -117,9 +118,9 @@ class Documents:
 @dataclass
 class DocumentParams(PackedSeqParams):
     """Megatron's packed-sequence parameters for a sequence of documents kept apart, in Megatron's
-    ``sbhd`` layout (one sequence per micro-batch, not ``thd``): the cumulative lengths the
-    variable-length kernels take, and the :class:`Documents` our attention cuts into blocks.
-    GPTModel hands it to every layer's attention as ``packed_seq_params``."""
+    ``sbhd`` layout (one sequence per micro-batch, not ``thd``): the :class:`Documents` our
+    attention cuts into blocks, and each token's position within its document. GPTModel hands it
+    to every layer's attention as ``packed_seq_params``."""
 
     documents: Optional[Documents] = None
     # each token's position within its document, on the device
@@ -128,14 +129,12 @@ class DocumentParams(PackedSeqParams):
 
     @staticmethod
     def of(documents: Documents, device: Union[str, torch.device]) -> "DocumentParams":
-        """The parameters of ``documents``, their lengths on ``device``."""
-        cu_seqlens = documents.cu_seqlens(device)
+        """The parameters of ``documents``, their positions on ``device``."""
         # (Megatron makes the rotary table max_seqlen rows long: one per token of the sequence,
         # whose rows at the positions within documents rotary_angles takes, and whose runs of
         # rows a recomputation of the last tokens takes)
-        return DocumentParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                              max_seqlen_q=documents.tokens, max_seqlen_kv=documents.tokens, documents=documents,
-                              position_ids=documents.position_ids().to(device))
+        return DocumentParams(qkv_format="sbhd", max_seqlen_q=documents.tokens, max_seqlen_kv=documents.tokens,
+                              documents=documents, position_ids=documents.position_ids().to(device))
 
     def forget_angles(self) -> None:
         """Drop the angles :meth:`rotary_angles` made (``8·s·d`` bytes, with the rotary table's
@@ -179,10 +178,6 @@ def documents_of(layer_arguments: dict) -> Optional[Documents]:
     return params.documents if isinstance(params, DocumentParams) else None
 
 
-def _span(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    return t.narrow(2, start, end - start)
-
-
 class _DocumentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, documents: Documents, kernel: str, scale: float):
@@ -192,12 +187,12 @@ class _DocumentAttention(torch.autograd.Function):
         # block kernels give it
         out = torch.empty((s, b, n, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
         lse = torch.empty((b, n, s), dtype=blocks.wide(q.dtype), device=q.device)
-        for block in documents.blocks((0, s), (0, s)):  # one per document: its own tokens
-            span = (block.q_start, block.q_end)
-            keys, values = (blocks.expand_kv(_span(t, *span), groups) for t in (k, v))
-            part_out, part_lse = blocks.forward(kernel, _span(q, *span), keys, values, True, scale)
-            _span(out, *span).copy_(part_out)
-            lse[..., span[0]:span[1]].copy_(part_lse)
+        for start, end in documents.spans():  # each document's own causal block
+            span = slice(start, end)
+            keys, values = (blocks.expand_kv(blocks.rows(t, span), groups) for t in (k, v))
+            part_out, part_lse = blocks.forward(kernel, blocks.rows(q, span), keys, values, True, scale)
+            blocks.rows(out, span).copy_(part_out)
+            lse[..., span].copy_(part_lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.documents, ctx.kernel, ctx.scale, ctx.groups = documents, kernel, scale, groups
         return out
@@ -207,15 +202,15 @@ class _DocumentAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dout = blocks.token_major(dout)
-        for block in ctx.documents.blocks((0, q.shape[2]), (0, q.shape[2])):
-            span = (block.q_start, block.q_end)
-            keys, values = (blocks.expand_kv(_span(t, *span), ctx.groups) for t in (k, v))
-            dqb, dkb, dvb = blocks.backward(ctx.kernel, _span(dout, *span), _span(q, *span), keys, values,
-                                            _span(out, *span), lse[..., span[0]:span[1]], True, ctx.scale)
-            _span(dq, *span).copy_(dqb)
+        for start, end in ctx.documents.spans():
+            span = slice(start, end)
+            keys, values = (blocks.expand_kv(blocks.rows(t, span), ctx.groups) for t in (k, v))
+            dqb, dkb, dvb = blocks.backward(ctx.kernel, blocks.rows(dout, span), blocks.rows(q, span), keys, values,
+                                            blocks.rows(out, span), lse[..., span], True, ctx.scale)
+            blocks.rows(dq, span).copy_(dqb)
             # grouped heads' gradients summed in float32 or wider, then rounded once
-            _span(dk, *span).copy_(blocks.fold_kv(dkb.to(blocks.wide(dkb.dtype)), ctx.groups))
-            _span(dv, *span).copy_(blocks.fold_kv(dvb.to(blocks.wide(dvb.dtype)), ctx.groups))
+            blocks.rows(dk, span).copy_(blocks.fold_kv(dkb.to(blocks.wide(dkb.dtype)), ctx.groups))
+            blocks.rows(dv, span).copy_(blocks.fold_kv(dvb.to(blocks.wide(dvb.dtype)), ctx.groups))
         return dq, dk, dv, None, None, None
 
 

@@ -34,12 +34,21 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from memo.model.documents import DocumentParams
 from memo.model.tiles import eighth_tile_tokens, spans
 
 
 # layer arguments Megatron may pass that no placement handles (a layer refuses them in one line)
 UNSUPPORTED_LAYER_ARGUMENTS = ("context", "packed_seq_params", "sequence_len_offset", "inference_context",
                                "attention_bias", "rotary_pos_cos", "rotary_pos_sin", "padding_mask")
+
+
+def check_layer_arguments(kwargs: dict, placement: str) -> None:
+    """Refuse, naming ``placement``, a layer argument of :data:`UNSUPPORTED_LAYER_ARGUMENTS`;
+    documents kept apart (:class:`~memo.model.documents.DocumentParams`) are core attention's alone."""
+    for key in UNSUPPORTED_LAYER_ARGUMENTS:
+        if kwargs.get(key) is not None and not isinstance(kwargs[key], DocumentParams):
+            raise ValueError(f"{placement} does not support the layer argument {key}")
 
 
 class Placement(Protocol):

@@ -38,11 +38,6 @@ def _sub_blocks(documents: Optional[Documents], tile: int, j: int, c: int):
             for b in documents.blocks((tile * c, (tile + 1) * c), (j * c, (j + 1) * c))]
 
 
-def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
-    """Tokens ``rows`` of a ``[b, heads, tokens, ...]`` tensor (a view)."""
-    return t[:, :, rows]
-
-
 def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: int,
                  scale: float, on_block: Optional[Callable[[Optional[int]], None]] = None,
                  documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,12 +70,12 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
             continue
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
         for rows, cols, causal in parts:
-            part = blocks.forward(kernel, _rows(q, rows), _rows(k, cols), _rows(v, cols), causal, scale)
+            part = blocks.forward(kernel, blocks.rows(q, rows), blocks.rows(k, cols), blocks.rows(v, cols), causal, scale)
             if j == 0 and documents is None:
                 out.copy_(part[0])
                 lse.copy_(part[1])
             else:
-                blocks.merge_into(_rows(out, rows), lse[..., rows], *part)
+                blocks.merge_into(blocks.rows(out, rows), lse[..., rows], *part)
             del part
         del k, v
     on_block(None)
@@ -110,12 +105,12 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
             continue
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
         for rows, cols, causal in parts:
-            dqb, dkb, dvb = blocks.backward(kernel, _rows(dout, rows), _rows(q, rows), _rows(k, cols), _rows(v, cols),
-                                            _rows(out, rows), lse[..., rows], causal, scale)
-            _rows(dq, rows).add_(dqb)
+            dqb, dkb, dvb = blocks.backward(kernel, blocks.rows(dout, rows), blocks.rows(q, rows), blocks.rows(k, cols), blocks.rows(v, cols),
+                                            blocks.rows(out, rows), lse[..., rows], causal, scale)
+            blocks.rows(dq, rows).add_(dqb)
             # grouped heads' gradients summed in the accumulators' precision
-            _rows(block(key_grads, j, c), cols).add_(blocks.fold_kv(dkb.to(key_grads.dtype), groups))
-            _rows(block(value_grads, j, c), cols).add_(blocks.fold_kv(dvb.to(value_grads.dtype), groups))
+            blocks.rows(block(key_grads, j, c), cols).add_(blocks.fold_kv(dkb.to(key_grads.dtype), groups))
+            blocks.rows(block(value_grads, j, c), cols).add_(blocks.fold_kv(dvb.to(value_grads.dtype), groups))
             del dqb, dkb, dvb
         del k, v
     on_block(None)

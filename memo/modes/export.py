@@ -51,7 +51,7 @@ def export(source: Path, output: Path) -> Path:
     distributed.initialize(run.workload.parallel, "cpu", distributed.ProcessInfo(rank=0, world_size=1, local_rank=0))
     try:
         built = build_gpt(run.workload, "cpu")
-        checkpoint.load_weights(found.path, built.module)
+        checkpoint.load_weights(found.path, built.module, facts)
         try:
             hf_checkpoint.save(built.module, model, output)
         except FileExistsError as error:

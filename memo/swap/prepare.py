@@ -205,8 +205,7 @@ def _layer_arguments(model, workload: Workload, runtime: SwapRuntime) -> dict:
                          device=device, generator=generator, requires_grad=True)
     arguments = {"hidden_states": hidden, "attention_mask": None, "rotary_pos_emb": model.rotary_pos_emb(seq)}
     if workload.document_mask:  # attention within documents saves its own tensors, in its own order
-        # (of the whole sequence, or this context-parallel rank's: what attention sees)
-        arguments["packed_seq_params"] = DocumentParams.of(Documents((0,), seq // workload.parallel.cp), device)
+        arguments["packed_seq_params"] = DocumentParams.of(Documents((0,), seq), device)
     return arguments
 
 

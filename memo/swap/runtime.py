@@ -48,8 +48,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from memo.model.documents import DocumentParams
-from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS, Placed
+from memo.model.placement import Placed, check_layer_arguments
 from memo.swap.alpha import HostMemoryError
 from memo.swap.capture import Capture, Discover, Forward, Replay
 from memo.swap.layout import (ALIAS, BYTELESS, EXTERNAL, INPUT, TOKENS, LayerLayout, Slot, address, empty_in_layout,
@@ -309,9 +308,7 @@ class SwapRuntime:
             raise RuntimeError("SwapRuntime.allocate must run before training")
         self.ready_buffers()
         hidden = kwargs["hidden_states"]
-        for key in UNSUPPORTED_LAYER_ARGUMENTS:  # (documents kept apart are core attention's alone)
-            if kwargs.get(key) is not None and not isinstance(kwargs[key], DocumentParams):
-                raise ValueError(f"memo's swapping does not support the layer argument {key}")
+        check_layer_arguments(kwargs, "memo's swapping")
         state = UnitState(index, layer, self.keeps[index], {k: v for k, v in kwargs.items() if k != "hidden_states"},
                           external_input)
         b = self.buffer_of(state)

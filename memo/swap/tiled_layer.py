@@ -64,8 +64,8 @@ import torch.distributed as dist
 
 from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
-from memo.model.documents import DocumentParams, Documents, block_kernel, documents_of
-from memo.model.placement import UNSUPPORTED_LAYER_ARGUMENTS
+from memo.model.documents import Documents, block_kernel, documents_of
+from memo.model.placement import check_layer_arguments
 from memo.model.tiles import batch_in_tile_order, rank_tile_blocks
 from memo.swap.runtime import SwapRuntime, host_memory, register, unregister
 from memo.swap.streams import Streams
@@ -260,9 +260,7 @@ class TiledLayers:
     def forward(self, layer, kwargs: dict):
         """``layer``'s forward pass over its tiles (keyword arguments as Megatron passes them):
         ``(output, None)``."""
-        for key in UNSUPPORTED_LAYER_ARGUMENTS:
-            if kwargs.get(key) is not None and not isinstance(kwargs[key], DocumentParams):
-                raise ValueError(f"memo's tiles do not support the layer argument {key}")
+        check_layer_arguments(kwargs, "memo's tiles")
         self.documents = documents_of(kwargs)
         hidden = kwargs["hidden_states"]
         if self.documents is not None and (self.cp > 1 or self.documents.tokens != hidden.shape[0] // self.tile_rows

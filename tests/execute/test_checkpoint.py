@@ -14,7 +14,7 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
 
-from conftest import PYTHON, REPO, _one_process, free_port, resolve_config, run_in_process
+from conftest import PYTHON, REPO, free_port, one_process, resolve_config, run_in_process
 from memo.execute.checkpoint import checkpoints
 
 # a schedule that decays over the ten steps, so that a resumed run must know where it is in it
@@ -34,12 +34,8 @@ def _run_py(*overrides: str, cwd) -> subprocess.CompletedProcess:
 def _weights(checkpoint) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint (weights and Adam's moments), whole (read in a process group
     of this process alone, as megatron-core reads)."""
-    group = _one_process()
-    next(group)
-    try:
+    with one_process():
         return {k: v for k, v in load_plain_tensors(str(checkpoint)).items() if isinstance(v, torch.Tensor)}
-    finally:
-        next(group, None)
 
 
 @pytest.mark.slow

@@ -17,11 +17,15 @@ def test_bucket_bounds_cover_the_sequence_in_equal_spans():
     assert bucket_bounds(64, 4) == [(0, 16), (16, 32), (32, 48), (48, 64)]
 
 
-def test_the_loss_by_position_is_the_mean_of_each_spans_token_losses(single_process):
-    run = resolve_config("model=tiny", "model.vocab_size=1000", "seq=64")
+def _tiny_model_and_source(seq: int):
+    """The tiny model for ``seq`` tokens (seed 0) and a synthetic source of its vocabulary."""
     torch.manual_seed(0)
-    model = build_gpt(run.workload, "cpu").module
-    source = SyntheticTokens(1000, seed=3)
+    model = build_gpt(resolve_config("model=tiny", "model.vocab_size=1000", f"seq={seq}").workload, "cpu").module
+    return model, SyntheticTokens(1000, seed=3)
+
+
+def test_the_loss_by_position_is_the_mean_of_each_spans_token_losses(single_process):
+    model, source = _tiny_model_and_source(64)
     got = validation_loss(model, source, 64, 2, 2, 4, torch.device("cpu"), lambda mb: mb)
     # by hand: the same two micro-batches of two validation samples, every token's loss kept
     (batch,) = [next(micro_batches(ValidationSamples(source), 64, 2, 2, 0, 1, torch.device("cpu")))]
@@ -39,10 +43,7 @@ def test_the_loss_by_position_is_the_mean_of_each_spans_token_losses(single_proc
 
 
 def test_the_buckets_are_the_spans_of_bucket_bounds_where_they_differ_in_length(single_process):
-    run = resolve_config("model=tiny", "model.vocab_size=1000", "seq=30")
-    torch.manual_seed(0)
-    model = build_gpt(run.workload, "cpu").module
-    source = SyntheticTokens(1000, seed=3)
+    model, source = _tiny_model_and_source(30)
     got = validation_loss(model, source, 30, 1, 1, 4, torch.device("cpu"), lambda mb: mb)
     (mb,) = next(micro_batches(ValidationSamples(source), 30, 1, 1, 0, 1, torch.device("cpu")))
     with torch.no_grad():

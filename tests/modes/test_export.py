@@ -6,7 +6,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, _one_process, resolve_config, run_in_process
+from conftest import PYTHON, REPO, one_process, resolve_config, run_in_process
 from memo.execute.checkpoint import load_weights
 from memo.model import build_gpt
 
@@ -30,15 +30,11 @@ def test_an_exported_checkpoint_gives_our_logits_in_transformers(tmp_path, model
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
     run = resolve_config(f"model={model}", "seq=64")
     ids = torch.randint(0, run.workload.model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
-    group = _one_process()
-    next(group)
-    try:
+    with one_process():
         ours = build_gpt(run.workload, "cpu").module
         facts = load_weights(saved, ours)
         with torch.no_grad():
             logits = ours(ids, torch.arange(64).unsqueeze(0), None)[0]
-    finally:
-        next(group, None)
     assert facts["step"] == 2 and facts["model_config"]["name"] == model
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits[0]
@@ -49,13 +45,9 @@ def test_an_exported_checkpoint_gives_our_logits_in_transformers(tmp_path, model
 
 def _initial_embedding(model: str) -> torch.Tensor:
     run = resolve_config(f"model={model}", "seq=64")
-    group = _one_process()
-    next(group)
-    try:
+    with one_process():
         torch.manual_seed(run.train.seed)
         return build_gpt(run.workload, "cpu").module.embedding.word_embeddings.weight.detach().clone()
-    finally:
-        next(group, None)
 
 
 def test_a_model_transformers_has_no_format_for_is_one_line(tmp_path):
