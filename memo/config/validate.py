@@ -379,9 +379,13 @@ def _check_documents(cfg) -> None:
     if t.micro_batch_size != 1:
         raise ConfigError(f"train.document_mask keeps the documents of one sequence per micro-batch apart; set "
                           f"train.micro_batch_size=1 (not {t.micro_batch_size}) and raise train.micro_batches")
-    if p.cp > 1 or t.attention_backend == "te":
-        raise ConfigError("train.document_mask runs in memo's own attention without context parallelism so far; "
-                          "set parallel.cp=1 and an attention_backend other than te, or train.document_mask=false")
+    if t.attention_backend == "te":
+        raise ConfigError("train.document_mask runs in memo's own attention, not Transformer Engine's; set "
+                          "train.attention_backend to flash, cudnn or efficient, or train.document_mask=false")
+    if p.cp > 1 and tile_tokens(cfg.method) is not None:
+        raise ConfigError(f"train.document_mask: memo's sequence tiles keep documents apart without context "
+                          f"parallelism so far; set parallel.cp=1 or method.tile_tokens=whole (not "
+                          f"{cfg.method.tile_tokens}), or train.document_mask=false")
     if cfg.plan:
         raise ConfigError("train.document_mask: each sequence's documents change what attention allocates, which a "
                           "memory plan replays step for step; set plan=false or train.document_mask=false")

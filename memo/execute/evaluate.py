@@ -77,8 +77,6 @@ def validation_loss(
                 weight = torch.ones_like(per_token, dtype=torch.float64) if counted is None else counted.double()
                 sums.index_add_(0, bucket, (per_token.double() * weight).reshape(-1))
                 counts.index_add_(0, bucket, weight.reshape(-1))
-                if "documents" in mb:  # its rotary angles (and their table) are done with
-                    mb["documents"].forget_angles()
                 del per_token
     finally:
         model.train()

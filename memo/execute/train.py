@@ -42,11 +42,21 @@ def token_losses(model: torch.nn.Module, micro_batch: dict) -> tuple[torch.Tenso
     return per_token, micro_batch.get("loss_mask")
 
 
-def mean_loss(per_token: torch.Tensor, counted: Optional[torch.Tensor]) -> torch.Tensor:
-    """The mean loss in float32 over the tokens that count (:func:`token_losses`)."""
+def mean_loss(per_token: torch.Tensor, counted: Optional[torch.Tensor], cp_group=None) -> torch.Tensor:
+    """The mean loss in float32 over the tokens that count (:func:`token_losses`).
+
+    Under context parallelism (``cp_group``, this rank holding a part of each sequence) it is
+    this rank's share: the sum of its counted losses over the count of the whole sequence's (all
+    ranks'), times the ranks, whose mean over them (what the gradients' average over the
+    data-parallel and context-parallel ranks takes) is the sequence's mean, however unevenly the
+    uncounted tokens fall on the ranks."""
     if counted is None:
         return per_token.float().mean()
-    return (per_token.float() * counted).sum() / counted.sum()
+    if cp_group is None:
+        return (per_token.float() * counted).sum() / counted.sum()
+    total = counted.sum()
+    dist.all_reduce(total, group=cp_group)
+    return (per_token.float() * counted).sum() * dist.get_world_size(cp_group) / total
 
 
 def untimed_steps(train: TrainConfig, start_step: int) -> int:
@@ -87,6 +97,8 @@ def run_steps(
     model.train()
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    cp_group = parallel_state.get_context_parallel_group() if parallel_state.get_context_parallel_world_size() > 1 \
+        else None
     schedule = LearningRateSchedule(train)
     untimed = untimed_steps(train, start_step)
     for step in range(start_step, train.steps):
@@ -102,13 +114,11 @@ def run_steps(
                 if "documents" in micro_batch:
                     squared += micro_batch["documents"].documents.squared_lengths()
                 mb = token_order(this_ranks_tokens(micro_batch))
-                loss = mean_loss(*token_losses(model, mb)) / len(batch)
+                loss = mean_loss(*token_losses(model, mb), cp_group) / len(batch)
                 if marker is not None:
                     marker.backward()
                 optimizer.scale_loss(loss).backward()
                 loss_sum += loss.detach()
-                if "documents" in micro_batch:  # its rotary angles (and their table) are done with
-                    micro_batch["documents"].forget_angles()
                 del loss  # freed within the step, as a recorded iteration has them
             step_end()
             if marker is not None:

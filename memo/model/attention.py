@@ -54,17 +54,18 @@ def causal_attention(
     ``placement`` (:class:`memo.model.placement.Placement`) sees the kernel's inputs and may
     replay its output instead of running it. With ``cp_group`` the tokens are this rank's part of
     a sequence split over that context-parallel group, exchanged by ``cp_comm_type``. With
-    ``documents`` each query attends within its document only
-    (:func:`memo.model.documents.document_attention`, with ``backend``'s block kernel).
+    ``documents`` (the whole sequence's) each query attends within its document only
+    (:func:`memo.model.documents.document_attention`, with ``backend``'s block kernel, or
+    :func:`memo.model.context_parallel.context_parallel_attention`'s blocks cut by documents).
     """
     # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take strided batch and head dims.
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
 
     def kernel() -> torch.Tensor:
+        if cp_group is not None:
+            return context_parallel_attention(q, k, v, cp_group, backend, scale, cp_comm_type, documents)
         if documents is not None:
             return document_attention(q, k, v, documents, block_kernel(backend, q), scale)
-        if cp_group is not None:
-            return context_parallel_attention(q, k, v, cp_group, backend, scale, cp_comm_type)
         with sdpa_kernel([_CANDIDATES[backend]]):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
@@ -165,9 +166,9 @@ class SdpaAttention(Placed, MegatronModule):
         if packed_seq_params is not None:
             if not isinstance(packed_seq_params, DocumentParams):
                 raise ValueError("SdpaAttention takes packed sequences as memo's DocumentParams only")
-            if self.cp_group is not None or (self.dropout and self.training) or query.shape[1] != 1:
+            if (self.dropout and self.training) or query.shape[1] != 1:
                 raise ValueError("SdpaAttention keeps documents apart in one sequence per micro-batch, without "
-                                 "context parallelism or attention dropout")
+                                 "attention dropout")
             documents = packed_seq_params.documents
         return causal_attention(
             query,

@@ -39,7 +39,7 @@ Without dropout none of the backward kernels reads its random state: seeds and o
 ``None``.
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -160,6 +160,95 @@ def backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, token_major(out), lse, None, None, dropout_p=0.0,
         grad_input_mask=[True, True, True, False], is_causal=causal, scale=scale)
+    return dq, dk, dv
+
+
+def _spans(bounds: Sequence[int]) -> list[slice]:
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _variable_length(kernel: str, q: torch.Tensor) -> bool:
+    """Whether segments of ``q``'s tokens run in one call of FlashAttention's variable-length
+    entry point (one sequence of tokens, on CUDA)."""
+    return kernel == "flash" and q.device.type != "cpu" and q.shape[0] == 1
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """``[1, heads, tokens, dim]`` as the variable-length kernels take it, ``[tokens, heads, dim]``
+    (a view: token-major tensors need no copy)."""
+    return t[0].transpose(0, 1)
+
+
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_packed`: ``[tokens, heads, dim]`` as ``[1, heads, tokens, dim]``."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def _cu_seqlens(bounds: Sequence[int], device) -> tuple[torch.Tensor, int]:
+    """The cumulative sequence lengths (int32, on ``device``) of segments ``bounds`` and the
+    longest's length. Copied from pinned memory without waiting: a copy from pageable memory
+    would wait for the device's queue to drain, in every layer's forward and backward pass."""
+    lengths = torch.tensor(list(bounds), dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        lengths = lengths.pin_memory().to(device, non_blocking=True)
+    else:
+        lengths = lengths.to(device)
+    return lengths, max(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def segments_forward(kernel: str, q, k, v, bounds: Sequence[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention within each segment ``[bounds[i], bounds[i + 1])`` of the tokens (the
+    documents of a sequence, ``bounds`` from 0 to every token): ``q`` ``[b, heads, tokens, dim]``,
+    ``k`` and ``v`` with as many or fewer heads (grouped). Returns ``(out, lse)`` as
+    :func:`forward`, ``out`` laid out ``[tokens, b, heads, dim]`` in memory.
+
+    FlashAttention on CUDA runs every segment in one call of its variable-length entry point
+    (cumulative sequence lengths, int32; grouped heads as they are); other kernels run a causal
+    block per segment, keys and values expanded per block."""
+    if _variable_length(kernel, q):
+        cu, longest = _cu_seqlens(bounds, q.device)
+        out, lse, *_ = _aten._flash_attention_forward(_packed(q), _packed(k), _packed(v), cu, cu, longest, longest,
+                                                        0.0, True, False, scale=scale)
+        if lse.shape != (q.shape[1], q.shape[2]):  # (FlashAttention's varlen entry point before 2.7 padded it)
+            raise RuntimeError(f"FlashAttention's variable-length log-sum-exp is {tuple(lse.shape)}, not "
+                               f"{(q.shape[1], q.shape[2])} (heads, tokens): this PyTorch's build pads it")
+        return _unpacked(out), lse.unsqueeze(0)
+    b, n, tokens, d = q.shape
+    groups = n // k.shape[1]
+    out = torch.empty((tokens, b, n, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
+    lse = torch.empty((b, n, tokens), dtype=wide(q.dtype), device=q.device)
+    for span in _spans(bounds):
+        part_out, part_lse = forward(kernel, rows(q, span), expand_kv(rows(k, span), groups),
+                                     expand_kv(rows(v, span), groups), True, scale)
+        rows(out, span).copy_(part_out)
+        lse[..., span].copy_(part_lse)
+    return out, lse
+
+
+def segments_backward(kernel: str, dout, q, k, v, out, lse, bounds: Sequence[int], scale: float):
+    """``(dq, dk, dv)`` of :func:`segments_forward`, ``dk`` and ``dv`` with ``k``'s heads: grouped
+    heads' gradients summed in float32 or wider and rounded once by the block kernels, rounded per
+    query head and then summed by FlashAttention's variable-length backward, which also holds,
+    for the call, a float32 accumulator of ``(tokens + 128·segments)·heads·dim`` elements (dim
+    rounded up to a multiple of 32): 128 rows more per document."""
+    if _variable_length(kernel, q):
+        cu, longest = _cu_seqlens(bounds, q.device)
+        # (without dropout the kernel reads no random state: placeholders of the forward's shapes)
+        rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty((), dtype=torch.uint64, device=q.device)
+        grads = _aten._flash_attention_backward(
+            _packed(token_major(dout)), _packed(q), _packed(k), _packed(v), _packed(token_major(out)),
+            lse[0].float().contiguous(), cu, cu, longest, longest, 0.0, True, rng_state, unused, scale=scale)
+        return tuple(_unpacked(g) for g in grads)
+    groups = q.shape[1] // k.shape[1]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dout = token_major(dout)
+    for span in _spans(bounds):
+        dqb, dkb, dvb = backward(kernel, rows(dout, span), rows(q, span), expand_kv(rows(k, span), groups),
+                                 expand_kv(rows(v, span), groups), rows(out, span), lse[..., span], True, scale)
+        rows(dq, span).copy_(dqb)
+        rows(dk, span).copy_(fold_kv(dkb.to(wide(dkb.dtype)), groups))
+        rows(dv, span).copy_(fold_kv(dvb.to(wide(dvb.dtype)), groups))
     return dq, dk, dv
 
 

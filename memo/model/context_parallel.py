@@ -15,7 +15,11 @@ sequence, exchanged as Megatron's ``cp_comm_type`` names it:
   for attention, and then its own tokens of every head back.
 
 A query chunk attends to the blocks of keys before it in full and to its own chunk causally; the
-blocks' outputs are merged by their log-sum-exp (:mod:`memo.model.attention_blocks`).
+blocks' outputs are merged by their log-sum-exp (:mod:`memo.model.attention_blocks`). With
+documents kept apart (:mod:`memo.model.documents`) every rank knows the whole sequence's
+documents: a block is cut into the parts of it in one document (causal where they are the same
+tokens) and skipped where its chunks share none, and Ulysses attends each document of the whole
+sequence in its own causal block; the exchanges are those of the whole sequence.
 
 What one layer keeps from its forward pass to its backward pass is what attention without context
 parallelism keeps: this rank's query, key and value, its output and its log-sum-exp, all of its
@@ -34,6 +38,7 @@ import torch.distributed as dist
 
 from memo.config.validate import CP_COMM_TYPES
 from memo.model import attention_blocks as blocks
+from memo.model.documents import DocumentParams, Documents, block_kernel, chunk_blocks
 
 
 def sequence_layout(cp_attention: str) -> str:
@@ -54,9 +59,18 @@ def part_for_rank(t: torch.Tensor, dim: int, rank: int, cp: int,
 
 def batch_for_rank(batch: dict, rank: int, cp: int, layout: str = "load_balanced") -> dict:
     """This rank's tokens of a micro-batch (``[b, s]`` tensors, sequence on dim 1); in the
-    load-balanced layout exactly what Megatron-core's ``get_batch_on_this_cp_rank`` gives."""
-    return {key: part_for_rank(value, 1, rank, cp, layout) if isinstance(value, torch.Tensor) else value
-            for key, value in batch.items()}
+    load-balanced layout exactly what Megatron-core's ``get_batch_on_this_cp_rank`` gives.
+    Documents kept apart (:class:`~memo.model.documents.DocumentParams`) keep the whole
+    sequence's documents and take the positions of this rank's tokens."""
+    return {key: _part_of(value, rank, cp, layout) for key, value in batch.items()}
+
+
+def _part_of(value, rank: int, cp: int, layout: str):
+    if isinstance(value, torch.Tensor):
+        return part_for_rank(value, 1, rank, cp, layout)
+    if isinstance(value, DocumentParams):
+        return value.on_tokens(part_for_rank(value.position_ids, 0, rank, cp, layout))
+    return value
 
 
 def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -184,8 +198,9 @@ class _Attention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kernel: str, scale: float, comm_type: str):
+    def forward(ctx, q, k, v, group, kernel: str, scale: float, comm_type: str, documents: Optional[Documents]):
         ctx.group, ctx.kernel, ctx.scale, ctx.comm_type = group, kernel, scale, comm_type
+        ctx.documents, ctx.chunk = documents, q.shape[2] // 2
         ctx.groups = q.shape[1] // k.shape[1]
         out, lse = _FORWARD[comm_type](ctx, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -195,7 +210,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _BACKWARD[ctx.comm_type](ctx, _token_major(dout), q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _chunk(t: torch.Tensor, half: int, c: int) -> torch.Tensor:
@@ -203,19 +218,43 @@ def _chunk(t: torch.Tensor, half: int, c: int) -> torch.Tensor:
     return t.narrow(2, half * c, c)
 
 
-def _blocks(rank: int, cp: int, held: Sequence[int]):
-    """``(query half, key position, causal)`` for every block of this rank's queries that sees
-    keys of the sequence chunks ``held`` (position ``p`` holds chunk ``held[p]``): a chunk sees the
-    chunks before it whole and itself causally."""
+def _part(t: torch.Tensor, half: int, c: int, rows: slice) -> torch.Tensor:
+    """Rows ``rows`` of chunk ``half`` (:func:`_chunk`) of a ``[b, n, tokens, ...]`` tensor."""
+    return t[:, :, half * c + rows.start:half * c + rows.stop]
+
+
+def _blocks(ctx, held: Sequence[int]):
+    """``(query half, key position, query rows, key rows, causal)`` for every block of this
+    rank's queries that sees keys of the sequence chunks ``held`` (position ``p`` holds chunk
+    ``held[p]``), rows counted within the chunks: a chunk sees the chunks before it whole and
+    itself causally, or with documents the parts of them in its documents
+    (:func:`memo.model.documents.chunk_blocks`)."""
+    rank, cp, c = dist.get_rank(ctx.group), dist.get_world_size(ctx.group), ctx.chunk
     for qh, a in enumerate(rank_chunks(rank, cp)):
         for p, b in enumerate(held):
-            if b <= a:
-                yield qh, p, b == a
+            for rows, cols, causal in chunk_blocks(ctx.documents, a, b, c):
+                yield qh, p, rows, cols, causal
+
+
+def _merge_into(ctx, merged: list, qh: int, rows: slice, block: tuple) -> None:
+    """Merge one block's ``(out, lse)`` of query half ``qh``'s ``rows`` into ``merged[qh]``. A
+    block of whole chunks starts a half's merge; documents' blocks (parts of chunks) merge into
+    a float32 output of zeros and a log-sum-exp of −∞ made before the first, which a row's first
+    block replaces bit for bit."""
+    if ctx.documents is None:
+        merged[qh] = block if merged[qh] is None else blocks.merge(*merged[qh], *block)
+        return
+    if merged[qh] is None:
+        out, lse = block
+        shape = (*out.shape[:2], ctx.chunk, out.shape[3])
+        merged[qh] = (torch.zeros(shape, dtype=blocks.wide(out.dtype), device=out.device),
+                      torch.full(shape[:3], -torch.inf, dtype=lse.dtype, device=lse.device))
+    blocks.merge_into(blocks.rows(merged[qh][0], rows), merged[qh][1][..., rows], *block)
 
 
 def _ring_forward(ctx, q, k, v):
     cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-    ring, c = _Ring(ctx.group), q.shape[2] // 2
+    ring, c = _Ring(ctx.group), ctx.chunk
     held = torch.stack([_tokens_first(k), _tokens_first(v)])  # [2, 2·c, b, n_kv, d]
     merged: list[Optional[tuple]] = [None, None]
     for step in range(cp):
@@ -223,10 +262,10 @@ def _ring_forward(ctx, q, k, v):
         if step < cp - 1:
             incoming, works = ring.start(held, tag=1)
         keys, values = (blocks.expand_kv(_heads_first(t), ctx.groups) for t in held)
-        for qh, kh, causal in _blocks(rank, cp, rank_chunks(owner, cp)):
-            block = blocks.forward(ctx.kernel, _chunk(q, qh, c), _chunk(keys, kh, c), _chunk(values, kh, c),
-                                   causal, ctx.scale)
-            merged[qh] = block if merged[qh] is None else blocks.merge(*merged[qh], *block)
+        for qh, kh, rows, cols, causal in _blocks(ctx, rank_chunks(owner, cp)):
+            block = blocks.forward(ctx.kernel, _part(q, qh, c, rows), _part(keys, kh, c, cols),
+                                   _part(values, kh, c, cols), causal, ctx.scale)
+            _merge_into(ctx, merged, qh, rows, block)
         if step < cp - 1:
             _wait(works)
             held = incoming
@@ -235,7 +274,7 @@ def _ring_forward(ctx, q, k, v):
 
 def _ring_backward(ctx, dout, q, k, v, out, lse):
     cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-    ring, c = _Ring(ctx.group), q.shape[2] // 2
+    ring, c = _Ring(ctx.group), ctx.chunk
     held = torch.stack([_tokens_first(k), _tokens_first(v)])
     dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
     passing = None  # (received gradient, works) of the keys and values held next
@@ -246,13 +285,13 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
         keys, values = (blocks.expand_kv(_heads_first(t), ctx.groups) for t in held)
         # the gradient of the held keys and values
         grads = torch.zeros(held.shape, dtype=blocks.wide(k.dtype), device=q.device)
-        for qh, kh, causal in _blocks(rank, cp, rank_chunks(owner, cp)):
+        for qh, kh, rows, cols, causal in _blocks(ctx, rank_chunks(owner, cp)):
             dqb, dkb, dvb = blocks.backward(
-                ctx.kernel, _chunk(dout, qh, c), _chunk(q, qh, c), _chunk(keys, kh, c),
-                _chunk(values, kh, c), _chunk(out, qh, c), lse.narrow(2, qh * c, c), causal, ctx.scale)
-            _chunk(dq, qh, c).add_(dqb)
+                ctx.kernel, _part(dout, qh, c, rows), _part(q, qh, c, rows), _part(keys, kh, c, cols),
+                _part(values, kh, c, cols), _part(out, qh, c, rows), _part(lse, qh, c, rows), causal, ctx.scale)
+            _part(dq, qh, c, rows).add_(dqb)
             for i, d in enumerate((dkb, dvb)):
-                _chunk(_heads_first(grads[i]), kh, c).add_(blocks.fold_kv(d, ctx.groups))
+                _part(_heads_first(grads[i]), kh, c, cols).add_(blocks.fold_kv(d, ctx.groups))
         if passing is not None:  # what the ranks before added to these keys' and values' gradient
             _wait(passing[1])
             grads += passing[0]
@@ -268,14 +307,13 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
 
 
 def _gather_forward(ctx, q, k, v):
-    cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-    c = q.shape[2] // 2
+    cp, c = dist.get_world_size(ctx.group), ctx.chunk
     keys, values = (blocks.expand_kv(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
     merged: list[Optional[tuple]] = [None, None]
-    for qh, p, causal in _blocks(rank, cp, _rank_order(cp)):
-        block = blocks.forward(ctx.kernel, _chunk(q, qh, c), _chunk(keys, p, c), _chunk(values, p, c), causal,
-                               ctx.scale)
-        merged[qh] = block if merged[qh] is None else blocks.merge(*merged[qh], *block)
+    for qh, p, rows, cols, causal in _blocks(ctx, _rank_order(cp)):
+        block = blocks.forward(ctx.kernel, _part(q, qh, c, rows), _part(keys, p, c, cols), _part(values, p, c, cols),
+                               causal, ctx.scale)
+        _merge_into(ctx, merged, qh, rows, block)
     return _joined(q, merged, c)
 
 
@@ -289,19 +327,18 @@ def _joined(q, merged: list[tuple], c: int):
 
 
 def _gather_backward(ctx, dout, q, k, v, out, lse):
-    cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-    c = q.shape[2] // 2
+    cp, c = dist.get_world_size(ctx.group), ctx.chunk
     keys, values = (blocks.expand_kv(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
     dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
     # in the keys' dtype: each key's gradient sums at most two blocks here, then cp ranks'
     dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
-    for qh, p, causal in _blocks(rank, cp, _rank_order(cp)):
+    for qh, p, rows, cols, causal in _blocks(ctx, _rank_order(cp)):
         dqb, dkb, dvb = blocks.backward(
-            ctx.kernel, _chunk(dout, qh, c), _chunk(q, qh, c), _chunk(keys, p, c), _chunk(values, p, c),
-            _chunk(out, qh, c), lse.narrow(2, qh * c, c), causal, ctx.scale)
-        _chunk(dq, qh, c).add_(dqb)
-        _chunk(dkeys, p, c).add_(dkb)
-        _chunk(dvalues, p, c).add_(dvb)
+            ctx.kernel, _part(dout, qh, c, rows), _part(q, qh, c, rows), _part(keys, p, c, cols),
+            _part(values, p, c, cols), _part(out, qh, c, rows), _part(lse, qh, c, rows), causal, ctx.scale)
+        _part(dq, qh, c, rows).add_(dqb)
+        _part(dkeys, p, c, cols).add_(dkb)
+        _part(dvalues, p, c, cols).add_(dvb)
     del keys, values
     dk, dv = (_reduce_scatter_tokens(blocks.fold_kv(d, ctx.groups), ctx.group) for d in (dkeys, dvalues))
     return dq.to(q.dtype), dk, dv
@@ -313,24 +350,32 @@ def _ulysses_forward(ctx, q, k, v):
         raise ValueError(f"Ulysses splits the heads over cp={cp} ranks: {q.shape[1]} query and "
                          f"{k.shape[1]} key heads per rank do not divide")
     qh, kh, vh = (_to_heads(t, ctx.group) for t in (q, k, v))
-    o, lse = blocks.forward(ctx.kernel, qh, blocks.expand_kv(kh, ctx.groups), blocks.expand_kv(vh, ctx.groups), True, ctx.scale)
+    if ctx.documents is None:
+        o, lse = blocks.forward(ctx.kernel, qh, blocks.expand_kv(kh, ctx.groups), blocks.expand_kv(vh, ctx.groups), True,
+                                ctx.scale)
+    else:  # every document of the whole sequence in a causal block of its own
+        o, lse = blocks.segments_forward(ctx.kernel, qh, kh, vh, ctx.documents.bounds(), ctx.scale)
     return _to_tokens(o, ctx.group), _to_tokens(lse.unsqueeze(-1), ctx.group).squeeze(-1)
 
 
 def _ulysses_backward(ctx, dout, q, k, v, out, lse):
     qh, kh, vh, oh, dh = (_to_heads(t, ctx.group) for t in (q, k, v, out, dout))
     lh = _to_heads(lse.unsqueeze(-1), ctx.group).squeeze(-1)
-    dq, dk, dv = blocks.backward(ctx.kernel, dh, qh, blocks.expand_kv(kh, ctx.groups), blocks.expand_kv(vh, ctx.groups), oh, lh,
-                                 True, ctx.scale)
-    return (_to_tokens(d, ctx.group) for d in (dq, blocks.fold_kv(dk, ctx.groups), blocks.fold_kv(dv, ctx.groups)))
+    if ctx.documents is None:
+        dq, dk, dv = blocks.backward(ctx.kernel, dh, qh, blocks.expand_kv(kh, ctx.groups), blocks.expand_kv(vh, ctx.groups),
+                                     oh, lh, True, ctx.scale)
+        dk, dv = blocks.fold_kv(dk, ctx.groups), blocks.fold_kv(dv, ctx.groups)
+    else:
+        dq, dk, dv = blocks.segments_backward(ctx.kernel, dh, qh, kh, vh, oh, lh, ctx.documents.bounds(), ctx.scale)
+    return (_to_tokens(d, ctx.group) for d in (dq, dk, dv))
 
 
 _FORWARD = {"all_gather": _gather_forward, "p2p": _ring_forward, "a2a": _ulysses_forward}
 _BACKWARD = {"all_gather": _gather_backward, "p2p": _ring_backward, "a2a": _ulysses_backward}
 
 
-def context_parallel_attention(q, k, v, group, backend: str, scale: float,
-                               comm_type: str = "all_gather") -> torch.Tensor:
+def context_parallel_attention(q, k, v, group, backend: str, scale: float, comm_type: str = "all_gather",
+                               documents: Optional[Documents] = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     Args:
@@ -341,6 +386,10 @@ def context_parallel_attention(q, k, v, group, backend: str, scale: float,
             blocks run :func:`memo.model.attention_blocks.kernel_for` it.
         scale: the softmax scale.
         comm_type: ``all_gather``, ``p2p`` or ``a2a`` (Ulysses).
+        documents: the whole sequence's documents, each query attending within its own only:
+            blocks wholly of other documents are skipped, those that documents cut are cut into
+            each document's part (:func:`memo.model.documents.chunk_blocks`), on the block kernel
+            :func:`memo.model.documents.block_kernel` picks.
 
     Returns:
         ``[b, heads, 2·c, dim]``, this rank's tokens in its order, laid out ``[2·c, b, heads, dim]``
@@ -348,4 +397,8 @@ def context_parallel_attention(q, k, v, group, backend: str, scale: float,
     """
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={comm_type} is not one of {', '.join(CP_COMM_TYPES)}")
-    return _Attention.apply(q, k, v, group, blocks.kernel_for(backend, q), scale, comm_type)
+    if documents is not None and documents.tokens != q.shape[2] * dist.get_world_size(group):
+        raise ValueError(f"documents of {documents.tokens} tokens for a sequence of {q.shape[2]} tokens on each of "
+                         f"{dist.get_world_size(group)} context-parallel ranks")
+    kernel = blocks.kernel_for(backend, q) if documents is None else block_kernel(backend, q)
+    return _Attention.apply(q, k, v, group, kernel, scale, comm_type, documents)

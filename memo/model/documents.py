@@ -13,16 +13,21 @@ Key spans wholly in other documents give no block at all, so the attention compu
 the documents alone, never a masked square (:meth:`Documents.squared_lengths` sizes it).
 
 :func:`document_attention` is core attention over a whole sequence of documents: one causal
-block per document, with the block kernels of :mod:`memo.model.attention_blocks`. It saves what
-attention over the whole sequence saves (q, k, v, the output and its log-sum-exp, every token),
-so that MEMO places them as it places causal attention's.
+block per document (:func:`memo.model.attention_blocks.segments_forward`: on CUDA all of them in
+one call of FlashAttention's variable-length entry point, with the documents' cumulative lengths
+in int32; elsewhere a block kernel call per document). It saves what attention over the whole
+sequence saves (q, k, v, the output and its log-sum-exp, every token), so that MEMO places them as
+it places causal attention's. A rotary angle per token, of its position within its document,
+replaces the sequence's (:func:`rotate_within_documents`).
 """
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from memo.model import attention_blocks as blocks
@@ -66,10 +71,10 @@ class Documents:
         """``(start, end)`` of every document, in order."""
         return list(zip(self.starts, self.ends))
 
-    def cu_seqlens(self, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
-        """The cumulative sequence lengths the variable-length kernels take: ``[0, ..., tokens]``,
-        int32."""
-        return torch.tensor((*self.starts, self.tokens), dtype=torch.int32, device=device)
+    def bounds(self) -> tuple[int, ...]:
+        """Where each document starts, then where the sequence ends (``0 .. tokens``): the
+        cumulative sequence lengths the variable-length kernels take."""
+        return (*self.starts, self.tokens)
 
     def position_ids(self) -> torch.Tensor:
         """Each token's position within its document (int64, ``[tokens]``): where rotary
@@ -115,52 +120,75 @@ class Documents:
         return sum((end - start) ** 2 for start, end in self.spans())
 
 
+def chunk_blocks(documents: Optional[Documents], query_chunk: int, key_chunk: int,
+                 tokens: int) -> list[tuple[slice, slice, bool]]:
+    """``(query rows, key rows, causal)`` within sequence chunk ``query_chunk``'s queries and
+    chunk ``key_chunk``'s keys (``tokens`` tokens each, rows counted from each chunk's first)
+    that causal attention computes: the whole block (causal on the diagonal; none after it), or
+    with ``documents`` each document's part of it (:meth:`Documents.blocks`), none where the
+    chunks share no document."""
+    q0, k0 = query_chunk * tokens, key_chunk * tokens
+    if documents is None:
+        return [] if key_chunk > query_chunk else [(slice(0, tokens), slice(0, tokens), key_chunk == query_chunk)]
+    return [(slice(b.q_start - q0, b.q_end - q0), slice(b.k_start - k0, b.k_end - k0), b.causal)
+            for b in documents.blocks((q0, q0 + tokens), (k0, k0 + tokens))]
+
+
 @dataclass
 class DocumentParams(PackedSeqParams):
     """Megatron's packed-sequence parameters for a sequence of documents kept apart, in Megatron's
-    ``sbhd`` layout (one sequence per micro-batch, not ``thd``): the :class:`Documents` our
-    attention cuts into blocks, and each token's position within its document. GPTModel hands it
-    to every layer's attention as ``packed_seq_params``."""
+    ``sbhd`` layout (one sequence per micro-batch, not ``thd``): the :class:`Documents` of the
+    whole sequence, which our attention cuts into blocks, and the position within its document of
+    each token this rank holds (all of them, or its part under context parallelism:
+    :meth:`on_tokens`). GPTModel hands it to every layer's attention as ``packed_seq_params``."""
 
     documents: Optional[Documents] = None
-    # each token's position within its document, on the device
+    # the position within its document of each token of this rank, on the device
     position_ids: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
-    _angles: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def of(documents: Documents, device: Union[str, torch.device]) -> "DocumentParams":
         """The parameters of ``documents``, their positions on ``device``."""
-        # (Megatron makes the rotary table max_seqlen rows long: one per token of the sequence,
-        # whose rows at the positions within documents rotary_angles takes, and whose runs of
-        # rows a recomputation of the last tokens takes)
         return DocumentParams(qkv_format="sbhd", max_seqlen_q=documents.tokens, max_seqlen_kv=documents.tokens,
                               documents=documents, position_ids=documents.position_ids().to(device))
 
-    def forget_angles(self) -> None:
-        """Drop the angles :meth:`rotary_angles` made (``8·s·d`` bytes, with the rotary table's
-        cos and sin of them), once the micro-batch's passes are done."""
-        self._angles = None
+    def on_tokens(self, position_ids: torch.Tensor) -> "DocumentParams":
+        """The parameters of a rank that holds the tokens whose positions (within their
+        documents) are ``position_ids``, a part of :attr:`position_ids` (context parallelism)."""
+        return replace(self, position_ids=position_ids)
 
-    def rotary_angles(self, freqs: torch.Tensor) -> torch.Tensor:
-        """The rotary angles of each token's position within its document: for ``freqs`` of
-        positions ``0 .. s−1`` (``[s, 1, 1, d]``), its rows at those positions, made once so that
-        every layer rotates with one table (:class:`memo.model.rotary.RotaryTable`). ``freqs``
-        may be a run of rows of that tensor (a recomputation's last tokens): the same run of the
-        angles is returned.
+    def rotary_angles(self, freqs: torch.Tensor, embedding: RotaryEmbedding) -> torch.Tensor:
+        """The rotary angles of the position within its document of each of this rank's ``n``
+        tokens, in place of ``freqs``, those of their positions in the sequence (``[n, 1, 1, d]``):
+        rows of ``embedding``'s angles of positions ``0 .. longest document − 1`` (made for the
+        call: ``4·n·d`` bytes kept, ``4·longest·d`` for the call only), bit for bit the rows of
+        every longer sequence's angles, and of positions a context-parallel rank's own angles
+        do not hold.
 
         Raises:
-            ValueError: ``freqs`` neither of the documents' tokens nor a run of such a tensor.
+            ValueError: ``freqs`` not of this rank's tokens.
         """
-        base = freqs if freqs._base is None else freqs._base  # (the tensor a view of angles views)
-        rows, row = freqs.shape[0], freqs[0].numel()
-        if base.numel() != self.documents.tokens * row or not (freqs.is_contiguous() and base.is_contiguous()):
-            raise ValueError(f"rotary angles of {rows} positions are not a run of the {self.documents.tokens} "
-                             "positions of the documents")
-        if self._angles is None or self._angles[0] is not base:
-            whole = base.view(self.documents.tokens, *freqs.shape[1:])
-            self._angles = (base, whole[self.position_ids.to(base.device)])
-        first = (freqs.storage_offset() - base.storage_offset()) // row
-        return self._angles[1][first:first + rows]
+        tokens = len(self.position_ids)
+        if freqs.shape[0] != tokens:
+            raise ValueError(f"rotary angles of {freqs.shape[0]} positions for {tokens} tokens of documents")
+        longest = max(end - start for start, end in self.documents.spans())
+        return embedding.get_emb(longest)[self.position_ids.to(freqs.device)].view(freqs.shape)
+
+
+def rotate_within_documents(model: GPTModel) -> None:
+    """Have ``model``'s decoder hand its layers, with documents kept apart
+    (:class:`DocumentParams`), the rotary angles of each token's position within its document
+    (:meth:`DocumentParams.rotary_angles`): made once per forward pass, shared by every layer and
+    sliced as the angles of sequence positions are (a tile's rows, a recomputation's tails)."""
+    embedding = model.rotary_pos_emb
+
+    def within_documents(_decoder, args, kwargs):
+        documents, freqs = kwargs.get("packed_seq_params"), kwargs.get("rotary_pos_emb")
+        if isinstance(documents, DocumentParams) and isinstance(freqs, torch.Tensor):
+            return args, {**kwargs, "rotary_pos_emb": documents.rotary_angles(freqs, embedding)}
+        return None
+
+    model.decoder.register_forward_pre_hook(within_documents, with_kwargs=True)
 
 
 def block_kernel(backend: str, q: torch.Tensor) -> str:
@@ -181,36 +209,16 @@ def documents_of(layer_arguments: dict) -> Optional[Documents]:
 class _DocumentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, documents: Documents, kernel: str, scale: float):
-        b, n, s, d = q.shape
-        groups = n // k.shape[1]
-        # the output token-major, as Megatron's layer reads it; the log-sum-exp wide, as the
-        # block kernels give it
-        out = torch.empty((s, b, n, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
-        lse = torch.empty((b, n, s), dtype=blocks.wide(q.dtype), device=q.device)
-        for start, end in documents.spans():  # each document's own causal block
-            span = slice(start, end)
-            keys, values = (blocks.expand_kv(blocks.rows(t, span), groups) for t in (k, v))
-            part_out, part_lse = blocks.forward(kernel, blocks.rows(q, span), keys, values, True, scale)
-            blocks.rows(out, span).copy_(part_out)
-            lse[..., span].copy_(part_lse)
+        bounds = documents.bounds()
+        out, lse = blocks.segments_forward(kernel, q, k, v, bounds, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.documents, ctx.kernel, ctx.scale, ctx.groups = documents, kernel, scale, groups
+        ctx.bounds, ctx.kernel, ctx.scale = bounds, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dout = blocks.token_major(dout)
-        for start, end in ctx.documents.spans():
-            span = slice(start, end)
-            keys, values = (blocks.expand_kv(blocks.rows(t, span), ctx.groups) for t in (k, v))
-            dqb, dkb, dvb = blocks.backward(ctx.kernel, blocks.rows(dout, span), blocks.rows(q, span), keys, values,
-                                            blocks.rows(out, span), lse[..., span], True, ctx.scale)
-            blocks.rows(dq, span).copy_(dqb)
-            # grouped heads' gradients summed in float32 or wider, then rounded once
-            blocks.rows(dk, span).copy_(blocks.fold_kv(dkb.to(blocks.wide(dkb.dtype)), ctx.groups))
-            blocks.rows(dv, span).copy_(blocks.fold_kv(dvb.to(blocks.wide(dvb.dtype)), ctx.groups))
+        dq, dk, dv = blocks.segments_backward(ctx.kernel, dout, q, k, v, out, lse, ctx.bounds, ctx.scale)
         return dq, dk, dv, None, None, None
 
 

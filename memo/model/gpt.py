@@ -37,6 +37,7 @@ from memo.model.activation import Activation
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.context_parallel import sequence_layout
 from memo.model.deepspeed_attention import DeepSpeedUlyssesAttention
+from memo.model.documents import rotate_within_documents
 from memo.model.host import HostRotaryEmbedding, run_megatron_on_device, run_megatron_on_host
 from memo.model.layer import MemoTransformerLayer
 from memo.model.linear import TiledColumnParallelLinear, TiledRowParallelLinear
@@ -407,6 +408,7 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
     if not use_te:
         # The table is made with the angles (the embedding's phase), before any layer uses it.
         gpt.rotary_pos_emb.register_forward_hook(lambda _module, _args, freqs: rotary.fill(freqs, dtype))
+        rotate_within_documents(gpt)
     step_end = lambda: None  # noqa: E731
     if config.fine_grained_activation_offloading:
         # a manager of this model's own: the one before (an earlier job of a sweep) holds that

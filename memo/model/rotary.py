@@ -94,9 +94,10 @@ class RotarySelfAttention(Placed, SelfAttention):
     swap placement (``placement``) q, k and v are made in the rounding buffer that keeps them.
 
     ``rotary_table`` is bound in the layer spec. Documents kept apart
-    (:class:`~memo.model.documents.DocumentParams`) rotate each token by its position within its
-    document. Inference, Megatron's packed sequences and interleaved or partial rotations are left
-    to Megatron's own path.
+    (:class:`~memo.model.documents.DocumentParams`) rotate each token by the angles it is handed,
+    those of its position within its document (:func:`memo.model.documents.rotate_within_documents`).
+    Inference, Megatron's packed sequences and interleaved or partial rotations are left to
+    Megatron's own path.
     """
 
     def __init__(self, *args, rotary_table: RotaryTable, **kwargs):
@@ -120,9 +121,9 @@ class RotarySelfAttention(Placed, SelfAttention):
                                  "whole, non-interleaved heads, without inference or output gates")
             return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb,
                                    **kwargs)
-        documents = kwargs.get("packed_seq_params")
-        # positions restart at every document
-        self._freqs = rotary_pos_emb if documents is None else documents.rotary_angles(rotary_pos_emb)
+        # (documents kept apart: the angles of positions within documents, which the model's
+        # decoder is handed, memo.model.documents.rotate_within_documents)
+        self._freqs = rotary_pos_emb
         try:
             return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
         finally:

@@ -19,23 +19,13 @@ from typing import Callable, Optional
 import torch
 
 from memo.model import attention_blocks as blocks
-from memo.model.documents import Documents
+from memo.model.documents import Documents, chunk_blocks
 
 
 def block(store: torch.Tensor, index: int, tokens: int) -> torch.Tensor:
     """Rows ``index·tokens .. (index + 1)·tokens`` of ``store`` (``[s, b, n, d]``) as the kernels
     take them, ``[b, n, tokens, d]`` (a view)."""
     return store[index * tokens:(index + 1) * tokens].permute(1, 2, 0, 3)
-
-
-def _sub_blocks(documents: Optional[Documents], tile: int, j: int, c: int):
-    """``(query rows, key rows, causal)`` within tile ``tile``'s queries and block ``j``'s keys
-    (``c`` tokens each) that attention computes: the whole block (causal on the diagonal), or
-    with ``documents`` each document's part of it (:meth:`Documents.blocks`)."""
-    if documents is None:
-        return [(slice(0, c), slice(0, c), j == tile)]
-    return [(slice(b.q_start - tile * c, b.q_end - tile * c), slice(b.k_start - j * c, b.k_end - j * c), b.causal)
-            for b in documents.blocks((tile * c, (tile + 1) * c), (j * c, (j + 1) * c))]
 
 
 def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: int,
@@ -65,7 +55,7 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
         lse.fill_(-torch.inf)
     for j in range(tile + 1):
         on_block(j)
-        parts = _sub_blocks(documents, tile, j, c)
+        parts = chunk_blocks(documents, tile, j, c)
         if not parts:  # keys wholly of other documents: nothing to expand or attend
             continue
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
@@ -100,7 +90,7 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
     dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
     for j in range(tile + 1):
         on_block(j)
-        parts = _sub_blocks(documents, tile, j, c)
+        parts = chunk_blocks(documents, tile, j, c)
         if not parts:
             continue
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))

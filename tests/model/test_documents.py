@@ -17,8 +17,7 @@ def test_documents_end_with_their_end_of_document_token():
     assert documents == Documents((0, 3, 5), 9)
     assert documents.spans() == [(0, 3), (3, 5), (5, 9)]
     assert documents.position_ids().tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
-    assert documents.cu_seqlens().tolist() == [0, 3, 5, 9]
-    assert documents.cu_seqlens().dtype == torch.int32
+    assert documents.bounds() == (0, 3, 5, 9)
     assert documents.squared_lengths() == 9 + 4 + 16
     assert Documents.of([4, 4, 4], EOD) == Documents((0,), 3)
 
