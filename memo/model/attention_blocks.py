@@ -225,10 +225,12 @@ def segments_forward(kernel: str, q, k, v, bounds: Sequence[int], scale: float) 
     return out, lse
 
 
-def segments_backward(kernel: str, dout, q, k, v, out, lse, bounds: Sequence[int], scale: float):
-    """``(dq, dk, dv)`` of :func:`segments_forward`, ``dk`` and ``dv`` with ``k``'s heads: grouped
-    heads' gradients summed in float32 or wider and rounded once by the block kernels, rounded per
-    query head and then summed by FlashAttention's variable-length backward, which also holds,
+def segments_backward(kernel: str, dout, q, k, v, out, lse, bounds: Sequence[int], scale: float,
+                      grad_dtype: Optional[torch.dtype] = None):
+    """``(dq, dk, dv)`` of :func:`segments_forward`, ``dk`` and ``dv`` with ``k``'s heads in
+    ``grad_dtype`` (``k``'s unless given): grouped heads' gradients summed in float32 or wider and
+    rounded once by the block kernels, rounded per query head and then summed by FlashAttention's
+    variable-length backward, which also holds,
     for the call, a float32 accumulator of ``(tokens + 128·segments)·heads·dim`` elements (dim
     rounded up to a multiple of 32): 128 rows more per document."""
     if _variable_length(kernel, q):
@@ -238,10 +240,12 @@ def segments_backward(kernel: str, dout, q, k, v, out, lse, bounds: Sequence[int
         unused = torch.empty((), dtype=torch.uint64, device=q.device)
         grads = _aten._flash_attention_backward(
             _packed(token_major(dout)), _packed(q), _packed(k), _packed(v), _packed(token_major(out)),
-            lse[0].float().contiguous(), cu, cu, longest, longest, 0.0, True, rng_state, unused, scale=scale)
-        return tuple(_unpacked(g) for g in grads)
+            lse[0].to(wide(q.dtype)).contiguous(), cu, cu, longest, longest, 0.0, True, rng_state, unused, scale=scale)
+        dq, dk, dv = (_unpacked(g) for g in grads)
+        return dq, dk.to(grad_dtype or k.dtype), dv.to(grad_dtype or v.dtype)
     groups = q.shape[1] // k.shape[1]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
+    dk, dv = (torch.empty(t.shape, dtype=grad_dtype or t.dtype, device=t.device) for t in (k, v))
     dout = token_major(dout)
     for span in _spans(bounds):
         dqb, dkb, dvb = backward(kernel, rows(dout, span), rows(q, span), expand_kv(rows(k, span), groups),

@@ -39,7 +39,9 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
     and freed within it, so that every block of every tile allocates alike (the planner plans
     one). ``on_block`` is told the block about to run, and ``None`` once the last is done. With
     ``documents`` (of the whole sequence) each query attends within its document only: a block
-    runs its documents' parts, and one wholly of other documents runs none.
+    runs its documents' parts (the tile's own block all of them at once,
+    :func:`memo.model.attention_blocks.segments_forward`), and one wholly of other documents
+    runs none.
 
     Returns:
         ``(out, lse)``: ``out`` ``[b, heads, c, d]`` in ``q``'s dtype, laid out ``[c, b, heads, d]``
@@ -57,6 +59,12 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
         on_block(j)
         parts = chunk_blocks(documents, tile, j, c)
         if not parts:  # keys wholly of other documents: nothing to expand or attend
+            continue
+        if documents is not None and j == tile:  # the tile's own documents, causal segments of it
+            part = blocks.segments_forward(kernel, q, block(keys, j, c), block(values, j, c), _segments(parts, c),
+                                           scale)
+            blocks.merge_into(out, lse, *part)
+            del part
             continue
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
         for rows, cols, causal in parts:
@@ -93,6 +101,14 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
         parts = chunk_blocks(documents, tile, j, c)
         if not parts:
             continue
+        if documents is not None and j == tile:
+            dqb, dkb, dvb = blocks.segments_backward(kernel, dout, q, block(keys, j, c), block(values, j, c), out, lse,
+                                                     _segments(parts, c), scale, key_grads.dtype)
+            dq.add_(dqb)
+            block(key_grads, j, c).add_(dkb)
+            block(value_grads, j, c).add_(dvb)
+            del dqb, dkb, dvb
+            continue
         k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
         for rows, cols, causal in parts:
             dqb, dkb, dvb = blocks.backward(kernel, blocks.rows(dout, rows), blocks.rows(q, rows), blocks.rows(k, cols), blocks.rows(v, cols),
@@ -105,6 +121,13 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
         del k, v
     on_block(None)
     return dq.to(q.dtype)
+
+
+def _segments(parts: list[tuple[slice, slice, bool]], c: int) -> tuple[int, ...]:
+    """The bounds of the causal parts of a tile's block of its own keys (its documents' parts,
+    which cut its ``c`` tokens into segments) for :func:`memo.model.attention_blocks.segments_forward`:
+    on CUDA one variable-length kernel call for all of them."""
+    return (*(rows.start for rows, _, _ in parts), c)
 
 
 def _no_blocks(_block: Optional[int]) -> None:

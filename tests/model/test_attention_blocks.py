@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memo.model import attention_blocks as blocks
+from varlen_flash import use_varlen_flash
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "tests" / "data" / "torch-2.11-aten-schemas.txt"
@@ -241,42 +242,6 @@ def test_documents_run_in_one_call_of_flashattentions_variable_length_entry_poin
     assert backward["grad_out"].stride(-1) == 1 and backward["out"].stride(-1) == 1
 
 
-class _VarlenFlash:
-    """FlashAttention's variable-length entry points as PyTorch 2.11 declares them, computed in
-    float64 on the CPU (softmax over each segment's earlier keys, grouped heads shared): what
-    :func:`memo.model.attention_blocks.segments_forward` hands them and makes of their results
-    is then checked against the block-per-document path."""
-
-    @staticmethod
-    def _attend(q, k, v, scale):
-        groups = q.shape[1] // k.shape[1]
-        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-        scores = torch.einsum("ind,jnd->nij", q, k) * scale
-        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), -torch.inf)
-        return torch.einsum("nij,jnd->ind", scores.softmax(-1), v), scores.logsumexp(-1)
-
-    def _flash_attention_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
-        assert cu_q.dtype == cu_k.dtype == torch.int32 and q.dim() == 3 and is_causal and dropout_p == 0
-        bounds = cu_q.tolist()
-        assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0])
-        for a, b in zip(bounds, bounds[1:]):
-            out[a:b], lse[:, a:b] = self._attend(q[a:b], k[a:b], v[a:b], scale)
-        return out, lse, None, None, None
-
-    def _flash_attention_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
-                                  rng_state, unused, *, scale):
-        assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
-        grads = [torch.zeros_like(t) for t in (q, k, v)]
-        bounds = cu_q.tolist()
-        for a, b in zip(bounds, bounds[1:]):
-            parts = [t[a:b].detach().requires_grad_() for t in (q, k, v)]
-            self._attend(*parts, scale)[0].backward(dout[a:b])
-            for grad, part in zip(grads, parts):
-                grad[a:b] = part.grad
-        return tuple(grads)
-
-
 def test_documents_on_the_variable_length_entry_points_equal_a_block_per_document(monkeypatch):
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(100, 1, 4, 16, generator=generator, dtype=FP64).permute(1, 2, 0, 3)
@@ -284,8 +249,7 @@ def test_documents_on_the_variable_length_entry_points_equal_a_block_per_documen
     dout = torch.randn(q.shape, generator=generator, dtype=FP64)
     expected = [*blocks.segments_forward("math", q, k, v, BOUNDS, 0.25)]
     expected += blocks.segments_backward("math", dout, q, k, v, *expected, BOUNDS, 0.25)
-    monkeypatch.setattr(blocks, "_aten", _VarlenFlash())
-    monkeypatch.setattr(blocks, "_variable_length", lambda kernel, t: True)
+    use_varlen_flash(monkeypatch)
     got = [*blocks.segments_forward("flash", q, k, v, BOUNDS, 0.25)]
     got += blocks.segments_backward("flash", dout, q, k, v, *got, BOUNDS, 0.25)
     for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, expected, strict=True):

@@ -8,6 +8,7 @@ import torch
 from memo.model.documents import Documents
 from memo.model.tiled_attention import tile_backward, tile_forward
 from memo.model.tiles import rank_tile_blocks
+from varlen_flash import use_varlen_flash
 
 SEQ, BATCH, HEADS, DIM = 48, 2, 4, 8
 
@@ -28,12 +29,27 @@ def _documents_alone(q, k, v, documents, scale, groups):
 @pytest.mark.parametrize("starts", [None, (0, 5, 6, 29)], ids=["causal", "documents"])
 def test_tiles_over_the_store_equal_whole_attention(tiles, groups, kernel, starts):
     # documents that start inside tiles, one of a single token, one across three tiles of 6
-    documents = None if starts is None else Documents(starts, SEQ)
+    _check_tiles(tiles, groups, kernel, None if starts is None else Documents(starts, SEQ), BATCH)
+
+
+@pytest.mark.parametrize("tiles", [1, 3, 8])
+def test_a_tiles_own_documents_take_one_variable_length_call_on_cuda(monkeypatch, tiles):
+    """On CUDA a tile's block of its own keys runs its documents in one call of FlashAttention's
+    variable-length entry points (here a float64 stand-in of them): the same attention, forward
+    and backward, as blocks per document."""
+    fake = use_varlen_flash(monkeypatch)
+    _check_tiles(tiles, 2, "flash", Documents((0, 5, 6, 29), SEQ), 1)
+    assert fake.calls == 2 * tiles  # each tile's forward and backward
+
+
+def _check_tiles(tiles: int, groups: int, kernel: str, documents, batch: int) -> None:
+    """Every tile's attention over the store, forward then backward in descending order, equals
+    each document's own causal attention in float64 (1e-12)."""
     gen = torch.Generator().manual_seed(tiles * 10 + groups)
-    q = torch.randn(SEQ, BATCH, HEADS, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
-    k, v = (torch.randn(SEQ, BATCH, groups, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
+    q = torch.randn(SEQ, batch, HEADS, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(SEQ, batch, groups, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
             for _ in range(2))
-    dout = torch.randn(SEQ, BATCH, HEADS, DIM, dtype=torch.float64, generator=gen)
+    dout = torch.randn(SEQ, batch, HEADS, DIM, dtype=torch.float64, generator=gen)
     scale = DIM ** -0.5
     reference = _documents_alone(q, k, v, documents or Documents((0,), SEQ), scale, groups)
     reference.backward(dout)
