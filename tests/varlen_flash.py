@@ -30,6 +30,7 @@ class VarlenFlash:
 
     def _flash_attention_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
         assert cu_q.dtype == cu_k.dtype == torch.int32 and q.dim() == 3 and is_causal and dropout_p == 0
+        assert all(t.stride(-1) == 1 and t.dtype == q.dtype for t in (q, k, v))
         self.calls += 1
         bounds = cu_q.tolist()
         assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
@@ -44,6 +45,7 @@ class VarlenFlash:
         attention it is part of (a tile's queries also see earlier blocks), as the kernels rebuild
         the softmax: ``exp(scores − lse)``."""
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
+        assert all(t.stride(-1) == 1 and t.dtype == q.dtype for t in (dout, q, k, v, out))
         self.calls += 1
         groups = q.shape[1] // k.shape[1]
         dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))

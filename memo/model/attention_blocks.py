@@ -245,7 +245,7 @@ def segments_backward(kernel: str, dout, q, k, v, out, lse, bounds: Sequence[int
         return dq, dk.to(grad_dtype or k.dtype), dv.to(grad_dtype or v.dtype)
     groups = q.shape[1] // k.shape[1]
     dq = torch.empty_like(q)
-    dk, dv = (torch.empty(t.shape, dtype=grad_dtype or t.dtype, device=t.device) for t in (k, v))
+    dk, dv = (torch.empty_like(t, dtype=grad_dtype or t.dtype) for t in (k, v))
     dout = token_major(dout)
     for span in _spans(bounds):
         dqb, dkb, dvb = backward(kernel, rows(dout, span), rows(q, span), expand_kv(rows(k, span), groups),

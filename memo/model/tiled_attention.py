@@ -101,7 +101,8 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
         parts = chunk_blocks(documents, tile, j, c)
         if not parts:
             continue
-        if documents is not None and j == tile:
+        if documents is not None and j == tile:  # (on CUDA grouped heads' key and value gradients are
+            # rounded per query head, then summed: blocks.segments_backward)
             dqb, dkb, dvb = blocks.segments_backward(kernel, dout, q, block(keys, j, c), block(values, j, c), out, lse,
                                                      _segments(parts, c), scale, key_grads.dtype)
             dq.add_(dqb)
