@@ -138,7 +138,7 @@ class CudaStandIn(TorchFunctionMode):
         if any(self.on_device(t) for t in inputs):
             seen = {id(_storage(t)) for t in inputs}
             for tensor in _tensors(out):
-                if _storage(tensor) is not None and id(tensor.untyped_storage()) not in seen:
+                if (storage := _storage(tensor)) is not None and id(storage) not in seen:
                     self._to_device(tensor)
         return out
 

@@ -35,6 +35,10 @@ from memo.execute.optimizer_offload import STATE_CLASSES
 
 log = logging.getLogger("memo")
 
+# megatron-core's loads are torch.loads of weights only; a checkpoint of the offloaded optimizer
+# names its optimizer classes (registered once, as megatron-core registers its own classes)
+torch.serialization.add_safe_globals(list(STATE_CLASSES))
+
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"step_(\d{7,})")  # (zero-padded to 7 digits: they sort as their steps)
 
@@ -236,12 +240,6 @@ class Resumed:
     consumed_samples: int
 
 
-def reading():
-    """A context in which megatron-core's loads (a ``torch.load`` of weights only) read a checkpoint
-    of the offloaded optimizer, whose state names its optimizer classes."""
-    return torch.serialization.safe_globals(list(STATE_CLASSES))
-
-
 def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
@@ -254,8 +252,7 @@ def saved_facts(path: Path) -> dict:
         CheckpointError: a directory megatron-core cannot read, or of another format.
     """
     try:
-        with reading():
-            common = dist_checkpointing.load_common_state_dict(str(path))
+        common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as error:  # a torch.load of a missing or damaged file: many types
         raise CheckpointError(f"{path} is not a readable checkpoint ({_first_line(error)}); load another one, "
                               "or set train.load=null to start afresh") from None
@@ -303,8 +300,7 @@ def check_resumable(path: Path, saved: dict, facts: RunFacts, auto: bool) -> Non
 
 def _load_sharded(state: dict, path: Path) -> dict:
     try:
-        with reading():
-            return dist_checkpointing.load(state, str(path))
+        return dist_checkpointing.load(state, str(path))
     except Exception as error:
         raise CheckpointError(f"{path} cannot be loaded into this model ({_first_line(error)}); load a checkpoint "
                               "of the same model") from None

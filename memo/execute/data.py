@@ -107,7 +107,8 @@ def micro_batches(
         for k in range(micro_batches_per_step):
             first = consumed_samples + ((step * micro_batches_per_step + k) * dp_size + dp_rank) * micro_batch_size
             rows = torch.stack([source.sample(first + j, seq + 1) for j in range(micro_batch_size)])
-            micro_batch = {"tokens": rows[:, :-1].to(device), "labels": rows[:, 1:].to(device), "position_ids": positions}
+            on_device = rows.to(device)
+            micro_batch = {"tokens": on_device[:, :-1], "labels": on_device[:, 1:], "position_ids": positions}
             if eod is not None:
                 params = DocumentParams.of(Documents.of(rows[0, :-1], eod), device)  # (found on the host)
                 micro_batch.update(position_ids=params.position_ids[None], documents=params,

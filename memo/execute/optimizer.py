@@ -269,6 +269,8 @@ class MegatronStepOptimizer:
                 _load_distributed(part, part_state)
             else:
                 part.load_state_dict(part_state)
+        if len(parts) > 1:  # (as ChainedOptimizer.load_state_dict ends: fused Adam's group steps aligned)
+            self.optimizer._synchronize_steps()
 
 
 def _load_distributed(optimizer: DistributedOptimizer, state: dict) -> None:

@@ -42,21 +42,21 @@ def token_losses(model: torch.nn.Module, micro_batch: dict) -> tuple[torch.Tenso
     return per_token, micro_batch.get("loss_mask")
 
 
-def mean_loss(per_token: torch.Tensor, counted: Optional[torch.Tensor], cp_group=None) -> torch.Tensor:
+def mean_loss(per_token: torch.Tensor, counted: Optional[torch.Tensor], sequence_counted: Optional[torch.Tensor] = None,
+              ranks: int = 1) -> torch.Tensor:
     """The mean loss in float32 over the tokens that count (:func:`token_losses`).
 
-    Under context parallelism (``cp_group``, this rank holding a part of each sequence) it is
-    this rank's share: the sum of its counted losses over the count of the whole sequence's (all
-    ranks'), times the ranks, whose mean over them (what the gradients' average over the
-    data-parallel and context-parallel ranks takes) is the sequence's mean, however unevenly the
-    uncounted tokens fall on the ranks."""
+    Under context parallelism (``ranks`` ranks, this one holding a part of each sequence) it is
+    this rank's share: the sum of its counted losses over ``sequence_counted``, the count of the
+    whole sequence's (every rank holds the whole micro-batch before it takes its part), times the
+    ranks, whose mean over them (what the gradients' average over the data-parallel and
+    context-parallel ranks takes) is the sequence's mean, however unevenly the uncounted tokens
+    fall on the ranks."""
     if counted is None:
         return per_token.float().mean()
-    if cp_group is None:
+    if ranks == 1:
         return (per_token.float() * counted).sum() / counted.sum()
-    total = counted.sum()
-    dist.all_reduce(total, group=cp_group)
-    return (per_token.float() * counted).sum() * dist.get_world_size(cp_group) / total
+    return (per_token.float() * counted).sum() * ranks / sequence_counted
 
 
 def untimed_steps(train: TrainConfig, start_step: int) -> int:
@@ -97,8 +97,7 @@ def run_steps(
     model.train()
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    cp_group = parallel_state.get_context_parallel_group() if parallel_state.get_context_parallel_world_size() > 1 \
-        else None
+    cp = parallel_state.get_context_parallel_world_size()
     schedule = LearningRateSchedule(train)
     untimed = untimed_steps(train, start_step)
     for step in range(start_step, train.steps):
@@ -109,12 +108,10 @@ def run_steps(
             start = time.perf_counter()
             optimizer.zero_grad()
             loss_sum = torch.zeros((), device=device_type, dtype=torch.float32)
-            squared = 0  # Σ n² over the documents of this replica's micro-batches, where kept apart
             for micro_batch in batch:
-                if "documents" in micro_batch:
-                    squared += micro_batch["documents"].documents.squared_lengths()
                 mb = token_order(this_ranks_tokens(micro_batch))
-                loss = mean_loss(*token_losses(model, mb), cp_group) / len(batch)
+                counted = micro_batch.get("loss_mask")  # (the whole sequence's)
+                loss = mean_loss(*token_losses(model, mb), None if counted is None else counted.sum(), cp) / len(batch)
                 if marker is not None:
                     marker.backward()
                 optimizer.scale_loss(loss).backward()
@@ -137,6 +134,8 @@ def run_steps(
             "iter_time_s": elapsed,
             "timed": step - start_step >= untimed,
         }
+        # Σ n² over the documents of this replica's micro-batches, where kept apart
+        squared = sum(mb["documents"].documents.squared_lengths() for mb in batch if "documents" in mb)
         if squared:  # over the replicas (a replica's context-parallel ranks share its documents)
             total = torch.tensor(squared, dtype=torch.float64, device=device_type)
             dist.all_reduce(total, group=parallel_state.get_data_parallel_group())

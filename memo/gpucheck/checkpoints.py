@@ -28,10 +28,9 @@ PATHS = {"device": [], "distributed": ["train.distributed_optimizer=true"], "hos
          "host_half": ["train.optimizer_offload=host", "train.optimizer_offload_fraction=0.5"]}
 
 
-def _losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
-    """Each step's ``key`` (``loss``, or ``valid_loss`` at the steps that validated) from ``metrics.jsonl``."""
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {r["step"]: r[key] for r in records if key in r}
+def _records(run_dir: Path) -> dict[int, dict]:
+    """Each step's record in ``metrics.jsonl``, by step."""
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
 def _max_tensor_diff(a: Path, b: Path) -> float:
@@ -40,12 +39,12 @@ def _max_tensor_diff(a: Path, b: Path) -> float:
     from megatron.core.dist_checkpointing import load_plain_tensors
 
     from memo.config import ParallelConfig
-    from memo.execute import checkpoint, distributed
+    import memo.execute.checkpoint  # noqa: F401 (it lets weights-only loads read the optimizer classes)
+    from memo.execute import distributed
 
     distributed.initialize(ParallelConfig(), "cpu", distributed.ProcessInfo(rank=0, world_size=1, local_rank=0))
     try:
-        with checkpoint.reading():
-            first, second = load_plain_tensors(str(a)), load_plain_tensors(str(b))
+        first, second = load_plain_tensors(str(a)), load_plain_tensors(str(b))
     finally:
         distributed.shutdown()
     keys = [k for k, v in first.items() if isinstance(v, torch.Tensor)]
@@ -75,13 +74,12 @@ def main(argv=None) -> int:
             row.update(status=resumed.get("status"), error=resumed.get("error"),
                        resumed_from_step=resumed.get("resumed_from_step"))
             if resumed.get("status") == "ok":
-                expected, got = _losses(whole_dir), _losses(resumed_dir)
-                row["max_loss_diff"] = max(abs(got[s] - expected[s]) for s in got)
-                row["valid_loss_diff"] = abs(_losses(resumed_dir, "valid_loss")[6]
-                                             - _losses(whole_dir, "valid_loss")[6])
+                expected, got = _records(whole_dir), _records(resumed_dir)
+                row["max_loss_diff"] = max(abs(got[s]["loss"] - expected[s]["loss"]) for s in got)
+                row["valid_loss_diff"] = abs(got[6]["valid_loss"] - expected[6]["valid_loss"])
                 row["max_tensor_diff"] = _max_tensor_diff(whole_dir / "checkpoints" / "step_0000006",
                                                           resumed_dir / "checkpoints" / "step_0000006")
-                row["loss_last"] = got[6]
+                row["loss_last"] = got[6]["loss"]
                 if row["max_loss_diff"] > LOSS_TOLERANCE:
                     row["status"] = "diverged"
         rows.append(row)

@@ -66,8 +66,8 @@ def compare(model_overrides: list[str], lengths: list[int], device: torch.device
     try:
         run = resolve(compose("method=none", *settings), gpu_visible=device.type == "cuda")
         tokens, eod = sequence(run.workload.model.vocab_size, lengths)
+        documents = Documents.of(tokens[:-1], eod)
         tokens = tokens.to(device)
-        documents = Documents.of(tokens[:-1].cpu(), eod)
         head_dim = run.workload.model.hidden_size // run.workload.model.num_attention_heads
         # (math keeps whole s×s probabilities, which swapping refuses; where cuDNN's kernel runs,
         # documents' blocks run FlashAttention's: memo.model.documents.block_kernel)

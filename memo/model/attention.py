@@ -65,7 +65,7 @@ def causal_attention(
         if cp_group is not None:
             return context_parallel_attention(q, k, v, cp_group, backend, scale, cp_comm_type, documents)
         if documents is not None:
-            return document_attention(q, k, v, documents, block_kernel(backend, q), scale)
+            return document_attention(q, k, v, documents, block_kernel(backend, q, documents), scale)
         with sdpa_kernel([_CANDIDATES[backend]]):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped

@@ -39,6 +39,7 @@ Without dropout none of the backward kernels reads its random state: seeds and o
 ``None``.
 """
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -184,12 +185,14 @@ def _unpacked(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(0).transpose(1, 2)
 
 
-def _cu_seqlens(bounds: Sequence[int], device) -> tuple[torch.Tensor, int]:
+@functools.lru_cache(maxsize=64)
+def _cu_seqlens(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int]:
     """The cumulative sequence lengths (int32, on ``device``) of segments ``bounds`` and the
-    longest's length. Copied from pinned memory without waiting: a copy from pageable memory
-    would wait for the device's queue to drain, in every layer's forward and backward pass."""
-    lengths = torch.tensor(list(bounds), dtype=torch.int32)
-    if torch.device(device).type == "cuda":
+    longest's length: copied once per set of segments (a micro-batch's documents, a tile's), not
+    per layer and pass, and from pinned memory without waiting, where a copy from pageable
+    memory would wait for the device's queue to drain."""
+    lengths = torch.tensor(bounds, dtype=torch.int32)
+    if device.type == "cuda":
         lengths = lengths.pin_memory().to(device, non_blocking=True)
     else:
         lengths = lengths.to(device)
@@ -206,7 +209,7 @@ def segments_forward(kernel: str, q, k, v, bounds: Sequence[int], scale: float) 
     (cumulative sequence lengths, int32; grouped heads as they are); other kernels run a causal
     block per segment, keys and values expanded per block."""
     if _variable_length(kernel, q):
-        cu, longest = _cu_seqlens(bounds, q.device)
+        cu, longest = _cu_seqlens(tuple(bounds), q.device)
         out, lse, *_ = _aten._flash_attention_forward(_packed(q), _packed(k), _packed(v), cu, cu, longest, longest,
                                                         0.0, True, False, scale=scale)
         if lse.shape != (q.shape[1], q.shape[2]):  # (FlashAttention's varlen entry point before 2.7 padded it)
@@ -234,7 +237,7 @@ def segments_backward(kernel: str, dout, q, k, v, out, lse, bounds: Sequence[int
     for the call, a float32 accumulator of ``(tokens + 128·segments)·heads·dim`` elements (dim
     rounded up to a multiple of 32): 128 rows more per document."""
     if _variable_length(kernel, q):
-        cu, longest = _cu_seqlens(bounds, q.device)
+        cu, longest = _cu_seqlens(tuple(bounds), q.device)
         # (without dropout the kernel reads no random state: placeholders of the forward's shapes)
         rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)
         unused = torch.empty((), dtype=torch.uint64, device=q.device)

@@ -220,7 +220,7 @@ def _chunk(t: torch.Tensor, half: int, c: int) -> torch.Tensor:
 
 def _part(t: torch.Tensor, half: int, c: int, rows: slice) -> torch.Tensor:
     """Rows ``rows`` of chunk ``half`` (:func:`_chunk`) of a ``[b, n, tokens, ...]`` tensor."""
-    return t[:, :, half * c + rows.start:half * c + rows.stop]
+    return blocks.rows(_chunk(t, half, c), rows)
 
 
 def _blocks(ctx, held: Sequence[int]):
@@ -400,5 +400,4 @@ def context_parallel_attention(q, k, v, group, backend: str, scale: float, comm_
     if documents is not None and documents.tokens != q.shape[2] * dist.get_world_size(group):
         raise ValueError(f"documents of {documents.tokens} tokens for a sequence of {q.shape[2]} tokens on each of "
                          f"{dist.get_world_size(group)} context-parallel ranks")
-    kernel = blocks.kernel_for(backend, q) if documents is None else block_kernel(backend, q)
-    return _Attention.apply(q, k, v, group, kernel, scale, comm_type, documents)
+    return _Attention.apply(q, k, v, group, block_kernel(backend, q, documents), scale, comm_type, documents)

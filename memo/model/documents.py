@@ -160,8 +160,9 @@ class DocumentParams(PackedSeqParams):
     def rotary_angles(self, freqs: torch.Tensor, embedding: RotaryEmbedding) -> torch.Tensor:
         """The rotary angles of the position within its document of each of this rank's ``n``
         tokens, in place of ``freqs``, those of their positions in the sequence (``[n, 1, 1, d]``):
-        rows of ``embedding``'s angles of positions ``0 .. longest document − 1`` (made for the
-        call: ``4·n·d`` bytes kept, ``4·longest·d`` for the call only), bit for bit the rows of
+        rows of ``embedding``'s angles of positions ``0 .. longest document − 1`` (float32: ``4·n·d``
+        bytes kept, and ``6·longest·d`` for the call only, the half-width angles and the table of
+        them), bit for bit the rows of
         every longer sequence's angles, and of positions a context-parallel rank's own angles
         do not hold.
 
@@ -191,12 +192,12 @@ def rotate_within_documents(model: GPTModel) -> None:
     model.decoder.register_forward_pre_hook(within_documents, with_kwargs=True)
 
 
-def block_kernel(backend: str, q: torch.Tensor) -> str:
-    """The block kernel for documents' blocks of ``q``'s device, dtype and head size: as
-    :func:`memo.model.attention_blocks.kernel_for` chooses, but FlashAttention's where that would be
-    cuDNN's, which builds (and keeps) a graph for every block shape it meets, and documents' blocks
-    have as many shapes as documents have lengths."""
-    return blocks.kernel_for("flash" if backend == "cudnn" else backend, q)
+def block_kernel(backend: str, q: torch.Tensor, documents: Optional[Documents]) -> str:
+    """The block kernel for blocks of ``q``'s device, dtype and head size:
+    :func:`memo.model.attention_blocks.kernel_for`'s, but with ``documents`` FlashAttention's
+    where that would be cuDNN's, which builds (and keeps) a graph for every block shape it meets,
+    and documents' blocks have as many shapes as documents have lengths."""
+    return blocks.kernel_for("flash" if backend == "cudnn" and documents is not None else backend, q)
 
 
 def documents_of(layer_arguments: dict) -> Optional[Documents]:

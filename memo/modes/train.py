@@ -325,7 +325,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         tgs=tgs(global_batch * seq, iter_time, info.world_size),
         mfu=mfu(flops_per_iter, iter_time, info.world_size, hw.peak_flops),
         mfu_documents=(mfu(statistics.fmean(r["flops_documents"] for r in records if r["timed"]), iter_time,
-                           info.world_size, hw.peak_flops) if "flops_documents" in records[0] else None),
+                           info.world_size, hw.peak_flops) if train.document_mask else None),
         loss_first=records[0]["loss"],
         loss_last=records[-1]["loss"],
     )

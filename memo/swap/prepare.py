@@ -33,7 +33,7 @@ from memo import hardware
 from memo.config import ParallelConfig, Workload
 from memo.hardware import Hardware
 from memo.model import torch_dtype
-from memo.model.context_parallel import split_for_rank
+from memo.model.context_parallel import batch_for_rank
 from memo.model.documents import DocumentParams, Documents
 from memo.swap.alpha import SkeletalBytes, check_host, choose_alpha, host_bound
 from memo.swap.layout import ATTENTION, EXTERNAL, INPUT, TOKENS
@@ -207,12 +207,10 @@ def _layer_arguments(model, workload: Workload, runtime: SwapRuntime) -> dict:
                          device=device, generator=generator, requires_grad=True)
     arguments = {"hidden_states": hidden, "attention_mask": None, "rotary_pos_emb": model.rotary_pos_emb(seq)}
     if workload.document_mask:  # attention within documents saves its own tensors, in its own order
-        documents = DocumentParams.of(Documents((0,), seq), device)
+        documents = {"documents": DocumentParams.of(Documents((0,), seq), device)}
         if workload.parallel.cp > 1:  # (this rank's tokens, as the rotary angles are)
-            documents = documents.on_tokens(split_for_rank(documents.position_ids, 0,
-                                                           parallel_state.get_context_parallel_rank(),
-                                                           workload.parallel.cp))
-        arguments["packed_seq_params"] = documents
+            documents = batch_for_rank(documents, parallel_state.get_context_parallel_rank(), workload.parallel.cp)
+        arguments["packed_seq_params"] = documents["documents"]
     return arguments
 
 

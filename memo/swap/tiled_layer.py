@@ -157,7 +157,7 @@ class TiledLayers:
         self.layers: list = []
         self._index: dict[int, int] = {}
         self._tile: Optional[_Tile] = None
-        # the documents kept apart of the micro-batch being walked (DocumentParams), if any
+        # the documents kept apart of the micro-batch being walked (its DocumentParams'), if any
         self.documents: Optional[Documents] = None
         # called with (layer, part of its pass) as the walk goes: "fwd.t<t>", "rebuild" (before
         # the backward tiles, and under context parallelism before the forward ones too),
@@ -506,10 +506,6 @@ class TiledLayers:
         """New memory: a tile's tensors are the tile's own (the walk places none of them)."""
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def _kernel(self, backend: str, q: torch.Tensor) -> str:
-        """The block kernel of the walk's tiles (documents kept apart: :func:`block_kernel`)."""
-        return blocks.kernel_for(backend, q) if self.documents is None else block_kernel(backend, q)
-
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute, scale: float, backend: str):
         """Core attention of the tile being walked: ``q, k, v`` as the kernels take them
         (``[b, heads, c, dim]``); ``compute`` (whole attention of the tile alone) is not used."""
@@ -521,12 +517,12 @@ class TiledLayers:
         if self.swap is not None and self.swap.capturing:
             # a tile's forward, discovery or recomputation under the swap runtime: its capture
             # keeps (or, recomputing, gives back) the output and log-sum-exp in the tile's buffer
-            kernel = self._kernel(backend, q)
+            kernel = block_kernel(backend, q, self.documents)
             return self.swap.attention(q, k, v, lambda: _SwappedTileAttention.apply(q, k, v, self, tile, kernel,
                                                                                       scale))
         if q.shape[2] != self.tile_tokens:
             raise RuntimeError(f"a tile's attention got {q.shape[2]} tokens, not {self.tile_tokens}")
-        kernel, c = self._kernel(backend, q), self.tile_tokens
+        kernel, c = block_kernel(backend, q, self.documents), self.tile_tokens
         if tile.mode == KEYS:
             raise _KeysMade(k, v)
         if tile.mode == REBUILD or (tile.mode == FORWARD and self.cp == 1):

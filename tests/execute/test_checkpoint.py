@@ -233,8 +233,10 @@ def _adam_places(cuda, optimizer) -> list[tuple]:
     and whether each state's step is a tensor of its own."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
+    from memo.execute.optimizer_offload import optimizer_parts
+
     places, steps = [], []
-    for part in optimizer.optimizer.chained_optimizers:
+    for part in optimizer_parts(optimizer.optimizer):
         inner = part.optimizer
         for adam in inner.sub_optimizers if isinstance(inner, HybridDeviceOptimizer) else [inner]:
             for group in adam.param_groups:
