@@ -1,123 +1,27 @@
-"""Predictions against measured runs: how far ``mode=fit`` is from what a cluster did.
+"""Predictions against measured runs, as a table: how far ``mode=fit`` is from what a cluster did
+(:mod:`memo.fit.calibration`).
 
     python -m analysis.calibration results/gpu multirun/ablation/*
 
 For every training row that ended ``ok``, the configuration it ran is predicted again and the
 relative errors ``predicted / measured − 1`` are given for the time per iteration and, where the
-run measured a device (``peak_reserved_bytes``), for the peak memory the caching allocator held
-(the prediction without ``fit.device_reserved_gib``, which the allocator does not see). Tune
-``fit.*`` until the time errors of your cluster's rows are small; the memory error needs no tuning.
+run measured a device (``peak_reserved_bytes``), for the peak memory the caching allocator held.
+Tune ``fit.*`` until the time errors of your cluster's rows are small.
 """
 
 import argparse
-import dataclasses
-import math
 import sys
-import typing
 from collections.abc import Sequence
-from typing import Optional
 
 import pandas as pd
 
 from analysis.rows import load_results
-from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, Workload, parse_alpha
-from memo.config.validate import tile_tokens
-from memo.fit.predict import Problem, predict, prediction_hardware
-from memo.hardware import Hardware
-from memo.model.gpt import DTYPES, dtype_label
-
-# flattened to comma-separated strings in rows
-_LISTS = {"method.recompute_modules", "method.offload_modules", "fit.tile_tokens", "fit.optimizer_offload"}
-
-
-def _value(value):
-    return None if isinstance(value, float) and math.isnan(value) else value
-
-
-def _section(row: pd.Series, prefix: str, cls):
-    """The dataclass ``cls`` from the row's ``prefix``-ed columns; an empty one keeps the field's
-    default, or is None where the field has none (a CPU has no host-link figure)."""
-    values = {}
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        value = _value(row.get(prefix + f.name))
-        if value is not None:
-            integer = int in (hints[f.name], *typing.get_args(hints[f.name]))
-            if integer and isinstance(value, float) and value.is_integer():
-                value = int(value)  # a column with gaps reads as floats
-            values[f.name] = value.split(",") if prefix + f.name in _LISTS else value
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            values[f.name] = None
-    return cls(**values)
-
-
-@dataclasses.dataclass
-class _Train:
-    """The training fields a prediction reads."""
-
-    micro_batch_size: int = 1
-    micro_batches: int = 1
-    distributed_optimizer: Optional[bool] = None
-    loss_tile_tokens: Optional[int] = None
-    optimizer_offload: str = "none"
-    optimizer_offload_fraction: float = 1.0
-
-
-def problem_of_row(row: pd.Series) -> tuple[Problem, ParallelConfig, int]:
-    """The prediction problem, layout and length (tokens) of one training row."""
-    dtype = next(name for name, d in DTYPES.items() if dtype_label(d) == row["dtype"])
-    method = _section(row, "method.", MethodConfig)
-    loss = _value(row.get("train.loss"))  # the loss the run used (the method's, or train.loss)
-    method = dataclasses.replace(method, loss=loss or method.loss)
-    alpha = None
-    if method.swaps:
-        alpha = method.alpha if method.alpha is not None else parse_alpha(row.get("alpha", "auto"))
-    train = _section(row, "train.", _Train)
-    parallel, seq = _section(row, "parallel.", ParallelConfig), int(row["seq"])
-    workload = Workload(
-        model=_section(row, "model.", ModelConfig),
-        method=method,
-        parallel=parallel,
-        seq=seq,
-        micro_batch_size=int(train.micro_batch_size),
-        dtype=dtype,
-        loss_tile_tokens=train.loss_tile_tokens,
-        tile_tokens=tile_tokens(method),
-    )
-    problem = Problem(
-        workload=workload,
-        hardware=prediction_hardware(_section(row, "hardware.", Hardware)),
-        fit=_section(row, "fit.", FitConfig),
-        micro_batches=int(train.micro_batches),
-        distributed_optimizer=train.distributed_optimizer,
-        alpha=alpha,
-        optimizer_offload=train.optimizer_offload_fraction if train.optimizer_offload == "host" else 0.0,
-    )
-    return problem, parallel, seq
+from memo.fit import calibration
 
 
 def compare(rows: pd.DataFrame) -> pd.DataFrame:
     """One line per ``ok`` training row: measured and predicted time and peak memory, and errors."""
-    lines = []
-    training = rows[(rows.get("mode", "train") == "train") & (rows["status"] == "ok")]
-    for _, row in training.iterrows():
-        problem, parallel, seq = problem_of_row(row)
-        prediction = predict(problem, parallel, seq)
-        measured_peak = _value(row.get("peak_reserved_bytes"))
-        held = prediction.device_total - prediction.reserved
-        lines.append({
-            "result_path": row.get("result_path"),
-            "model.name": problem.workload.model.name,
-            "method.name": problem.workload.method.name,
-            "seq": seq,
-            "measured_iter_time_s": row["iter_time_s"],
-            "predicted_iter_time_s": prediction.time.iteration_s,
-            "time_error": prediction.time.iteration_s / row["iter_time_s"] - 1,
-            "measured_peak_bytes": measured_peak,
-            "predicted_peak_bytes": held,
-            "memory_error": held / measured_peak - 1 if measured_peak else None,
-        })
-    return pd.DataFrame(lines)
+    return pd.DataFrame(calibration.compare(rows.to_dict("records")))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

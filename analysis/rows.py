@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from memo.results import METRICS_FILE, RESULT_FILE
+from memo.results import METRICS_FILE, read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,8 +48,7 @@ def load_results(*dirs: str | Path) -> pd.DataFrame:
     Raises:
         ValueError: if no ``result.json`` is found, or one is not a JSON object.
     """
-    rows = [{**_read_object(path), "result_path": str(path)} for path in _result_paths(dirs)]
-    return pd.DataFrame(rows)
+    return pd.DataFrame(read_rows(*dirs))
 
 
 def load_steps(*dirs: str | Path) -> pd.DataFrame:
@@ -198,25 +197,6 @@ def dirs_from_env(variable: str = "MEMO_RESULTS", default: str = "multirun") -> 
     value = os.environ.get(variable) or default
     names = [n.strip() for part in value.split(",") for n in part.split(os.pathsep)]
     return [REPO / Path(name).expanduser() for name in names if name]
-
-
-def _result_paths(dirs) -> list[Path]:
-    paths = [path for d in dirs for path in sorted(Path(d).rglob(RESULT_FILE))]
-    if not paths:
-        missing = [str(d) for d in dirs if not Path(d).is_dir()]
-        note = f" ({', '.join(missing)} not a directory)" if missing else ""
-        raise ValueError(f"no {RESULT_FILE} under {', '.join(map(str, dirs)) or 'no directory'}{note}")
-    return paths
-
-
-def _read_object(path: Path) -> dict:
-    try:
-        row = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{path}: not a JSON object")
-    return row
 
 
 def _lines(path: Path):

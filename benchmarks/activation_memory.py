@@ -38,9 +38,9 @@ from memo.execute.data import SyntheticTokens, micro_batches  # noqa: E402
 from memo.execute.distributed import ProcessInfo  # noqa: E402
 from memo.fit.memory import split_peak  # noqa: E402
 from memo.model import build_gpt  # noqa: E402
+from memo.policy import policy_of  # noqa: E402
 from memo.profile.recorder import record  # noqa: E402
 from memo.profile.trace import Trace  # noqa: E402
-from memo.swap import SwapRuntime, TileReport, prepare_swap  # noqa: E402
 
 METHODS = {  # the rows: name -> overrides
     "none": ["method=none"],
@@ -56,19 +56,19 @@ def recorded_step(overrides: list[str]) -> dict:
     run = resolve(compose(config_name="config", overrides=["hardware=cpu", "train.dtype=fp32", *overrides]),
                   gpu_visible=False)
     workload = run.workload
+    policy = policy_of(workload)
     torch.manual_seed(run.train.seed)
-    model = build_gpt(workload, "cpu").module
-    placement, report = prepare_swap(model, workload, torch.device("cpu"), 2**50, run.alpha)
-    runtime = placement if isinstance(placement, SwapRuntime) else None
-    tiles = report if isinstance(report, TileReport) else None
+    model = build_gpt(workload, "cpu", layers=policy.layers).module
+    placement = policy.prepare(model, workload, torch.device("cpu"), 2**50)
+    report = placement.report()
+    decided = report.row
     seq = workload.seq
     batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1,
                             torch.device("cpu"))
 
     def step(marker=None):
         (batch,) = next(batches)
-        if placement is not None:
-            batch = placement.token_order(batch)
+        batch = placement.token_order(batch)
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
         if marker is not None:
             marker.backward()
@@ -85,14 +85,17 @@ def recorded_step(overrides: list[str]) -> dict:
     # counts them: they are left out here, like weights.
     gradients = {recorder.request_of(p.grad) for p in model.parameters() if p.grad is not None}
     peak, phase, kinds = split_peak(Trace([e for e in recorder.events if e.id not in gradients]))
-    buffers = runtime.rounding_buffer_bytes if runtime else tiles.tile_buffer_bytes if tiles else 0
+    # the runtime's buffers (whole layers': the rounding buffers; tiles': the tile buffers) and a
+    # walk's stores are made before the recorded step
+    buffers = decided.get("swap.rounding_buffer_bytes") or decided.get("tiles.tile_buffer_bytes") or 0
+    placement.release()
     return {
         "skeletal": kinds["skeletal"] + buffers,
-        "two_layers": 2 * runtime.layout.bytes_kept if runtime else None,
-        "peak": peak + buffers + (tiles.store_bytes if tiles else 0),
+        "two_layers": 2 * sum(report.skeletal_bytes) if "swap.rounding_buffer_bytes" in decided else None,
+        "peak": peak + buffers + (decided.get("tiles.store_bytes") or 0),
         "phase": phase,
         "seconds": seconds,
-        "tiles": tiles,
+        "tiles": report if "tiles.tiles" in decided else None,
     }
 
 
@@ -139,8 +142,9 @@ def main() -> None:
                               f"{r['seconds'] / none:12.2f}  {r['phase']}", flush=True)
                         if r["tiles"] is not None:
                             t = r["tiles"]
-                            print(f"{'':>15} alpha per tile {', '.join(f'{a:.2f}' for a in t.alphas)}; a "
-                                  f"checkpoint layer every {t.checkpoint_every}", flush=True)
+                            alphas = ", ".join(f"{tile['alpha']:.2f}" for tile in t.layer_records)
+                            print(f"{'':>15} alpha per tile {alphas}; a checkpoint layer every "
+                                  f"{t.row['tiles.checkpoint_every']}", flush=True)
         finally:
             distributed.shutdown()
 

@@ -22,10 +22,11 @@ sys.path.insert(0, str(REPO))
 import pandas  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload  # noqa: E402
+from memo.config import Method, ModelConfig, ParallelConfig, Workload  # noqa: E402
 from memo.plan.bilevel import plan_iteration  # noqa: E402
 from memo.results import create_file_atomic  # noqa: E402
 from memo.dsa.caching_allocator import simulate  # noqa: E402
+from memo.policy import policy_of  # noqa: E402
 from memo.profile.iteration import trace_iteration  # noqa: E402
 from memo.profile.layers import transient_events  # noqa: E402
 from memo.profile.trace import layer_phase  # noqa: E402
@@ -39,8 +40,8 @@ CASES = [("tiny", 4 * K, 1), ("1.3b", 64 * K, 1)] + [
 def run(name: str, seq: int, tp: int, time_limit_s: float) -> dict:
     model = ModelConfig(**OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
     start = time.perf_counter()
-    workload = Workload(model, MethodConfig(name="none"), ParallelConfig(tp=tp), seq, dtype="bf16")
-    trace = trace_iteration(workload)
+    workload = Workload(model, Method(name="none"), ParallelConfig(tp=tp), seq, dtype="bf16")
+    trace = trace_iteration(workload, policy_of(workload))
     traced = time.perf_counter() - start
     memory_plan = plan_iteration(trace, time_limit_s)
     planned = time.perf_counter() - start - traced

@@ -23,10 +23,11 @@ sys.path.insert(0, str(REPO))
 import pandas  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload  # noqa: E402
+from memo.config import Method, ModelConfig, ParallelConfig, Workload  # noqa: E402
 from memo.dsa.caching_allocator import simulate  # noqa: E402
-from memo.fit.template import iteration_template  # noqa: E402
 from memo.plan.bilevel import plan_iteration  # noqa: E402
+from memo.policy import policy_of  # noqa: E402
+from memo.profile.template import iteration_template  # noqa: E402
 from memo.results import create_file_atomic  # noqa: E402
 
 K = 1024
@@ -43,13 +44,13 @@ def largest(memory_plan, kind: str):
 
 def run(name: str, seq: int, tp: int, tile: int, time_limit_s: float) -> dict:
     model = ModelConfig(**OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
-    method = MethodConfig(name="memo", layer_activations="swap", loss="tiled", tile_tokens=str(tile))
+    method = Method(name="memo", layer_activations="swap")
     workload = Workload(model, method, ParallelConfig(tp=tp, sequence_parallel=tp > 1), seq, dtype="bf16",
-                        tile_tokens=tile)
+                        loss="tiled", layer_tile_tokens=tile)
     start = time.perf_counter()
-    template = iteration_template(workload, model.num_layers)
+    template = iteration_template(workload, model.num_layers, policy_of(workload).traced)
     traced = time.perf_counter() - start
-    trace = template.instance(seq, model.num_layers, tile_tokens=tile)
+    trace = template.instance(seq, model.num_layers, layer_tile_tokens=tile)
     start = time.perf_counter()
     memory_plan = plan_iteration(trace, time_limit_s, identical_layers=False)
     planned = time.perf_counter() - start

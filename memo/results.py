@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from memo.config import ConfigError
 
@@ -199,6 +199,30 @@ def _read_row(output_dir: Path) -> Optional[dict]:
     if not isinstance(row, dict):
         raise ValueError(f"{Path(output_dir) / RESULT_FILE}: not a row")
     return row
+
+
+def read_rows(*dirs: Union[str, Path]) -> list[dict]:
+    """Every row (``result.json``) under ``dirs``, searched recursively, each with its
+    ``result_path``.
+
+    Raises:
+        ValueError: if there is none, or one is not a JSON object.
+    """
+    paths = [path for d in dirs for path in sorted(Path(d).rglob(RESULT_FILE))]
+    if not paths:
+        missing = [str(d) for d in dirs if not Path(d).is_dir()]
+        note = f" ({', '.join(missing)} not a directory)" if missing else ""
+        raise ValueError(f"no {RESULT_FILE} under {', '.join(map(str, dirs)) or 'no directory'}{note}")
+    rows = []
+    for path in paths:
+        try:
+            row = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        rows.append({**row, "result_path": str(path)})
+    return rows
 
 
 def finished_row(output_dir: Path) -> Optional[dict]:

@@ -212,3 +212,12 @@ def torchrun_results(request, torchrun_checks) -> list[CheckResult]:
     mark = request.node.get_closest_marker("torchrun")
     assert mark is not None, "torchrun_results needs @pytest.mark.torchrun(processes, spec, ...)"
     return [torchrun_checks.result(mark.args[0], spec) for spec in mark.args[1:]]
+
+
+def trace_of(workload, backend: str = "fake", seed: int = 1234):
+    """The allocation trace of one iteration of ``workload``, its layers built and run as its
+    activation policy runs them (what ``mode=profile`` traces)."""
+    from memo.policy import policy_of
+    from memo.profile.iteration import trace_iteration
+
+    return trace_iteration(workload, policy_of(workload), backend, seed)

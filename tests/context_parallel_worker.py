@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from memo.execute.distributed import ProcessInfo
 from memo.model.attention import causal_attention
-from memo.fit.memory import exchange_bytes
+from memo.model.context_parallel import exchange_bytes
 from memo.model.context_parallel import CP_COMM_TYPES, split_for_rank
 from memo.profile.recorder import AllocationRecorder
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from memo.model import build_gpt, hf_checkpoint
+from memo.model import hf_checkpoint
+from memo.policy import build_model
 
 from conftest import resolve_config
 
@@ -76,7 +77,7 @@ def our_figures(model: str, directory: Path, ids: torch.Tensor, *overrides: str)
     """The same figures of our model of ``model`` started from ``directory`` (Megatron's parallel
     state initialized to match ``overrides``); logits and gradients whole on every rank."""
     run = resolve_config(f"model={model}", f"model.init_from={directory}", f"seq={SEQ}", *overrides)
-    gpt = build_gpt(run.workload, "cpu").module
+    gpt = build_model(run.workload, "cpu").module
     hf_checkpoint.load(gpt, run.workload.model, directory)
     positions = torch.arange(SEQ).unsqueeze(0)
     logits = gpt(ids[:, :-1], positions, None)  # [b, s, V/tp]
@@ -151,7 +152,7 @@ def check_context_parallel(info, out, model: str, comm: str) -> str:
         ids = tokens(hf.config.vocab_size)
         theirs = hf_figures(hf, ids)
         run = resolve_config(f"model={model}", f"model.init_from={directory}", f"seq={SEQ}", *overrides)
-        gpt = build_gpt(run.workload, "cpu").module
+        gpt = build_model(run.workload, "cpu").module
         hf_checkpoint.load(gpt, run.workload.model, directory)
         batch = get_batch_on_this_cp_rank({"tokens": ids[:, :-1], "labels": ids[:, 1:],
                                            "position_ids": torch.arange(SEQ).unsqueeze(0)})

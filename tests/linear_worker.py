@@ -60,7 +60,7 @@ def _compare(workload, info: distributed.ProcessInfo) -> None:
     row = (RowParallelLinear, TiledRowParallelLinear, row_x, row_grad)
     for (megatron, tiled, inputs, out_grad), (tile, bias) in itertools.product((column, row), CASES):
         expected = run(megatron, config, bias, inputs, out_grad)
-        got = run(tiled, config, bias, inputs, out_grad, tile_tokens=tile)
+        got = run(tiled, config, bias, inputs, out_grad, matmul_tile_tokens=tile)
         for what, a, b in zip(("output", "input grad", "weight grad", "bias grad"), got, expected):
             # the weight gradient sums 600 products of N(0, 1) values per entry, over tiles in
             # another order than one GEMM: fp32 rounding of about 1e-5 of the sum

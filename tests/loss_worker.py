@@ -8,7 +8,7 @@ import torch
 
 from memo.execute import distributed
 from memo.execute.data import SyntheticTokens, micro_batches
-from memo.model import build_gpt
+from memo.policy import build_model
 
 from conftest import compose_config, resolve_config
 
@@ -21,7 +21,7 @@ def gradients(overrides: list[str], loss: str, tile, seq: int = 256) -> tuple[to
     tiles = [] if tile is None else [f"train.loss_tile_tokens={tile}"]
     run = resolve_config(*overrides, f"seq={seq}", f"train.loss={loss}", *tiles)
     torch.manual_seed(run.train.seed)
-    model = build_gpt(run.workload, "cpu").module
+    model = build_model(run.workload, "cpu").module
     (batch,) = next(micro_batches(SyntheticTokens(run.workload.model.vocab_size, 0), seq, 2, 1, 0, 1,
                                   torch.device("cpu")))
     per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])

@@ -7,8 +7,7 @@ import dataclasses
 import torch
 
 from conftest import resolve_config
-from memo.model import build_gpt
-from memo.swap import prepare_swap
+from memo.policy import build_model, policy_of
 from memo.swap.streams import InlineStreams
 
 EOD = 0
@@ -30,15 +29,15 @@ def sequence() -> torch.Tensor:
 
 def built(method: str, *overrides: str):
     """The tiny Llama model (float64) of ``method``, its weights drawn from the run's seed, and
-    its swap runtime (``None`` where it swaps nothing); Megatron's parallel state must match
+    its layer runtime (a ``NullRuntime`` where it places nothing); Megatron's parallel state must match
     ``overrides``' ``parallel.*``."""
     run = resolve_config("model=tiny_llama", "model.vocab_size=64", f"seq={SEQ}", "train.dtype=fp64",
                          f"method={method}", "train.loss=megatron", *overrides)
     # (train.document_mask asks for Megatron data, which these tokens are not)
     workload = dataclasses.replace(run.workload, document_mask=True)
     torch.manual_seed(run.train.seed)
-    model = build_gpt(workload, "cpu").module
-    runtime, _ = prepare_swap(model, workload, torch.device("cpu"), 2**40, run.alpha, InlineStreams())
+    model = build_model(workload, "cpu").module
+    runtime = policy_of(workload).prepare(model, workload, torch.device("cpu"), 2**40, InlineStreams())
     return model, runtime
 
 

@@ -10,8 +10,9 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.optimizer import HostOptimizer
-from memo.model import build_gpt
-from memo.swap import SwapRuntime, TiledLayers, prepare_swap
+from memo.model.placement import NullRuntime
+from memo.policy import build_model, policy_of
+from memo.swap import SwapRuntime, TiledLayers
 from memo.swap.prepare import ready_runtime, ready_tiles, sequence_chunks, swapping_walk
 from memo.swap.streams import InlineStreams
 
@@ -42,20 +43,22 @@ def train_gradients(method: str, *overrides: str, steps: int = 3, seq: int = 256
     run = _resolved((f"method={method}", *given, *overrides, f"seq={seq}"))
     workload = run.workload
     torch.manual_seed(run.train.seed)
-    model = build_gpt(workload, "cpu").module
+    model = build_model(workload, "cpu").module
     parallel = workload.parallel
     group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
     cpu = torch.device("cpu")
     if tile_alphas is not None or tile_buffers != 2 or checkpoint_every != 1:
-        runtime = swapping_walk(workload, workload.model.num_layers, streams or InlineStreams(), cpu, tile_buffers)
-        ready_tiles(runtime, model, workload, tile_alphas if tile_alphas is not None else run.alpha, 2**40, group,
-                    checkpoint_every)
+        runtime = swapping_walk(workload, workload.layer_tile_tokens, workload.model.num_layers,
+                                streams or InlineStreams(), cpu, tile_buffers)
+        ready_tiles(runtime, model, workload, tile_alphas if tile_alphas is not None else workload.method.alpha,
+                    2**40, group, checkpoint_every)
     elif segments is not None:
         runtime = SwapRuntime(workload.model.num_layers, streams or InlineStreams(), cpu,
                               sequence_chunks(parallel), segments)
-        ready_runtime(runtime, model, workload, run.alpha, 2**40, group)
+        ready_runtime(runtime, model, workload, workload.method.alpha, 2**40, group)
     else:
-        runtime, _ = prepare_swap(model, workload, cpu, 2**40, run.alpha, streams or InlineStreams(), group)
+        runtime = policy_of(workload).prepare(model, workload, cpu, 2**40, streams or InlineStreams(), group)
+        runtime = None if isinstance(runtime, NullRuntime) else runtime  # (None: its layers run as built)
     optimizer = HostOptimizer(model, run.train)
     source = SyntheticTokens(workload.model.vocab_size, 0)
     batches = micro_batches(source, seq, 1, 1, 0, 1, torch.device("cpu"))

@@ -1,6 +1,8 @@
 """Typed run configuration: the schema Hydra validates against, the checks it cannot express, and
-the resolved :class:`Run` (with its :class:`Workload`) that the modes pass on."""
+the resolved :class:`Run` (with its :class:`Workload` and :class:`Method`) that the modes pass on."""
 
+from memo.config.method import WHOLE_LAYERS, Method
+from memo.config.resolve import DTYPE_BYTES, Run, Workload, resolve, shards_optimizer
 from memo.config.schema import (
     ClusterConfig,
     FitConfig,
@@ -14,15 +16,16 @@ from memo.config.schema import (
     TrainConfig,
     register_configs,
 )
-from memo.config.resolve import DTYPE_BYTES, Run, SeqSearch, Workload, resolve, shards_optimizer
-from memo.config.validate import ConfigError, parse_alpha, parse_seq, validate
+from memo.config.validate import SeqSearch, validate
+from memo.config.values import ConfigError, parse_alpha, parse_seq
 
 __all__ = [
     "ClusterConfig",
-    "FitConfig",
     "ConfigError",
     "DTYPE_BYTES",
+    "FitConfig",
     "HardwareConfig",
+    "Method",
     "MethodConfig",
     "ModelConfig",
     "ParallelConfig",
@@ -32,11 +35,12 @@ __all__ = [
     "RunConfig",
     "SeqSearch",
     "TrainConfig",
+    "WHOLE_LAYERS",
+    "Workload",
     "parse_alpha",
     "parse_seq",
     "register_configs",
     "resolve",
     "shards_optimizer",
     "validate",
-    "Workload",
 ]

@@ -5,7 +5,7 @@ from typing import Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from memo.config.validate import ConfigError
+from memo.config.values import ConfigError
 
 GROUPS = ("model", "method", "parallel", "hardware", "experiment", "workload")
 

@@ -13,17 +13,17 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from memo.config.method import Method, training_loss
 from memo.config.schema import (
     ClusterConfig,
     FitConfig,
     HardwareConfig,
-    MethodConfig,
     ModelConfig,
     ParallelConfig,
     PlannerConfig,
     TrainConfig,
 )
-from memo.config.validate import ConfigError, parse_alpha, parse_seq, tile_tokens, validate
+from memo.config.validate import ConfigError, SeqSearch, validate
 
 # Bytes per element of each ``train.dtype`` a workload can have.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
@@ -32,16 +32,20 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 @dataclass(frozen=True)
 class Workload:
     """One iteration's work, as built, traced, trained or predicted: the model, how it keeps its
-    activations, its parallel layout, and the tokens of one micro-batch."""
+    activations, its parallel layout, and the tokens of one micro-batch. Every field is a parsed
+    value: nothing here is text to read again."""
 
     model: ModelConfig
-    method: MethodConfig  # its ``loss`` is the one the run uses: "tiled" or "megatron"
+    method: Method  # its activation policy's settings (memo.policy reads them)
     parallel: ParallelConfig
     seq: int  # tokens per sequence, all ranks together
     micro_batch_size: int = 1  # sequences per micro-batch
     dtype: str = "fp32"  # "fp32", "bf16", "fp16" or "fp64" (never "auto")
+    loss: str = "megatron"  # the output layer and loss the run uses: "tiled" or "megatron"
     loss_tile_tokens: Optional[int] = None  # the tiled loss's tokens per tile; None: its default
-    tile_tokens: Optional[int] = None  # the layers' tiles (method.tile_tokens); None: whole layers
+    # the layers walked in tiles of this many tokens (method.tile_tokens, gathered over sequence
+    # parallelism); None: whole layers
+    layer_tile_tokens: Optional[int] = None
     document_mask: bool = False  # attention within each packed document (train.document_mask)
 
     @property
@@ -49,27 +53,13 @@ class Workload:
         """Bytes per element of the workload's dtype."""
         return DTYPE_BYTES[self.dtype]
 
-    @property
-    def tiled(self) -> bool:
-        """Whether the layers are walked in sequence tiles."""
-        return self.tile_tokens is not None
-
-    @property
-    def swaps(self) -> bool:
-        """Whether whole layers swap what they save (MEMO, full swap, without tiles)."""
-        return self.method.swaps and not self.tiled
-
     def at(self, parallel: ParallelConfig, seq: int) -> "Workload":
         """The same work under another layout and length (``seq`` tokens)."""
         return dataclasses.replace(self, parallel=parallel, seq=seq)
 
-
-@dataclass(frozen=True)
-class SeqSearch:
-    """``mode=fit seq=max``: the lengths tried are multiples of ``step`` up to ``limit`` (tokens)."""
-
-    step: int
-    limit: int
+    def in_layer_tiles(self, tile_tokens: Optional[int]) -> "Workload":
+        """The same work with its layers walked in tiles of ``tile_tokens`` (None: whole layers)."""
+        return dataclasses.replace(self, layer_tile_tokens=tile_tokens)
 
 
 @dataclass(frozen=True)
@@ -79,9 +69,6 @@ class Run:
     mode: str  # train, profile, plan or fit
     workload: Workload  # with seq=max: at ``seq_search.limit`` tokens
     device_type: str  # "cuda" or "cpu": where the run trains, or the device it is traced or predicted for
-    # The fraction of tokens a swapping method swaps: the method's fixed one (full_swap: 1.0) or
-    # the run's given ``alpha``; None where MEMO solves it, and for methods that do not swap.
-    alpha: Optional[float]
     plan: bool
     hardware: HardwareConfig
     cluster: ClusterConfig
@@ -90,11 +77,8 @@ class Run:
     planner: PlannerConfig
     fit: FitConfig
     seq_search: Optional[SeqSearch] = None  # mode=fit seq=max only
-
-    @property
-    def swaps(self) -> bool:
-        """Whether whole layers swap activations to the host (MEMO, full swap, without tiles)."""
-        return self.workload.swaps
+    # mode=fit parallel=search: the layers' tiles tried (fit.tile_tokens, parsed; None: whole layers)
+    fit_layer_tiles: tuple[Optional[int], ...] = ()
 
 
 def resolve(cfg, gpu_visible: bool) -> Run:
@@ -108,7 +92,7 @@ def resolve(cfg, gpu_visible: bool) -> Run:
     Raises:
         ConfigError: on the first problem found, in one line naming the key.
     """
-    seq = validate(cfg)
+    settings = validate(cfg)
     backend = "fake" if cfg.profile.backend == "auto" else cfg.profile.backend
     device_type = _device_type(cfg, backend, gpu_visible)
     if cfg.mode == "train":
@@ -119,32 +103,26 @@ def resolve(cfg, gpu_visible: bool) -> Run:
             raise ConfigError("train.dtype=fp16 needs a GPU (loss scaling); use fp32 or bf16 on the CPU")
         if device_type == "cuda" and cfg.train.dtype == "fp64":
             raise ConfigError("train.dtype=fp64 is for numerical checks on the CPU; use bf16 or fp32 on a GPU")
-    method: MethodConfig = OmegaConf.to_object(cfg.method)
-    loss = method.loss if cfg.train.loss == "auto" else cfg.train.loss
-    search = None
-    if seq is None:
-        search = SeqSearch(parse_seq(cfg.fit.seq_step, "fit.seq_step"),
-                           parse_seq(cfg.fit.seq_limit, "fit.seq_limit"))
-        seq = search.limit
+    seq = settings.seq if settings.seq is not None else settings.seq_search.limit
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device_type == "cuda" else "fp32")
     if cfg.mode == "train":
         check_optimizer_offload(cfg.train.optimizer_offload, device_type, dtype)
     workload = Workload(
         model=OmegaConf.to_object(cfg.model),
-        method=dataclasses.replace(method, loss=loss),
+        method=settings.method,
         parallel=OmegaConf.to_object(cfg.parallel),
         seq=seq,
         micro_batch_size=cfg.train.micro_batch_size,
         dtype=dtype,
+        loss=training_loss(cfg.method, cfg.train.loss),
         loss_tile_tokens=cfg.train.loss_tile_tokens,
-        tile_tokens=tile_tokens(method),
+        layer_tile_tokens=settings.layer_tile_tokens,
         document_mask=cfg.train.document_mask,
     )
     return Run(
         mode=cfg.mode,
         workload=workload,
         device_type=device_type,
-        alpha=(method.alpha if method.alpha is not None else parse_alpha(cfg.alpha)) if method.swaps else None,
         plan=cfg.plan,
         hardware=OmegaConf.to_object(cfg.hardware),
         cluster=OmegaConf.to_object(cfg.cluster),
@@ -152,7 +130,8 @@ def resolve(cfg, gpu_visible: bool) -> Run:
         profile_backend=backend,
         planner=OmegaConf.to_object(cfg.planner),
         fit=OmegaConf.to_object(cfg.fit),
-        seq_search=search,
+        seq_search=settings.seq_search,
+        fit_layer_tiles=settings.fit_layer_tiles,
     )
 
 
@@ -162,7 +141,6 @@ def _device_type(cfg, backend: str, gpu_visible: bool) -> str:
     if cfg.hardware.name == "auto":
         return "cuda" if gpu_visible else "cpu"
     return "cpu" if cfg.hardware.name == "cpu" else "cuda"
-
 
 
 def check_optimizer_offload(offload: str, device_type: str, dtype: str) -> None:

@@ -50,7 +50,8 @@ class ModelConfig:
 
 @dataclass
 class MethodConfig:
-    """How activations are kept for the backward pass (conf/method/)."""
+    """How activations are kept for the backward pass (conf/method/), as written; resolved into a
+    :class:`memo.config.Method` (memo.config.method), whose activation policy (memo.policy) does it."""
 
     name: str = MISSING
     # Megatron-core's own recomputation (TransformerConfig fields of the same names).
@@ -84,28 +85,6 @@ class MethodConfig:
     # whole-sequence stores (memo.swap.tiled_layer), memo's and full_swap's tiles swapped;
     # "whole" runs each layer on all its tokens.
     tile_tokens: str = "whole"
-
-    # What the method does, for the code that must know (the names above stay the configuration).
-    @property
-    def ours(self) -> bool:
-        """Runs memo's own transformer layer (the others are Megatron's, with its recomputation)."""
-        return self.layer_activations != "megatron"
-
-    @property
-    def offloads(self) -> bool:
-        """Runs Megatron-core's fine-grained activation offloading (``offload_modules``)."""
-        return self.offload_modules is not None
-
-    @property
-    def swaps(self) -> bool:
-        """Sends what its layers save to the host and brings it back (memo, full_swap)."""
-        return self.layer_activations == "swap"
-
-    @property
-    def walks_tiles(self) -> bool:
-        """Can walk its layers in sequence tiles (``tile_tokens``): memo, full_swap and
-        full_recompute."""
-        return self.layer_activations in ("swap", "recompute")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Checks on a composed run configuration that types alone cannot express.
+"""Checks on a composed run configuration that types alone cannot express, and the settings they
+parse, each once.
 
 Every failure is a :class:`ConfigError` whose message is one line naming the key, its value
 and what to write instead; ``run.py`` prints it without a traceback.
@@ -6,81 +7,61 @@ and what to write instead; ``run.py`` prints it without a traceback.
 
 import dataclasses
 import difflib
-import math
-import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from memo.config.method import Method, method_of, parse_layer_tiles
+from memo.config.values import ConfigError, at_least, choice, parse_seq
+
 MODES = ("train", "profile", "plan", "fit")
 SEARCH_SEQ = "max"  # seq=max: mode=fit searches the longest sequence that fits
-WHOLE_LAYERS = "whole"  # method.tile_tokens=whole: each layer runs on all its tokens at once
 PROFILE_BACKENDS = ("auto", "fake", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16", "fp16", "fp64")
 ATTENTION_BACKENDS = ("auto", "te", "cudnn", "flash", "efficient", "math")
-RECOMPUTE_GRANULARITIES = (None, "full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
-LOSSES = ("tiled", "megatron")
 # train.lr_schedule (memo.execute.schedule) and how warmup-stable-decay decays
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd", "inverse_sqrt")
 DECAYING_SCHEDULES = ("linear", "cosine", "wsd")  # those that reach min_lr at lr_decay_steps
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")  # as Megatron-core names them
-CP_ATTENTIONS = ("memo", "deepspeed")
 OPTIMIZER_OFFLOADS = ("none", "host")  # train.optimizer_offload: where Adam's states live
 ACTIVATIONS = ("gelu", "swiglu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 MEGATRON_DATA = "megatron:"  # train.data's prefix for Megatron's indexed datasets
+TRAINING_LOSSES = ("auto", "tiled", "megatron")  # train.loss: auto takes the method's
 
 
-class ConfigError(ValueError):
-    """A user-fixable mistake in the configuration; the message is one line."""
+@dataclass(frozen=True)
+class SeqSearch:
+    """``mode=fit seq=max``: the lengths tried are multiples of ``step`` up to ``limit`` (tokens)."""
+
+    step: int
+    limit: int
 
 
-_SEQ = re.compile(r"(\d+)([kK]?)")
+@dataclass(frozen=True)
+class Settings:
+    """The settings of a configuration that are written as text, parsed (each once) by
+    :func:`validate`."""
+
+    seq: Optional[int]  # tokens; None for seq=max, which mode=fit searches
+    method: Method
+    layer_tile_tokens: Optional[int]  # method.tile_tokens; None: whole layers
+    seq_search: Optional[SeqSearch]  # mode=fit seq=max
+    # mode=fit parallel=search: the layers' tiles tried (fit.tile_tokens; None: whole layers)
+    fit_layer_tiles: tuple[Optional[int], ...]
 
 
-def parse_seq(value: object, key: str = "seq") -> int:
-    """Return the sequence length in tokens for ``value`` (an int or a string like ``"64k"``).
-
-    ``4096`` and ``"4096"`` are tokens; ``"4k"`` and ``"1408k"`` count k = 1024 tokens.
-
-    Raises:
-        ConfigError: if ``value`` is not a positive whole number of tokens or of k (naming ``key``,
-            the setting it was given as).
-    """
-    match = _SEQ.fullmatch(str(value).strip())
-    tokens = int(match.group(1)) * (1024 if match.group(2) else 1) if match else 0
-    if tokens <= 0:
-        raise ConfigError(
-            f"{key}={value} is not a sequence length: write a positive number of tokens "
-            "as 4096, 4k or 1408k (k = 1024 tokens)"
-        )
-    return tokens
-
-
-def _choice(key: str, value, allowed) -> None:
-    if value not in allowed:
-        shown = ", ".join("null" if a is None else str(a) for a in allowed)
-        raise ConfigError(f"{key}={value} is not allowed; choose one of: {shown}")
-
-
-def _positive(key: str, value, minimum: int = 1) -> None:
-    if value < minimum:
-        raise ConfigError(f"{key}={value} must be at least {minimum}")
-
-
-def validate(cfg) -> Optional[int]:
-    """Check ``cfg`` (a composed :class:`memo.config.RunConfig`) and return its length in tokens
-    (``None`` for ``seq=max``, which ``mode=fit`` searches).
+def validate(cfg) -> Settings:
+    """Check ``cfg`` (a composed :class:`memo.config.RunConfig`) and return its :class:`Settings`.
 
     Raises:
         ConfigError: on the first problem found.
     """
     _check_known_keys(cfg)
-    _choice("mode", cfg.mode, MODES)
+    choice("mode", cfg.mode, MODES)
     search_seq = str(cfg.seq).strip() == SEARCH_SEQ
     if search_seq and cfg.mode != "fit":
         raise ConfigError(f"seq=max is searched by mode=fit only; give mode={cfg.mode} a length such as 64k")
@@ -88,7 +69,7 @@ def validate(cfg) -> Optional[int]:
 
     m = cfg.model
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
-        _positive(f"model.{key}", getattr(m, key))
+        at_least(f"model.{key}", getattr(m, key))
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by "
@@ -96,13 +77,11 @@ def validate(cfg) -> Optional[int]:
         )
 
     _check_model_shape(m)
-    _check_method(cfg.method)
-    method = OmegaConf.to_object(cfg.method)  # a MethodConfig: what the method does, as properties
-    _check_alpha(cfg, method)
+    method, tiles = method_of(cfg.method, cfg.alpha)
     _check_hardware(cfg.hardware)
     _check_parallel(cfg.parallel, m, seq)
     _check_cp_attention(method, cfg.parallel)
-    _check_tiles(cfg, method, seq)
+    _check_tiles(cfg, method, tiles, seq)
     _check_cluster(cfg)
     t = cfg.train
     if cfg.plan and cfg.mode == "train":
@@ -112,45 +91,46 @@ def validate(cfg) -> Optional[int]:
         if t.micro_batches != 1:
             raise ConfigError(f"plan=true plans one micro-batch per step, and train.micro_batches="
                               f"{t.micro_batches}; set train.micro_batches=1")
-    _positive("train.steps", t.steps)
+    at_least("train.steps", t.steps)
     if not 0 <= t.warmup_steps < t.steps:
         raise ConfigError(
             f"train.warmup_steps={t.warmup_steps} must be at least 0 and below "
             f"train.steps={t.steps} so that some steps are timed"
         )
-    _positive("train.micro_batch_size", t.micro_batch_size)
-    _positive("train.micro_batches", t.micro_batches)
-    _positive("train.lr_warmup_steps", t.lr_warmup_steps, minimum=0)
+    at_least("train.micro_batch_size", t.micro_batch_size)
+    at_least("train.micro_batches", t.micro_batches)
+    at_least("train.lr_warmup_steps", t.lr_warmup_steps, minimum=0)
     if not t.lr > 0:
         raise ConfigError(f"train.lr={t.lr} must be positive")
     _check_schedule(t)
-    _choice("train.dtype", t.dtype, DTYPES)
-    _choice("train.attention_backend", t.attention_backend, ATTENTION_BACKENDS)
-    _choice("train.loss", t.loss, ("auto", *LOSSES))
+    choice("train.dtype", t.dtype, DTYPES)
+    choice("train.attention_backend", t.attention_backend, ATTENTION_BACKENDS)
+    choice("train.loss", t.loss, TRAINING_LOSSES)
     if t.loss_tile_tokens is not None:
-        _positive("train.loss_tile_tokens", t.loss_tile_tokens)
+        at_least("train.loss_tile_tokens", t.loss_tile_tokens)
     _check_optimizer_offload(t)
     if t.save_interval is not None:
-        _positive("train.save_interval", t.save_interval)
-    _check_validation(cfg, seq)
-    _check_documents(cfg)
+        at_least("train.save_interval", t.save_interval)
+    _check_validation(cfg, tiles, seq)
+    _check_documents(cfg, method, tiles)
     if t.data.startswith(MEGATRON_DATA):
         megatron_blend(t)
     elif t.data != "synthetic" and not Path(t.data).is_file():
         raise ConfigError(
             f"train.data={t.data} is neither 'synthetic', 'megatron:<prefix>' nor an existing text file"
         )
-    _choice("profile.backend", cfg.profile.backend, PROFILE_BACKENDS)
-    _choice("planner.mip", cfg.planner.mip, ("gurobi", "highs", "none"))
+    choice("profile.backend", cfg.profile.backend, PROFILE_BACKENDS)
+    choice("planner.mip", cfg.planner.mip, ("gurobi", "highs", "none"))
     if not cfg.planner.time_limit_s > 0:
         raise ConfigError(f"planner.time_limit_s={cfg.planner.time_limit_s} must be positive (seconds)")
+    search, tried = None, ()
     if cfg.mode == "fit":
-        _check_fit(cfg.fit)
-    return seq
+        search, tried = _check_fit(cfg.fit)
+    return Settings(seq, method, tiles, search if seq is None else None, tried)
 
 
 def _check_optimizer_offload(t) -> None:
-    _choice("train.optimizer_offload", t.optimizer_offload, OPTIMIZER_OFFLOADS)
+    choice("train.optimizer_offload", t.optimizer_offload, OPTIMIZER_OFFLOADS)
     fraction = t.optimizer_offload_fraction
     if not 0 < fraction <= 1:
         raise ConfigError(f"train.optimizer_offload_fraction={fraction} must be a fraction in (0, 1]: "
@@ -184,10 +164,10 @@ def _check_known_keys(node, prefix: str = "") -> None:
 
 
 def _check_model_shape(m) -> None:
-    _choice("model.activation", m.activation, ACTIVATIONS)
-    _choice("model.normalization", m.normalization, NORMALIZATIONS)
+    choice("model.activation", m.activation, ACTIVATIONS)
+    choice("model.normalization", m.normalization, NORMALIZATIONS)
     if m.num_query_groups is not None:
-        _positive("model.num_query_groups", m.num_query_groups)
+        at_least("model.num_query_groups", m.num_query_groups)
         if m.num_attention_heads % m.num_query_groups:
             raise ConfigError(f"model.num_query_groups={m.num_query_groups} does not divide "
                               f"model.num_attention_heads={m.num_attention_heads}")
@@ -195,8 +175,8 @@ def _check_model_shape(m) -> None:
         raise ConfigError(f"model.norm_epsilon={m.norm_epsilon} must be positive")
     if not m.rope_scaling_factor >= 1:
         raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be at least 1")
-    _positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
-    _positive("model.rotary_base", m.rotary_base)
+    at_least("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    at_least("model.rotary_base", m.rotary_base)
 
 
 def _check_hardware(hw) -> None:
@@ -211,7 +191,7 @@ def _check_hardware(hw) -> None:
 def _check_cluster(cfg) -> None:
     p, gpus = cfg.parallel, cfg.cluster.gpus
     if gpus is not None:
-        _positive("cluster.gpus", gpus)
+        at_least("cluster.gpus", gpus)
     if p.search:
         if cfg.mode != "fit":
             raise ConfigError(f"parallel=search is done by mode=fit only; give mode={cfg.mode} a layout "
@@ -226,12 +206,14 @@ def _check_cluster(cfg) -> None:
                           "or use parallel=search")
 
 
-def _check_fit(fit) -> None:
-    step, limit = parse_seq(fit.seq_step, "fit.seq_step"), parse_seq(fit.seq_limit, "fit.seq_limit")
-    if limit < step:
+def _check_fit(fit) -> tuple[SeqSearch, tuple[Optional[int], ...]]:
+    """Check ``fit`` and return the lengths ``seq=max`` searches and the layers' tiles
+    ``parallel=search`` tries."""
+    search = SeqSearch(parse_seq(fit.seq_step, "fit.seq_step"), parse_seq(fit.seq_limit, "fit.seq_limit"))
+    if search.limit < search.step:
         raise ConfigError(f"fit.seq_limit={fit.seq_limit} is below fit.seq_step={fit.seq_step}")
-    _positive("fit.runners_up", fit.runners_up, minimum=0)
-    _choice("fit.layouts", fit.layouts, ("runnable", "all"))
+    at_least("fit.runners_up", fit.runners_up, minimum=0)
+    choice("fit.layouts", fit.layouts, ("runnable", "all"))
     if fit.device_reserved_gib < 0:
         raise ConfigError(f"fit.device_reserved_gib={fit.device_reserved_gib} must be at least 0 (GiB)")
     for key in ("host_usable_fraction", "gemm_efficiency", "attention_forward_efficiency",
@@ -247,117 +229,24 @@ def _check_fit(fit) -> None:
         raise ConfigError(f"fit.host_adam_gbps={fit.host_adam_gbps} must be positive (GB/s)")
     if not fit.tile_tokens:
         raise ConfigError("fit.tile_tokens is empty; list the tiles parallel=search tries, e.g. [whole,16k]")
-    for value in fit.tile_tokens:
-        if str(value).strip() != WHOLE_LAYERS:
-            parse_seq(value, "fit.tile_tokens")
+    tiles = tuple(dict.fromkeys(parse_layer_tiles(value, "fit.tile_tokens") for value in fit.tile_tokens))
     if not fit.optimizer_offload:
         raise ConfigError("fit.optimizer_offload is empty; list the placements parallel=search tries, e.g. [none,host]")
     for value in fit.optimizer_offload:
-        _choice("fit.optimizer_offload", value, OPTIMIZER_OFFLOADS)
+        choice("fit.optimizer_offload", value, OPTIMIZER_OFFLOADS)
+    return search, tiles
 
 
-def parse_alpha(value: object) -> Optional[float]:
-    """``alpha`` as a number in [0, 1], or ``None`` for "auto".
-
-    Raises:
-        ConfigError: if ``value`` is neither "auto" nor a number in [0, 1].
-    """
-    if str(value).strip() == "auto":
-        return None
-    try:
-        alpha = float(value)
-    except ValueError:
-        alpha = math.nan
-    if not 0.0 <= alpha <= 1.0:
-        raise ConfigError(f"alpha={value} must be a number in [0, 1] or auto")
-    return alpha
-
-
-def _check_alpha(cfg, m) -> None:
-    alpha = parse_alpha(cfg.alpha)
-    if m.swaps and m.alpha is not None:
-        parse_alpha(m.alpha)
-        if alpha is not None:
-            raise ConfigError(
-                f"alpha={cfg.alpha} has no effect with method={m.name}, which swaps "
-                f"alpha={m.alpha:g} of the tokens; drop alpha or use method=memo"
-            )
-    elif not m.swaps and alpha is not None:
-        raise ConfigError(f"alpha={cfg.alpha} applies to method=memo only; drop it or use method=memo")
-
-
-# Megatron-core's offload_modules that act on the dense Transformer Engine layers the method runs on.
-OFFLOAD_MODULES = ("qkv_linear", "core_attn", "attn_proj")
-# Megatron's other names, and why they do nothing on these models.
-_OFFLOAD_MODULES_WITHOUT_EFFECT = {
-    "attn_norm": "Megatron skips it on Transformer Engine's layers, whose input norm is fused into the "
-                 "QKV projection (qkv_linear offloads both)",
-    "mlp_norm": "Megatron skips it on Transformer Engine's dense layers, whose pre-MLP norm is fused "
-                "into FC1",
-    "expert_fc1": "it offloads mixture-of-experts layers, which these dense models do not have",
-    "moe_act": "it offloads mixture-of-experts layers, which these dense models do not have",
-}
-
-
-def _check_offload_modules(method) -> None:
-    modules = list(method.offload_modules)
-    allowed = ", ".join(OFFLOAD_MODULES)
-    if not modules:
-        raise ConfigError(f"method.offload_modules=[] offloads nothing; list some of: {allowed} "
-                          "(or use method=none)")
-    for name in modules:
-        if name in _OFFLOAD_MODULES_WITHOUT_EFFECT:
-            raise ConfigError(f"method.offload_modules: {name} has no effect here: "
-                              f"{_OFFLOAD_MODULES_WITHOUT_EFFECT[name]}; choose from: {allowed}")
-        if name not in OFFLOAD_MODULES:
-            raise ConfigError(f"method.offload_modules: {name} is not a module Megatron offloads; "
-                              f"choose from: {allowed}")
-    if "attn_proj" in modules and "core_attn" not in modules:
-        raise ConfigError("method.offload_modules: attn_proj's input is core_attn's output, which "
-                          "core_attn's backward needs on the device; add core_attn")
-    if method.layer_activations != "megatron":
-        raise ConfigError(f"method.offload_modules is Megatron's offloading, on Megatron's layers, and "
-                          f"cannot be combined with method.layer_activations={method.layer_activations}; "
-                          "set one of them")
-    if method.recompute_granularity is not None:
-        raise ConfigError(f"method.offload_modules cannot be combined with method.recompute_granularity="
-                          f"{method.recompute_granularity} here; set one of them")
-    if method.cp_attention != "memo":
-        raise ConfigError(f"method.offload_modules runs on Transformer Engine's attention, not "
-                          f"method.cp_attention={method.cp_attention}; set method.cp_attention=memo")
-
-
-def _check_method(method) -> None:
-    if method.offload_modules is not None:
-        _check_offload_modules(method)
-    _choice("method.loss", method.loss, LOSSES)
-    _choice("method.recompute_granularity", method.recompute_granularity, RECOMPUTE_GRANULARITIES)
-    _choice("method.layer_activations", method.layer_activations, LAYER_ACTIVATIONS)
-    if method.layer_activations != "megatron" and method.recompute_granularity is not None:
-        raise ConfigError(
-            f"method.recompute_granularity={method.recompute_granularity} is Megatron's "
-            f"recomputation and cannot be combined with method.layer_activations="
-            f"{method.layer_activations}; set one of them"
-        )
-    if method.recompute_granularity == "full":
-        _choice("method.recompute_method", method.recompute_method, RECOMPUTE_METHODS)
-        if method.recompute_num_layers is None or method.recompute_num_layers < 1:
-            raise ConfigError(
-                f"method.recompute_num_layers={method.recompute_num_layers} must be at least 1 "
-                "with method.recompute_granularity=full"
-            )
-
-
-def _check_validation(cfg, seq: Optional[int]) -> None:
+def _check_validation(cfg, tiles: Optional[int], seq: Optional[int]) -> None:
     t = cfg.train
     if t.eval_interval is None:
         return
-    _positive("train.eval_interval", t.eval_interval)
-    _positive("train.eval_iters", t.eval_iters)
-    _positive("train.eval_buckets", t.eval_buckets)
+    at_least("train.eval_interval", t.eval_interval)
+    at_least("train.eval_iters", t.eval_iters)
+    at_least("train.eval_buckets", t.eval_buckets)
     if seq is not None and t.eval_buckets > seq:
         raise ConfigError(f"train.eval_buckets={t.eval_buckets} is more than the seq={seq} positions to bucket")
-    if tile_tokens(cfg.method) is not None:
+    if tiles is not None:
         raise ConfigError("train.eval_interval: a validation pass runs each layer whole, which a walk in tiles "
                           f"(method.tile_tokens={cfg.method.tile_tokens}) is there to avoid; validate with "
                           "method.tile_tokens=whole, or set train.eval_interval=null")
@@ -366,7 +255,7 @@ def _check_validation(cfg, seq: Optional[int]) -> None:
                           "set plan=false or train.eval_interval=null")
 
 
-def _check_documents(cfg) -> None:
+def _check_documents(cfg, method: Method, tiles: Optional[int]) -> None:
     t, p = cfg.train, cfg.parallel
     if not t.document_mask:
         return
@@ -382,17 +271,17 @@ def _check_documents(cfg) -> None:
     if t.attention_backend == "te":
         raise ConfigError("train.document_mask runs in memo's own attention, not Transformer Engine's; set "
                           "train.attention_backend to flash, cudnn or efficient, or train.document_mask=false")
-    if p.cp > 1 and tile_tokens(cfg.method) is not None:
+    if p.cp > 1 and tiles is not None:
         raise ConfigError(f"train.document_mask: memo's sequence tiles keep documents apart without context "
                           f"parallelism so far; set parallel.cp=1 or method.tile_tokens=whole (not "
                           f"{cfg.method.tile_tokens}), or train.document_mask=false")
     if cfg.plan:
         raise ConfigError("train.document_mask: each sequence's documents change what attention allocates, which a "
                           "memory plan replays step for step; set plan=false or train.document_mask=false")
-    if cfg.method.cp_attention == "deepspeed" or cfg.method.offload_modules:
+    if method.cp_attention == "deepspeed" or method.offloads:
         raise ConfigError(f"train.document_mask runs in memo's own attention, not in method={cfg.method.name}'s "
                           "(DeepSpeed's or Transformer Engine's); choose another method or train.document_mask=false")
-    if p.sequence_parallel and (cfg.method.layer_activations != "megatron" or tile_tokens(cfg.method) is not None):
+    if p.sequence_parallel and method.ours:
         raise ConfigError(f"train.document_mask with parallel.sequence_parallel runs with Megatron's layers only so "
                           f"far, not method={cfg.method.name}'s; set parallel.sequence_parallel=false")
 
@@ -452,13 +341,13 @@ def lr_wsd_decay_steps(train) -> int:
 
 
 def _check_schedule(t) -> None:
-    _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    _choice("train.lr_wsd_decay_style", t.lr_wsd_decay_style, WSD_DECAY_STYLES)
+    choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    choice("train.lr_wsd_decay_style", t.lr_wsd_decay_style, WSD_DECAY_STYLES)
     if not 0 <= t.min_lr <= t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     for key in ("lr_decay_steps", "lr_wsd_decay_steps"):
         if getattr(t, key) is not None:
-            _positive(f"train.{key}", getattr(t, key))
+            at_least(f"train.{key}", getattr(t, key))
     decay = lr_decay_steps(t)
     if t.lr_schedule in DECAYING_SCHEDULES and decay <= t.lr_warmup_steps:
         raise ConfigError(f"the learning rate decays until step {decay} (train.lr_decay_steps, else train.steps), "
@@ -469,45 +358,28 @@ def _check_schedule(t) -> None:
                           f"{decay - t.lr_warmup_steps} steps between the warm-up and step {decay}")
 
 
-def tile_tokens(method) -> Optional[int]:
-    """Tokens per tile of ``method.tile_tokens``, ``None`` for ``whole``."""
-    value = str(method.tile_tokens).strip()
-    return None if value == WHOLE_LAYERS else parse_seq(value, "method.tile_tokens")
-
-
-def _check_tiles(cfg, m, seq: Optional[int]) -> None:
-    p = cfg.parallel
-    tile = tile_tokens(m)
+def _check_tiles(cfg, m: Method, tile: Optional[int], seq: Optional[int]) -> None:
+    p, text = cfg.parallel, cfg.method.tile_tokens
     if tile is None:
         return
-    keep = f"or use method.tile_tokens={WHOLE_LAYERS}"
-    if not m.walks_tiles:
-        raise ConfigError(f"method.tile_tokens={m.tile_tokens} walks the layers of method=memo, full_swap "
-                          f"or full_recompute, not method={m.name}; choose one of them {keep}")
+    keep = "or use method.tile_tokens=whole"
     if p.cp > 1 and p.sequence_parallel:
-        raise ConfigError(f"method.tile_tokens={m.tile_tokens} runs context parallelism without sequence "
+        raise ConfigError(f"method.tile_tokens={text} runs context parallelism without sequence "
                           f"parallelism so far; set parallel.sequence_parallel=false {keep}")
     if p.cp > 1 and seq is not None and seq % (2 * p.cp * tile):
-        raise ConfigError(f"method.tile_tokens={m.tile_tokens} does not divide the {2 * p.cp} chunks of "
+        raise ConfigError(f"method.tile_tokens={text} does not divide the {2 * p.cp} chunks of "
                           f"seq={seq} that parallel.cp={p.cp} ranks hold; choose a tile that divides "
                           f"{seq // (2 * p.cp)} tokens {keep}")
     if p.sequence_parallel and tile % p.tp:
-        raise ConfigError(f"method.tile_tokens={m.tile_tokens} is gathered over parallel.tp={p.tp} ranks "
+        raise ConfigError(f"method.tile_tokens={text} is gathered over parallel.tp={p.tp} ranks "
                           f"under sequence parallelism; choose a multiple of {p.tp} {keep}")
     if seq is not None and seq % tile:
-        raise ConfigError(f"method.tile_tokens={m.tile_tokens} does not divide seq={seq}; choose a tile "
+        raise ConfigError(f"method.tile_tokens={text} does not divide seq={seq}; choose a tile "
                           f"that divides the sequence {keep}")
 
 
-def _check_cp_attention(method, p) -> None:
-    _choice("method.cp_attention", method.cp_attention, CP_ATTENTIONS)
-    if method.cp_attention != "deepspeed":
-        return
-    if method.ours:
-        raise ConfigError(f"method.cp_attention=deepspeed runs on Megatron's layers, not "
-                          f"method.layer_activations={method.layer_activations}; "
-                          "set method.layer_activations=megatron")
-    if p.cp > 1 and p.cp_comm_type != "a2a":
+def _check_cp_attention(method: Method, p) -> None:
+    if method.cp_attention == "deepspeed" and p.cp > 1 and p.cp_comm_type != "a2a":
         raise ConfigError(f"method={method.name} exchanges by DeepSpeed-Ulysses' all-to-all, not "
                           f"parallel.cp_comm_type={p.cp_comm_type}; set parallel.cp_comm_type=a2a")
 
@@ -521,7 +393,7 @@ def _check_parallel(p, model, seq: Optional[int]) -> None:
     if p.search:
         return  # every layout tried is checked by memo.fit.layouts
     for key in ("tp", "cp", "pp", "dp"):
-        _positive(f"parallel.{key}", getattr(p, key))
+        at_least(f"parallel.{key}", getattr(p, key))
     for size_key, size in (
         ("model.num_attention_heads", model.num_attention_heads),
         ("model.num_query_groups", model.num_query_groups or model.num_attention_heads),
@@ -533,7 +405,7 @@ def _check_parallel(p, model, seq: Optional[int]) -> None:
         raise ConfigError(
             f"parallel.pp={p.pp} does not divide model.num_layers={model.num_layers}"
         )
-    _choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
+    choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
     for key, heads in (("model.num_attention_heads", model.num_attention_heads),
                        ("model.num_query_groups", model.num_query_groups or model.num_attention_heads)):
         if p.cp > 1 and p.cp_comm_type == "a2a" and heads % (p.tp * p.cp):

@@ -31,6 +31,7 @@ from memo.config import PlannerConfig
 from memo.execute.plan_server import PlanServer, serve_events
 from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.dsa.caching_allocator import simulate
+from memo.model.placement import LayerRuntime, NullRuntime
 from memo.profile.recorder import AllocationRecorder, PhaseMarker
 from memo.profile.trace import Trace
 
@@ -50,19 +51,19 @@ class PlanRuntime:
     Wrap each step in :meth:`step`; the marker it yields (None when the step is neither recorded
     nor served) must be told of the backward pass and the optimizer step. ``arena`` is the
     installed :class:`memo.execute.cuda_arena.ArenaAllocator` on a GPU with ``plan``, else None.
-    ``walk`` is the run's :class:`memo.swap.tiled_layer.TiledLayers` when its layers are walked in
-    tiles: the marker then names each tile's phases and its attention blocks' as the walk goes.
+    ``layers`` is what runs the model's layers: the marker names the parts of their passes it
+    reports (a walk in tiles: each tile's phases and its attention blocks') as they go.
     """
 
     def __init__(self, gpt: torch.nn.Module, plan: bool, planner: PlannerConfig, warmup_steps: int,
-                 device_type: str, arena=None, walk=None):
+                 device_type: str, arena=None, layers: LayerRuntime = NullRuntime()):
         if plan and device_type == "cuda" and arena is None:
             raise ValueError("plan=true on a GPU needs the installed arena allocator")
         self.gpt, self.plan, self.planner = gpt, plan, planner
         self.record_at = record_step(warmup_steps)
         self.device_type = device_type
         self.arena = arena
-        self.walk = walk
+        self.layers = layers
         self.server: Optional[PlanServer] = None
         self.marker: Optional[PhaseMarker] = None
         self.row: dict = {"plan.serving": None}
@@ -83,8 +84,7 @@ class PlanRuntime:
             yield None
             return
         self.marker = PhaseMarker(self.gpt, on_change=self._on_phase)
-        if self.walk is not None:
-            self.walk.on_phase = self.marker.enter_layer
+        self.layers.name_phases(self.marker.enter_layer)
         try:
             if step == self.record_at:
                 with self._recording() as events:
@@ -94,8 +94,7 @@ class PlanRuntime:
                 with self._serving():
                     yield self.marker
         finally:
-            if self.walk is not None:
-                self.walk.on_phase = lambda layer, part: None
+            self.layers.name_phases(None)
             self.marker.remove()
             self.marker = None
 

@@ -24,7 +24,7 @@ from memo.profile.recorder import PhaseMarker
 
 def rank_tokens(layout: str) -> Callable[[dict], dict]:
     """This rank's tokens of a micro-batch under context parallelism, in ``layout``
-    (:func:`memo.model.context_parallel.sequence_layout`); the whole micro-batch without it."""
+    (:data:`memo.model.context_parallel.SEQUENCE_LAYOUTS`); the whole micro-batch without it."""
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
         return lambda micro_batch: micro_batch

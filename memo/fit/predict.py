@@ -1,4 +1,9 @@
-"""One configuration's prediction: memory per device and per node, α, verdict and time."""
+"""One configuration's prediction: memory per device and per node, α, verdict and time.
+
+The model states, the host's capacity and the allocator's verdict are the same for every method;
+where the activations go (the device, rounding buffers, the host) and what that costs in time is
+the run's activation policy's share (:meth:`memo.policy.ActivationPolicy.place`).
+"""
 
 import dataclasses
 import math
@@ -7,12 +12,13 @@ from typing import Optional
 
 from memo.config import FitConfig, ParallelConfig, Workload
 from memo.fit import memory
-from memo.fit.template import iteration_template
-from memo.fit.timing import TimePrediction, predict_time, tile_forward_times
+from memo.fit.timing import TimePrediction, layer_seconds, predict_time
 from memo.hardware import GiB, Hardware
-from memo.swap import HostMemoryError, host_share
-from memo.swap.tile_alpha import TileShape
+from memo.policy import OutOfHostMemory, Placed, Situation, policy_of
+from memo.policy.tiles import TileHostPlan
+from memo.profile.template import iteration_template
 from memo.results import finite
+from memo.swap import host_share
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,6 @@ class Problem:
     micro_batches: int = 1
     distributed_optimizer: Optional[bool] = None  # None: where dp·cp > 1 (memo.config.shards_optimizer)
     plan: bool = False  # transient tensors from the memory plan instead of the caching allocator
-    alpha: Optional[float] = None  # swapping methods: the swapped fraction given, or None to solve it
     optimizer_offload: float = 0.0  # share of the parameters whose Adam states live on the host
     plan_time_limit_s: float = 10.0
 
@@ -54,7 +59,7 @@ class Prediction:
     alpha_bandwidth: Optional[float]
     alpha_host: Optional[float]
     time: TimePrediction
-    tiles: Optional[memory.TileHostPlan] = None  # layers walked in tiles that swap
+    tiles: Optional[TileHostPlan] = None  # layers walked in tiles that swap
 
     @property
     def fits(self) -> bool:
@@ -117,162 +122,97 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
     """Predict ``problem`` under ``parallel`` at ``seq`` tokens (see :mod:`memo.fit.memory` and
     :mod:`memo.fit.timing`)."""
     workload = problem.workload.at(parallel, seq)
-    model, method, hw, fit = workload.model, workload.method, problem.hardware, problem.fit
-    tokens = seq // parallel.cp
-    layers = model.num_layers // parallel.pp
-    in_flight = min(parallel.pp, problem.micro_batches)
-    template = iteration_template(workload, layers * in_flight)
+    policy = policy_of(workload)
+    hw, fit = problem.hardware, problem.fit
+    layers = workload.model.num_layers // parallel.pp
     states = memory.model_states(workload, problem.distributed_optimizer, problem.optimizer_offload)
     devices = parallel.tp * parallel.cp * parallel.pp * parallel.dp
     local = min(devices, hw.devices_per_node or 1)  # the job's devices on one node
-    host_capacity = int(hw.host_memory_bytes * fit.host_usable_fraction)
-    swap = workload.swaps
-
-    def timed(alpha: float = 1.0, swapped: float = 0.0, tiles: Optional[memory.TileHostPlan] = None,
-              exposed: Optional[float] = None) -> TimePrediction:
-        return predict_time(workload, problem.micro_batches, hw, fit, alpha, swapped, states.params,
-                            exposed_copy_s=tiles.exposed_copy_s if tiles else exposed,
-                            checkpoint_every=tiles.solution.checkpoint_every if tiles else 1,
-                            offloaded_params=states.offload.offloaded_params)
-
-    common = dict(
-        seq=seq,
-        parallel=parallel,
-        tile_tokens=workload.tile_tokens,
-        states=states,
-        # a walk in tiles exchanges into its stores; whole layers through their attention's buffers
-        cp_buffers=memory.tiled_context_parallel_stores(workload) if workload.tiled
-        else memory.context_parallel_buffers(workload),
-        reserved=int(fit.device_reserved_gib * GiB),
-        device_capacity=hw.device_memory_bytes,
-        host_capacity_per_node=host_capacity,
-    )
-    alpha = solution = tile_plan = None
-    host = rounding = recompute = 0
+    frame = _Frame(workload, problem, states, local, policy.cp_buffers(workload))
     # the optimizer's host memory is allocated first; the activations may have the rest
-    optimizer_host = states.offload.host_bytes
-    host_budget = host_share(host_capacity - local * optimizer_host, local)
-    if host_budget < 0:
-        return Prediction(
-            **common, status="oohm", reason=(
-                f"out of host memory: Adam's states on the host take {optimizer_host / GiB:.1f} GiB per device, "
-                f"{local * optimizer_host / GiB:.1f} GiB of the node's {host_capacity / GiB:.1f} GiB usable, before "
-                "any activation; lower train.optimizer_offload_fraction, add devices or set hardware.host_memory_gib"),
-            acts=None, rounding_buffers=0, device_total=0, host_per_device=optimizer_host,
-            host_per_node=optimizer_host * local, alpha=problem.alpha, alpha_binding=None, alpha_bandwidth=None,
-            alpha_host=None, time=timed())
-    if workload.tiled and workload.method.swaps:
-        blocks = memory.tile_blocks(workload)
-        sizes = template.tile_skeletal(workload.tile_tokens)
-        try:
-            tile_plan = memory.tile_host_plan(sizes, layers, tile_forward_times(workload, hw, fit, blocks),
-                                              problem.alpha, hw.host_link_bytes_per_s, host_budget)
-        except HostMemoryError as error:
-            shape = TileShape(sizes, layers, len(blocks), 2)
-            need = math.ceil(shape.host_bytes([problem.alpha or 0.0] * len(blocks), max(layers, 1)))
-            return Prediction(
-                **common, status="oohm", reason=str(error), acts=None, rounding_buffers=0, device_total=0,
-                host_per_device=optimizer_host + need, host_per_node=(optimizer_host + need) * local,
-                alpha=problem.alpha, alpha_binding=None, alpha_bandwidth=None, alpha_host=None, time=timed())
-        host = tile_plan.per_device
-        alphas = tile_plan.solution.alphas
-        alpha = sum(alphas) / len(alphas)
-    elif swap:
-        sizes = memory.swapped_sizes(template, workload)
-        rounding = memory.rounding_buffer_bytes(sizes)
-        fixed = problem.alpha
-        try:
-            plan = memory.host_plan(
-                sizes,
-                layers,
-                fixed,
-                timed().layer_forward_s,
-                hw.host_link_bytes_per_s,
-                host_budget,
-            )
-        except HostMemoryError as error:
-            need = max(layers - 2, 0) * math.ceil(sizes.swapped(fixed or 0.0))
-            return Prediction(
-                **common,
-                status="oohm",
-                reason=str(error),
-                acts=None,
-                rounding_buffers=rounding,
-                device_total=0,
-                host_per_device=optimizer_host + need,
-                host_per_node=(optimizer_host + need) * local,
-                alpha=fixed,
-                alpha_binding=None,
-                alpha_bandwidth=None,
-                alpha_host=None,
-                time=timed(),
-            )
-        solution, host = plan.solution, plan.per_device
-        alpha = solution.alpha
-        recompute = math.ceil((1 - alpha) * sizes.other)
-    fixed_part = common["reserved"] + states.total + rounding + common["cp_buffers"]
-    room = hw.device_memory_bytes - fixed_part
-    trace = template.instance(tokens, layers * in_flight, swap=swap, recompute_bytes=recompute,
-                              loss_tile_tokens=workload.loss_tile_tokens, tile_tokens=workload.tile_tokens)
-    offload = exposed = None
-    if method.offloads:
-        passes = timed()
-        offload = memory.megatron_offload(workload, layers * in_flight, hw.host_link_bytes_per_s,
-                                          passes.layer_forward_s, passes.layer_backward_s)
-        host, exposed = offload.host_bytes, offload.exposed_copy_s
-        if host > host_budget:
-            return Prediction(
-                **common, status="oohm", reason=(
-                    f"out of host memory: Megatron's offloading copies {host / GiB:.2f} GiB per device to the host "
-                    f"but {host_budget / GiB:.2f} GiB can be pinned; shorten seq, offload fewer modules, add "
-                    "devices or set hardware.host_memory_gib"),
-                acts=None, rounding_buffers=0, device_total=0, host_per_device=optimizer_host + host,
-                host_per_node=(optimizer_host + host) * local, alpha=None, alpha_binding=None,
-                alpha_bandwidth=None, alpha_host=None, time=timed())
-        room += offload.device_freed  # the allocator serves what the offloaded tensors leave
-    acts = memory.activations(trace, room, problem.plan, problem.plan_time_limit_s)
-    if offload is not None:
-        acts = memory.less_offloaded(acts, offload.device_freed)
-    total = fixed_part + acts.held
-    status, reason = "ok", ""
-    if acts.refused_bytes is not None and total <= hw.device_memory_bytes:
-        status = "oom"
-        reason = (
-            f"the caching allocator cannot serve {acts.refused_bytes / GiB:.2f} GiB within "
-            f"{room / GiB:.1f} GiB (fragmentation) at the peak in {acts.peak_phase}"
-        )
-    elif total > hw.device_memory_bytes:
-        status = "oom"
-        allocator = "the memory plan" if problem.plan else "the caching allocator"
-        reason = (
-            f"needs {total / GiB:.1f} GiB of {hw.device_memory_bytes / GiB:.1f} GiB: model states and "
-            f"buffers {fixed_part / GiB:.1f} GiB, activations {acts.allocated_peak / GiB:.1f} GiB at "
-            f"their peak in {acts.peak_phase}, {allocator} {acts.overhead / GiB:.1f} GiB more"
-        )
-    return Prediction(
-        **common,
-        status=status,
-        reason=reason,
-        acts=acts,
-        rounding_buffers=rounding,
-        device_total=total,
-        host_per_device=optimizer_host + host,
-        host_per_node=(optimizer_host + host) * local,
-        alpha=alpha,
-        alpha_binding=solution.binding if solution else _tile_binding(tile_plan),
-        alpha_bandwidth=solution.alpha_bandwidth if solution else (
-            min(tile_plan.solution.alpha_bandwidth) if tile_plan else None),
-        alpha_host=solution.alpha_host if solution else None,
-        time=timed(tiles=tile_plan) if tile_plan else timed(alpha if swap else 1.0,
-                                                                  sizes.swapped(alpha) if swap else 0.0,
-                                                                  exposed=exposed),
-        tiles=tile_plan,
-    )
+    budget = host_share(frame.host_capacity - local * frame.optimizer_host, local)
+    if budget < 0:
+        return frame.out_of_host(OutOfHostMemory(
+            f"out of host memory: Adam's states on the host take {frame.optimizer_host / GiB:.1f} GiB per device, "
+            f"{local * frame.optimizer_host / GiB:.1f} GiB of the node's {frame.host_capacity / GiB:.1f} GiB usable, "
+            "before any activation; lower train.optimizer_offload_fraction, add devices or set "
+            "hardware.host_memory_gib", 0, alpha=policy.alpha))
+    in_flight = min(parallel.pp, problem.micro_batches)
+    situation = Situation(workload, iteration_template(workload, layers * in_flight, policy.traced), layers,
+                          in_flight, layer_seconds(workload, hw, fit, policy.cp_exchange(parallel)),
+                          hw.host_link_bytes_per_s, budget)
+    try:
+        placed = policy.place(situation)
+    except OutOfHostMemory as short:
+        return frame.out_of_host(short)
+    return frame.on_device(placed)
 
 
-def _tile_binding(plan: Optional[memory.TileHostPlan]) -> Optional[str]:
-    """What bound the tile whose α is the smallest."""
-    if plan is None:
-        return None
-    alphas = plan.solution.alphas
-    return plan.solution.binding[alphas.index(min(alphas))]
+@dataclass(frozen=True)
+class _Frame:
+    """What every prediction of one configuration shares, and its two endings."""
+
+    workload: Workload
+    problem: Problem
+    states: memory.ModelStates
+    local: int  # the job's devices on one node
+    cp_buffers: int
+
+    @property
+    def host_capacity(self) -> int:
+        return int(self.problem.hardware.host_memory_bytes * self.problem.fit.host_usable_fraction)
+
+    @property
+    def optimizer_host(self) -> int:
+        return self.states.offload.host_bytes
+
+    def time(self, placed: Optional[Placed] = None) -> TimePrediction:
+        return predict_time(self.workload, self.problem.micro_batches, self.problem.hardware, self.problem.fit,
+                            self.states.params, placed, self.states.offload.offloaded_params)
+
+    def common(self) -> dict:
+        w, hw = self.workload, self.problem.hardware
+        return dict(seq=w.seq, parallel=w.parallel, tile_tokens=w.layer_tile_tokens, states=self.states,
+                    cp_buffers=self.cp_buffers, reserved=int(self.problem.fit.device_reserved_gib * GiB),
+                    device_capacity=hw.device_memory_bytes, host_capacity_per_node=self.host_capacity)
+
+    def out_of_host(self, short: OutOfHostMemory) -> Prediction:
+        """Status ``oohm``: what the activations would take on the host beside Adam's states."""
+        host = self.optimizer_host + short.host_bytes
+        return Prediction(**self.common(), status="oohm", reason=short.reason, acts=None,
+                          rounding_buffers=short.rounding_buffers, device_total=0, host_per_device=host,
+                          host_per_node=host * self.local, alpha=short.alpha, alpha_binding=None,
+                          alpha_bandwidth=None, alpha_host=None, time=self.time())
+
+    def on_device(self, placed: Placed) -> Prediction:
+        """The device's verdict on ``placed``: ok, or oom with why."""
+        problem, hw = self.problem, self.problem.hardware
+        common = self.common()
+        fixed_part = common["reserved"] + self.states.total + placed.rounding_buffers + self.cp_buffers
+        # the allocator serves what offloaded tensors leave
+        room = hw.device_memory_bytes - fixed_part + placed.device_freed
+        acts = memory.activations(placed.trace, room, problem.plan, problem.plan_time_limit_s)
+        if placed.device_freed:
+            acts = memory.less_offloaded(acts, placed.device_freed)
+        total = fixed_part + acts.held
+        status, reason = "ok", ""
+        if acts.refused_bytes is not None and total <= hw.device_memory_bytes:
+            status = "oom"
+            reason = (
+                f"the caching allocator cannot serve {acts.refused_bytes / GiB:.2f} GiB within "
+                f"{room / GiB:.1f} GiB (fragmentation) at the peak in {acts.peak_phase}"
+            )
+        elif total > hw.device_memory_bytes:
+            status = "oom"
+            allocator = "the memory plan" if problem.plan else "the caching allocator"
+            reason = (
+                f"needs {total / GiB:.1f} GiB of {hw.device_memory_bytes / GiB:.1f} GiB: model states and "
+                f"buffers {fixed_part / GiB:.1f} GiB, activations {acts.allocated_peak / GiB:.1f} GiB at "
+                f"their peak in {acts.peak_phase}, {allocator} {acts.overhead / GiB:.1f} GiB more"
+            )
+        host = self.optimizer_host + placed.host_bytes
+        return Prediction(**common, status=status, reason=reason, acts=acts, rounding_buffers=placed.rounding_buffers,
+                          device_total=total, host_per_device=host, host_per_node=host * self.local,
+                          alpha=placed.alpha, alpha_binding=placed.alpha_binding,
+                          alpha_bandwidth=placed.alpha_bandwidth, alpha_host=placed.alpha_host,
+                          time=self.time(placed), tiles=placed.tiles)

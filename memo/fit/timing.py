@@ -12,18 +12,20 @@ Per micro-batch and pipeline stage, each layer costs:
 * tensor parallelism: with sequence parallelism two all-gathers and two reduce-scatters of the
   layer's ``b·t·h`` activations per pass, otherwise two all-reductions, over NVLink, a share
   ``tp_comm_overlap`` hidden;
-* context parallelism: with ``cp_comm_type=all_gather`` every rank gathers the ``cp − 1`` other
-  ranks' key/value blocks (``groups·d`` wide) before its attention, and in the backward gathers them again and
-  reduce-scatters their gradients, none of it overlapped; with ``p2p`` the same blocks pass
+* context parallelism, as the run's activation policy exchanges keys and values
+  (:meth:`memo.policy.ActivationPolicy.cp_exchange`): with ``cp_comm_type=all_gather`` every rank
+  gathers the ``cp − 1`` other ranks' key/value blocks (``groups·d`` wide) before its attention, and
+  in the backward gathers them again and reduce-scatters their gradients, none of it overlapped; a
+  walk in tiles (``stores``) gathers them into its stores likewise, and sums their float32
+  gradients over the ranks; with ``p2p`` the same blocks pass
   around a ring, each step's transfer hidden behind the step's attention (exposed: what the
   attention of the pass does not cover), and in the backward their float32 gradients travel with
   them, one step more; with ``a2a`` (Ulysses) all-to-alls of the rank's q, k, v and output
   (``b·t·h/tp`` elements for q and the output, ``groups·d`` wide k and v) in the forward and twice
   that in the backward, not overlapped;
-* recomputation: a whole extra forward (full recomputation), the attention forward (selective),
-  or for MEMO the token-wise layers' GEMMs (QKV, projection, FC1) on the ``1 − α`` dropped tokens;
-* swapping: a layer's copy to the host beyond the next layer's compute (zero when α solves the
-  bandwidth constraint).
+* recomputation and copies to the host not hidden behind compute, as the activation policy
+  predicts them (:meth:`memo.policy.ActivationPolicy.recompute_seconds`,
+  :meth:`memo.policy.ActivationPolicy.place`).
 
 The head adds the logits GEMM (three times its forward FLOPs). The pipeline runs
 ``micro_batches + pp − 1`` stage slots; data parallelism then reduces the fp32 gradients in a ring
@@ -39,6 +41,7 @@ from memo.config import ConfigError, FitConfig, Workload
 from memo.hardware import Hardware
 from memo.metrics import mfu, model_flops_per_sample, tgs
 from memo.model.gpt import layer_matmul_weights, model_flops_parameters, padded_vocab_size
+from memo.policy import LayerSeconds, Placed, policy_of
 
 ATTENTION_BACKWARD_FLOPS = 2.5  # FlashAttention's backward over its forward
 # Adam on the host reads a gradient (fp32), reads and writes a main weight and two moments (fp32)
@@ -86,27 +89,9 @@ def _link(ranks_spanned: int, hw: Hardware, efficiency: float) -> float:
     return bandwidth * efficiency / (1 if within else per_node)
 
 
-@dataclass(frozen=True)
-class _LayerParts:
-    """Seconds of one layer's parts on one device, per micro-batch (see the module docstring)."""
-
-    gemm: float  # the weight GEMMs' forward
-    attention: float  # core attention's forward
-    attention_bwd: float
-    tp_pass: float  # tensor-parallel collectives of one pass, exposed
-    cp_fwd: float  # context-parallel exchange, exposed
-    cp_bwd: float
-
-    @property
-    def forward(self) -> float:
-        return self.gemm + self.attention + self.tp_pass + self.cp_fwd
-
-    @property
-    def backward(self) -> float:
-        return 2 * self.gemm + self.attention_bwd + self.tp_pass + self.cp_bwd
-
-
-def _layer_parts(workload: Workload, hw: Hardware, fit: FitConfig) -> _LayerParts:
+def layer_seconds(workload: Workload, hw: Hardware, fit: FitConfig, exchange: str) -> LayerSeconds:
+    """One layer's seconds on one device per micro-batch (see the module docstring), its keys and
+    values crossing context-parallel ranks by ``exchange``."""
     model, parallel, seq = workload.model, workload.parallel, workload.seq
     micro_batch_size, element_bytes = workload.micro_batch_size, workload.dtype_bytes
     h = model.hidden_size
@@ -115,7 +100,8 @@ def _layer_parts(workload: Workload, hw: Hardware, fit: FitConfig) -> _LayerPart
     peak = hw.peak_flops
 
     weights = layer_matmul_weights(model)
-    gemm = 2 * b * t * weights / tp / (peak * fit.gemm_efficiency)
+    gemm_rate = peak * fit.gemm_efficiency
+    gemm = 2 * b * t * weights / tp / gemm_rate
     attention_flops = 2 * b * t * seq * h / tp  # QKᵀ and PV, 4·b·t·s·h/tp, halved by the causal mask
     attention = attention_flops / (peak * fit.attention_forward_efficiency)
     attention_bwd = ATTENTION_BACKWARD_FLOPS * attention_flops / (peak * fit.attention_backward_efficiency)
@@ -132,34 +118,25 @@ def _layer_parts(workload: Workload, hw: Hardware, fit: FitConfig) -> _LayerPart
     cp_link = _link(tp * cp, hw, fit.link_efficiency)
     if cp == 1:
         cp_fwd = cp_bwd = 0.0
-    elif workload.tiled:  # the rank's keys and values gathered into the store; their gradients summed
+    elif exchange == "stores":  # the rank's keys and values gathered into the store; their gradients summed
         cp_fwd = (cp - 1) * block / cp_link
         cp_bwd = cp_fwd + 2 * (cp - 1) / cp * (cp * block * 4 / element_bytes) / cp_link
-    elif parallel.cp_comm_type == "a2a":  # q, k, v to heads, the output back
+    elif exchange == "a2a":  # q, k, v to heads, the output back
         cp_fwd = (cp - 1) / cp * (2 * qo + 2 * kv) / cp_link
         cp_bwd = 2 * cp_fwd
-    elif parallel.cp_comm_type == "p2p":
+    elif exchange == "p2p":
         cp_fwd = max(0.0, (cp - 1) * block / cp_link - attention)
         gradients = cp * block * 4 / element_bytes  # float32
         cp_bwd = max(0.0, ((cp - 1) * block + gradients) / cp_link - attention_bwd)
     else:
         cp_fwd = (cp - 1) * block / cp_link
         cp_bwd = 2 * cp_fwd
-    return _LayerParts(gemm, attention, attention_bwd, tp_pass, cp_fwd, cp_bwd)
-
-
-def tile_forward_times(workload: Workload, hw: Hardware, fit: FitConfig, blocks: list[int]) -> list[float]:
-    """``T_f(t)``, seconds, of each of a rank's tiles of a layer walked in tiles, the tiles at
-    ``blocks`` (their places in the sequence, in tiles): the layer's token-wise work and
-    collectives shared by its tiles, attention by its blocks (a tile at block ``j`` attends to
-    ``j`` blocks in full and half of its own)."""
-    parts = _layer_parts(workload, hw, fit)
-    c = workload.tile_tokens
-    tiles = len(blocks)
-    # the rank's attention over its tiles is Σ_j (j + ½)·c² of 2·t·s: each tile its share
-    weights = [j + 0.5 for j in blocks]
-    return [(parts.forward - parts.attention) / tiles + parts.attention * w / sum(weights) for w in weights] \
-        if c else [parts.forward]
+    # the token-wise GEMMs up to FC2's input (QKV, projection, FC1); the QKV GEMM alone
+    f = model.ffn_hidden_size
+    token_wise = 2 * b * t * (weights - f * h) / tp / gemm_rate
+    qkv = h * (h + 2 * h // model.num_attention_heads * groups)
+    keys_values = 2 * b * t * qkv / tp / gemm_rate
+    return LayerSeconds(gemm, attention, attention_bwd, tp_pass, cp_fwd, cp_bwd, token_wise, keys_values)
 
 
 def predict_time(
@@ -167,65 +144,34 @@ def predict_time(
     micro_batches: int,
     hw: Hardware,
     fit: FitConfig,
-    alpha: float = 1.0,
-    swapped_bytes_per_layer: float = 0.0,
     local_params: int = 0,
-    exposed_copy_s: Optional[float] = None,
-    checkpoint_every: int = 1,
+    placed: Optional[Placed] = None,
     offloaded_params: int = 0,
 ) -> TimePrediction:
     """Predict one iteration of ``workload`` (see the module docstring).
 
     Args:
         micro_batches: micro-batches per data-parallel rank and iteration.
-        alpha: swapping methods: the fraction of tokens swapped (the rest is recomputed; in tiles,
-            the mean over the tiles).
-        swapped_bytes_per_layer: swapping methods: bytes one layer sends to the host.
         local_params: parameters on one device (for the gradient reduction).
-        exposed_copy_s: layers walked in tiles that swap: seconds of a layer's copies not hidden
-            behind the next tiles' compute, a mean over the layers (:func:`memo.fit.memory.tile_host_plan`).
-        checkpoint_every: layers walked in tiles that swap: k, the checkpoint interval.
+        placed: where the activation policy keeps the activations (its recomputation and exposed
+            copies); None: as it would before any is placed (α = 1, no checkpoint layers).
         offloaded_params: parameters of this device whose Adam step runs on the host: their fp32
             gradients go to the host and their fp32 main weights come back over the host link
             while the CPU streams :data:`HOST_ADAM_BYTES_PER_PARAM` bytes each at this device's
             ``fit.host_adam_gbps``, one tensor's copies behind another's step (Megatron's
             ``overlap_cpu_optimizer_d2h_h2d``): the slower of the two, after the backward pass.
     """
-    model, method, parallel, seq = workload.model, workload.method, workload.parallel, workload.seq
+    model, parallel, seq = workload.model, workload.parallel, workload.seq
     micro_batch_size = workload.micro_batch_size
-    h, f, n = model.hidden_size, model.ffn_hidden_size, model.num_layers
+    h, n = model.hidden_size, model.num_layers
     tp, cp, pp, dp = parallel.tp, parallel.cp, parallel.pp, parallel.dp
     b, t = micro_batch_size, seq / cp
     peak = hw.peak_flops
-    parts = _layer_parts(workload, hw, fit)
-    weights = layer_matmul_weights(model)
-    forward, backward, attention = parts.forward, parts.backward, parts.attention
-    token_wise = 2 * b * t * (weights - f * h) / tp / (peak * fit.gemm_efficiency)  # QKV, projection, FC1
-    if method.layer_activations == "recompute" or method.recompute_granularity == "full":
-        recompute = forward
-    elif method.recompute_granularity == "selective":
-        recompute = attention
-    elif method.swaps:
-        # the dropped tokens run again up to FC2's input: QKV, the projection and FC1
-        recompute = (1 - alpha) * token_wise
-    else:
-        recompute = 0.0
-    if workload.tiled:
-        # the keys and values made again before the backward tiles (the norm and QKV of every tile)
-        groups = model.num_query_groups or model.num_attention_heads
-        qkv = h * (h + 2 * h // model.num_attention_heads * groups)
-        recompute += 2 * b * t * qkv / tp / (peak * fit.gemm_efficiency)
-        if method.swaps:
-            # a layer between checkpoints is made again from the one below, attention's output kept:
-            # (k − 1)/2 layers' token-wise work on average
-            recompute += (checkpoint_every - 1) / 2 * (forward - attention)
-    swap = 0.0
-    if exposed_copy_s is not None:
-        swap = exposed_copy_s
-    elif method.swaps and swapped_bytes_per_layer:
-        copy = swapped_bytes_per_layer / hw.host_link_bytes_per_s
-        swap = max(0.0, copy - forward) + max(0.0, copy - backward)
-        swap *= max(n // pp - 2, 0) / (n // pp)
+    policy = policy_of(workload)
+    parts = layer_seconds(workload, hw, fit, policy.cp_exchange(parallel))
+    forward, backward = parts.forward, parts.backward
+    recompute = placed.recompute_s if placed is not None else policy.recompute_seconds(workload, parts)
+    swap = placed.swap_exposed_s if placed is not None else 0.0
 
     vocab = padded_vocab_size(model, tp)
     head = 3 * 2 * b * t * h * vocab / tp / (peak * fit.gemm_efficiency)
@@ -248,7 +194,7 @@ def predict_time(
         layer_recompute_s=recompute,
         layer_swap_exposed_s=swap,
         layer_tp_comm_s=2 * parts.tp_pass,
-        layer_cp_comm_exposed_s=parts.cp_fwd + parts.cp_bwd,
+        layer_cp_comm_exposed_s=parts.cp_forward + parts.cp_backward,
         head_s=head,
         bubble_fraction=(pp - 1) / slots,
         dp_comm_s=dp_comm,

@@ -30,17 +30,16 @@ def source_digest(root: Path = REPO) -> str:
     return digest.hexdigest()[:12]
 
 
-def placed_model(workload, device, alpha: Optional[float] = None, attention_backend: str = "auto",
-                 host_budget: float = 2**50):
-    """``workload``'s GPT on ``device`` with its layers placed as training places them
-    (:func:`memo.swap.prepare_swap`): ``(model, placement or None, swap report or None)``. The
-    host budget (bytes) defaults to more than any step here swaps."""
+def placed_model(workload, device, attention_backend: str = "auto", host_budget: float = 2**50):
+    """``workload``'s GPT on ``device`` with its layers run as training runs them (its activation
+    policy's :meth:`memo.policy.ActivationPolicy.prepare`): ``(model, layer runtime)``. The host
+    budget (bytes) defaults to more than any step here swaps."""
     from memo.model import build_gpt
-    from memo.swap import prepare_swap
+    from memo.policy import policy_of
 
-    model = build_gpt(workload, device.type, attention_backend).module
-    placement, report = prepare_swap(model, workload, device, host_budget, alpha)
-    return model, placement, report
+    policy = policy_of(workload)
+    model = build_gpt(workload, device.type, attention_backend, layers=policy.layers).module
+    return model, policy.prepare(model, workload, device, host_budget)
 
 
 def step_device(cpu: bool):

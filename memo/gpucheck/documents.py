@@ -73,7 +73,7 @@ def compare(model_overrides: list[str], lengths: list[int], device: torch.device
         # documents' blocks run FlashAttention's: memo.model.documents.block_kernel)
         for kernel in [k for k in kernels(device, dtype, head_dim) if k not in ("math", "cudnn")]:
             torch.manual_seed(run.train.seed)
-            reference_model, _, _ = placed_model(run.workload, device, None, kernel)
+            reference_model, _ = placed_model(run.workload, device, kernel)
             loss, grads = 0.0, None
             for start, end in documents.spans():  # each document alone, its positions from 0
                 part_loss, part = losses_and_grads(reference_model, tokens[start:end + 1], eod)
@@ -86,10 +86,9 @@ def compare(model_overrides: list[str], lengths: list[int], device: torch.device
                 packed_run = resolve(compose(f"method={method}", *given, *settings), gpu_visible=device.type == "cuda")
                 workload = dataclasses.replace(packed_run.workload, document_mask=True)
                 torch.manual_seed(packed_run.train.seed)
-                model, placement, _ = placed_model(workload, device, packed_run.alpha, kernel)
+                model, placement = placed_model(workload, device, kernel)
                 got = losses_and_grads(model, tokens, eod, DocumentParams.of(documents, device))
-                if placement is not None:
-                    placement.release()
+                placement.release()
                 rows.append(judged(relative_errors(*got, (loss, grads)), dtype, model=run.workload.model.name,
                                    kernel=kernel, method=method, alpha=alpha,
                                    tile_tokens=None if tiles is None else seq // tiles, seq=seq,

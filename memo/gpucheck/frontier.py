@@ -7,7 +7,7 @@ layers (one process: the template is traced once). The most layers whose longest
 :data:`MIN_TOKENS` are trained, at that length, or shorter where two steps would take more than
 :data:`TRAIN_BUDGET_S` by the fit's predicted time (attention grows as the square of the length).
 Rows: each depth's prediction, then the run's MFU, peak memory and host bytes beside the fit's
-for the same configuration (:func:`analysis.calibration.compare`). ``--cpu`` rehearses it with
+for the same configuration (:func:`memo.fit.calibration.compare`). ``--cpu`` rehearses it with
 ``tiny_llama`` in tiles of 512 tokens on a device of 0.25 GiB, the optimizer on the device (the
 CPU has no device memory to free: offloading is refused there).
 
@@ -52,8 +52,8 @@ def trained_length(seq: int, predicted_iter_s: float, tile: int) -> int:
 
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
-    from analysis.calibration import compare
-    from analysis.rows import load_results
+    from memo.fit.calibration import compare
+    from memo.results import read_rows
 
     fit, run, depths, minimum, tile = settings(args.cpu)
     depth_list = ",".join(str(d) for d in depths)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                                   "tiles.alpha_mean": row.get("tiles.alpha_mean"),
                                   "tiles.checkpoint_every": row.get("tiles.checkpoint_every")}
     if row.get("status") == "ok":
-        (again,) = compare(load_results(run_dir)).to_dict("records")
+        (again,) = compare(read_rows(run_dir))
         figures |= {k: again[k] for k in ("predicted_iter_time_s", "time_error", "predicted_peak_bytes",
                                            "memory_error")}
     rows.append(figures)

@@ -4,7 +4,7 @@
 (8 of 32 on an H200: 2.8B parameters, 45 GB of weights, gradients and Adam states; 4 on an H100),
 trained by ``memo`` and by Megatron's full recomputation (with the tiled loss: its own loss's
 whole-sequence logits alone would not fit) at 64K and 128K tokens: MFU, TGS, peak memory, and the
-fit's predicted time and peak for the same configuration (:func:`analysis.calibration.compare`).
+fit's predicted time and peak for the same configuration (:func:`memo.fit.calibration.compare`).
 A job the device cannot hold leaves an ``oom`` row. ``--cpu`` rehearses it with ``tiny_llama`` at
 256 tokens.
 
@@ -35,8 +35,8 @@ def jobs(cpu: bool) -> tuple[list[str], list[str]]:
 
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
-    from analysis.calibration import compare
-    from analysis.rows import load_results
+    from memo.fit.calibration import compare
+    from memo.results import read_rows
 
     common, lengths = jobs(args.cpu)
     rows = []
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
             row = run_job(run_dir, *common, f"seq={seq}", f"method={method}", *extra)[0]
             figures = row_figures(row) | {"job": name}
             if row.get("status") == "ok":
-                (predicted,) = compare(load_results(run_dir)).to_dict("records")
+                (predicted,) = compare(read_rows(run_dir))
                 figures |= {k: predicted[k] for k in ("predicted_iter_time_s", "time_error",
                                                       "predicted_peak_bytes", "memory_error")}
             rows.append(figures)

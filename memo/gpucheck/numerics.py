@@ -53,12 +53,11 @@ def gradients(method: str, alpha, model_overrides: list[str], seq: int, device: 
     run = resolve(compose(f"method={method}", *given, *model_overrides, f"seq={seq}",
                           f"train.dtype={dtype_setting(dtype)}"), gpu_visible=device.type == "cuda")
     torch.manual_seed(run.train.seed)
-    model, placement, _ = placed_model(run.workload, device, run.alpha, kernel)
+    model, placement = placed_model(run.workload, device, kernel)
     (batch,) = next(micro_batches(SyntheticTokens(run.workload.model.vocab_size, 0), seq, 1, 1, 0, 1, device))
     loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float().mean()
     loss.backward()
-    if placement is not None:
-        placement.release()
+    placement.release()
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.item(), grads
 

@@ -76,7 +76,6 @@ def _profiled_steps(overrides: tuple[str, ...]):
     from memo.execute import distributed
     from memo.execute.distributed import ProcessInfo
     from memo.execute.data import SyntheticTokens, micro_batches
-    from memo.swap import TileReport
 
     device = torch.device("cuda", 0)
     run = resolve(compose("model=1.3b", "method=memo", "train.dtype=bf16", "train.loss=tiled", *overrides),
@@ -85,7 +84,7 @@ def _profiled_steps(overrides: tuple[str, ...]):
     distributed.initialize(workload.parallel, "cuda", ProcessInfo(0, 1, 0))
     try:
         torch.manual_seed(0)
-        model, placement, report = placed_model(workload, device, host_budget=64 * 2**30)
+        model, placement = placed_model(workload, device, host_budget=64 * 2**30)
         batches = micro_batches(SyntheticTokens(workload.model.vocab_size, 0), workload.seq, 1, 1, 0, 1, device)
 
         def step():
@@ -115,7 +114,8 @@ def _profiled_steps(overrides: tuple[str, ...]):
             copies["h2d"].append(span)
         elif "Memcpy" not in event.name and "Memset" not in event.name:
             kernels.append(span)
-    alpha = report.row()["alpha_mean"] if isinstance(report, TileReport) else report.alpha
+    decided = placement.report().row
+    alpha = decided["tiles.alpha_mean"] if "tiles.alpha_mean" in decided else decided["swap.alpha"]
     return copies, kernels, {"alpha": alpha, "seq": workload.seq}, trace
 
 

@@ -2,6 +2,7 @@
 
 from memo.model.gpt import (
     BuiltModel,
+    LayerBuild,
     build_gpt,
     count_parameters,
     dtype_label,
@@ -10,12 +11,12 @@ from memo.model.gpt import (
     padded_vocab_size,
     parameter_count,
     torch_dtype,
-    unsupported_layout,
     uses_transformer_engine,
 )
 
 __all__ = [
     "BuiltModel",
+    "LayerBuild",
     "build_gpt",
     "count_parameters",
     "dtype_label",
@@ -24,6 +25,5 @@ __all__ = [
     "padded_vocab_size",
     "parameter_count",
     "torch_dtype",
-    "unsupported_layout",
     "uses_transformer_engine",
 ]

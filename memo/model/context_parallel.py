@@ -41,10 +41,40 @@ from memo.model import attention_blocks as blocks
 from memo.model.documents import DocumentParams, Documents, block_kernel, chunk_blocks
 
 
-def sequence_layout(cp_attention: str) -> str:
-    """How a method's context-parallel attention lays the sequence out over the ranks:
-    ``load_balanced`` (ours, Megatron's) or ``contiguous`` (DeepSpeed-Ulysses')."""
-    return "contiguous" if cp_attention == "deepspeed" else "load_balanced"
+# How a context-parallel attention lays the sequence out over the ranks: Megatron's load-balanced
+# chunks (ours), or one contiguous part a rank (DeepSpeed-Ulysses')
+SEQUENCE_LAYOUTS = ("load_balanced", "contiguous")
+
+
+def exchange_bytes(comm_type: str, cp: int, b: int, s: int, h: int, e: int) -> int:
+    """Bytes this module's attention of one layer holds beyond attention without context
+    parallelism, at its peak (the backward pass), for ``b`` sequences of ``s`` tokens, ``h``
+    channels per tensor-parallel rank, ``e``-byte elements; 0 without context parallelism
+    (``cp = 1``). With ``t = s/cp`` tokens per rank:
+
+    * ``all_gather``: all ``s`` tokens' keys and values and their gradients, ``4·b·s·h·e``, and
+      ``b·t·h·(e + 4)`` for the query's gradient, summed in float32, and the kernels' gradients of
+      one block;
+    * ``p2p``: the held and the incoming keys and values, the gradient of the held ones and the one
+      received (both float32), the query's gradient in float32 and the kernels' block gradients:
+      ``b·t·h·(5·e + 28)``;
+    * ``a2a``: q, k, v, the output and the incoming gradient re-sharded by heads, the gradients
+      by heads and the all-to-alls' staging copies: at most ``7.5·b·t·h·e``.
+
+    These are beyond the dq, dk, dv that attention without context parallelism allocates too (the
+    incoming gradient arrives laid out as the output and is not copied), as the allocation recorder
+    measures them in ``tests/context_parallel_worker.py`` (exactly for the first two; the third is a
+    bound within 20% at cp = 2 and 4: gloo's all-to-all stages what it sends in copies of varying
+    size). The fit counts them as held although they live only while one layer's attention runs.
+    """
+    if cp == 1:
+        return 0
+    t = s // cp
+    if comm_type == "a2a":
+        return 15 * b * t * h * e // 2
+    if comm_type == "p2p":
+        return b * t * h * (5 * e + 28)
+    return 4 * b * s * h * e + b * t * h * (e + 4)
 
 
 def part_for_rank(t: torch.Tensor, dim: int, rank: int, cp: int,

@@ -6,7 +6,7 @@ all-to-all turns q, k and v from this rank's tokens of every head into every tok
 all-to-all turns its output back. DeepSpeed takes each rank's tokens as one contiguous part of
 the sequence (rank ``r`` holds tokens ``[r·s/cp, (r + 1)·s/cp)``), not Megatron's load-balanced
 chunks, so the data and RoPE positions of this method are split that way
-(:func:`memo.model.context_parallel.sequence_layout`). The local attention is our SDPA kernel.
+(:data:`memo.model.context_parallel.SEQUENCE_LAYOUTS`). The local attention is our SDPA kernel.
 
 DeepSpeed is an optional extra; its communication layer (``deepspeed.comm``) is initialized here
 over the process group torch already has. On a CPU it builds its shared-memory collective once

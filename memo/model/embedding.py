@@ -65,16 +65,16 @@ class TiledVocabEmbedding(VocabParallelEmbedding):
     state dict and its tying to the output layer stay as they are.
     """
 
-    tile_tokens: Optional[int]
+    embedding_tile_tokens: Optional[int]
 
     @classmethod
-    def adopt(cls, embedding: VocabParallelEmbedding, tile_tokens: Optional[int]) -> "TiledVocabEmbedding":
-        """Turn ``embedding`` into this class. ``tile_tokens``: tokens of this rank's output per
-        tile of the backward pass (``None``: :func:`~memo.model.tiles.eighth_tile_tokens`)."""
-        if tile_tokens is not None and tile_tokens < 1:
-            raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
+    def adopt(cls, embedding: VocabParallelEmbedding, embedding_tile_tokens: Optional[int]) -> "TiledVocabEmbedding":
+        """Turn ``embedding`` into this class. ``embedding_tile_tokens``: tokens of this rank's
+        output per tile of the backward pass (``None``: :func:`~memo.model.tiles.eighth_tile_tokens`)."""
+        if embedding_tile_tokens is not None and embedding_tile_tokens < 1:
+            raise ValueError(f"embedding_tile_tokens={embedding_tile_tokens} must be at least 1")
         embedding.__class__ = cls
-        embedding.tile_tokens = tile_tokens
+        embedding.embedding_tile_tokens = embedding_tile_tokens
         return embedding
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
@@ -83,6 +83,6 @@ class TiledVocabEmbedding(VocabParallelEmbedding):
         size = self.tp_group.size()
         group: Optional[dist.ProcessGroup] = self.tp_group if size > 1 else None
         chunks = size if self.reduce_scatter_embeddings else 1
-        tile = self.tile_tokens or eighth_tile_tokens(input_.shape[1] // chunks)
+        tile = self.embedding_tile_tokens or eighth_tile_tokens(input_.shape[1] // chunks)
         return _VocabEmbedding.apply(input_, self.weight, self.vocab_start_index, tile,
                                      self.reduce_scatter_embeddings, group)

@@ -30,12 +30,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
-from memo.config.validate import LOSSES
+from memo.config import ConfigError, ModelConfig, Workload
+from memo.config.method import LOSSES
 from memo.model import attention_blocks
 from memo.model.activation import Activation
 from memo.model.attention import SdpaAttention, select_backend
-from memo.model.context_parallel import sequence_layout
 from memo.model.deepspeed_attention import DeepSpeedUlyssesAttention
 from memo.model.documents import rotate_within_documents
 from memo.model.host import HostRotaryEmbedding, run_megatron_on_device, run_megatron_on_host
@@ -53,6 +52,37 @@ except ImportError:
     HAVE_TE = False
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+@dataclass(frozen=True)
+class LayerBuild:
+    """How the decoder's layers are built: what an activation policy (:mod:`memo.policy`) asks of
+    the model. The defaults are Megatron's own layers keeping every activation."""
+
+    # memo's transformer layer (memo.model.layer) keeping "swap", "recompute" or "keep"; None:
+    # Megatron's own layer
+    activations: Optional[str] = None
+    # core attention: DeepSpeed-Ulysses' (each context-parallel rank one contiguous part of the
+    # sequence), instead of memo's SDPA attention over Megatron's load-balanced chunks
+    ulysses: bool = False
+    # Megatron's recomputation: TransformerConfig's recompute_* fields, as (name, value) pairs
+    recompute: tuple[tuple[str, object], ...] = ()
+    # Megatron's fine-grained activation offloading of these modules (Transformer Engine's layers)
+    offload_modules: Optional[tuple[str, ...]] = None
+    # what the layers save is taken apart token by token (MEMO's swapping of whole layers): SDPA's
+    # math kernel, whose backward keeps the s×s probabilities, is refused
+    token_wise_saves: bool = False
+
+    @property
+    def local(self) -> bool:
+        """Needs Megatron's local layer spec (memo's layer, or DeepSpeed's attention, goes in it)."""
+        return self.activations is not None or self.ulysses
+
+    @property
+    def sequence_layout(self) -> str:
+        """How a context-parallel rank's tokens lie in the sequence (one of
+        :data:`memo.model.context_parallel.SEQUENCE_LAYOUTS`)."""
+        return "contiguous" if self.ulysses else "load_balanced"
 
 
 @dataclass
@@ -171,23 +201,14 @@ def count_parameters(module: torch.nn.Module) -> int:
     )
 
 
-def transformer_config(workload: Workload, device_type: str, local_spec: bool = True) -> TransformerConfig:
-    """The Megatron ``TransformerConfig`` for one run, built on the local layer spec (ours) or on
-    Transformer Engine's (``local_spec=False``)."""
-    model, method, parallel, dtype = workload.model, workload.method, workload.parallel, torch_dtype(workload)
-    recompute = {}
-    if method.recompute_granularity is not None:
-        recompute = {
-            "recompute_granularity": method.recompute_granularity,
-            "recompute_method": method.recompute_method,
-            "recompute_num_layers": method.recompute_num_layers,
-        }
-        if method.recompute_modules is not None:
-            recompute["recompute_modules"] = list(method.recompute_modules)
-    offload = {}
-    if method.offloads and not local_spec:  # uses_transformer_engine refuses the local layers
-        offload = {"fine_grained_activation_offloading": True,
-                   "offload_modules": list(method.offload_modules)}
+def transformer_config(workload: Workload, device_type: str, local_spec: bool = True,
+                       layers: LayerBuild = LayerBuild()) -> TransformerConfig:
+    """The Megatron ``TransformerConfig`` for one run of ``layers``, built on the local layer spec
+    (ours) or on Transformer Engine's (``local_spec=False``)."""
+    model, parallel, dtype = workload.model, workload.parallel, torch_dtype(workload)
+    megatron = dict(layers.recompute)
+    if layers.offload_modules is not None and not local_spec:  # uses_transformer_engine refuses the local layers
+        megatron.update(fine_grained_activation_offloading=True, offload_modules=list(layers.offload_modules))
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -220,19 +241,16 @@ def transformer_config(workload: Workload, device_type: str, local_spec: bool = 
         bias_activation_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
-        **recompute,
-        **offload,
+        **megatron,
     )
 
 
-def _local_block_spec(
-    config: TransformerConfig, attention_backend: str, method: MethodConfig, rotary: RotaryTable
-) -> ModuleSpec:
-    layer_activations = method.layer_activations
+def _local_block_spec(config: TransformerConfig, attention_backend: str, layers: LayerBuild,
+                      rotary: RotaryTable) -> ModuleSpec:
     layer = get_gpt_layer_local_spec()
-    if layer_activations != "megatron":
+    if layers.activations is not None:
         layer.module = MemoTransformerLayer
-        layer.params = {**layer.params, "activations": layer_activations}
+        layer.params = {**layer.params, "activations": layers.activations}
         # no persistent all-gather buffer, no whole-sequence partial product or gathered
         # gradient: under sequence parallelism these are transients of one tile
         layer.submodules.self_attention.submodules.linear_qkv = TiledColumnParallelLinear
@@ -246,34 +264,24 @@ def _local_block_spec(
     attention = layer.submodules.self_attention
     attention.module = RotarySelfAttention
     attention.params = {**attention.params, "rotary_table": rotary}  # one for all layers
-    core = DeepSpeedUlyssesAttention if method.cp_attention == "deepspeed" else SdpaAttention
+    core = DeepSpeedUlyssesAttention if layers.ulysses else SdpaAttention
     layer.submodules.self_attention.submodules.core_attention = functools.partial(
         core, backend=attention_backend)
-    layers = config.num_layers // config.pipeline_model_parallel_size
+    count = config.num_layers // config.pipeline_model_parallel_size
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm),
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=norm),
     )
 
 
-def unsupported_layout(parallel: ParallelConfig, method: MethodConfig) -> Optional[str]:
-    """Why training cannot run ``method`` under ``parallel`` (one line naming what to change), or
-    ``None`` if it can."""
-    if parallel.pp > 1:
-        return (f"parallel.pp={parallel.pp}: the training loop has no pipeline schedule yet; "
-                "use parallel.pp=1")
-    return None
+def uses_transformer_engine(device_type: str, attention_backend: str, layers: LayerBuild, method: str) -> bool:
+    """Whether ``layers`` are built from Transformer Engine's layers (else the local spec), for the
+    run of ``method`` (its name, for the messages).
 
+    MEMO's own layers and DeepSpeed's attention are built on the local spec, whose attention and
+    norms the swap runtime knows how to take apart.
 
-def uses_transformer_engine(
-    parallel: ParallelConfig, device_type: str, attention_backend: str, method: MethodConfig
-) -> bool:
-    """Whether the model is built from Transformer Engine's layers (else the local spec).
-
-    MEMO's own layers (``method.layer_activations`` other than "megatron") are built on the
-    local spec, whose attention and norms the swap runtime knows how to take apart.
-
-    Megatron's activation offloading (``method.offload_modules``) runs on Transformer Engine's
+    Megatron's activation offloading (``layers.offload_modules``) runs on Transformer Engine's
     layers only: its manager copies on CUDA streams of its own and enters Transformer Engine's
     CPU-offload context around every offloaded module.
 
@@ -281,30 +289,29 @@ def uses_transformer_engine(
         ConfigError: if the run needs Transformer Engine (``attention_backend=te``, or Megatron's
             offloading) and it cannot be used here.
     """
-    if method.offloads:
+    if layers.offload_modules is not None:
         missing = [what for what, absent in (("a GPU", device_type != "cuda"),
                                              ("Transformer Engine (pip install '.[gpu]')", not HAVE_TE))
                    if absent]
         if missing:
             raise ConfigError(
-                f"method={method.name} is Megatron-core's fine-grained activation offloading, which needs "
+                f"method={method} is Megatron-core's fine-grained activation offloading, which needs "
                 f"{' and '.join(missing)} (it copies on CUDA streams inside Transformer Engine's CPU-offload "
                 "context), not here; use a method that does not offload"
             )
         if attention_backend not in ("auto", "te"):
             raise ConfigError(
-                f"method={method.name} runs on Transformer Engine's layers and attention, so "
+                f"method={method} runs on Transformer Engine's layers and attention, so "
                 f"train.attention_backend={attention_backend} is not supported with it; use "
                 "train.attention_backend=auto"
             )
-    local = method.ours or method.cp_attention != "memo"
-    if local and attention_backend == "te":
+    if layers.local and attention_backend == "te":
         raise ConfigError(
-            f"method={method.name} runs on Megatron's local layers, so train.attention_backend=te "
+            f"method={method} runs on Megatron's local layers, so train.attention_backend=te "
             "(Transformer Engine's attention) is not supported with it; use train.attention_backend=auto"
         )
     use_te = (
-        device_type == "cuda" and HAVE_TE and attention_backend in ("auto", "te") and not local
+        device_type == "cuda" and HAVE_TE and attention_backend in ("auto", "te") and not layers.local
     )
     if attention_backend == "te" and not use_te:
         raise ConfigError(
@@ -325,11 +332,13 @@ def _prepare_megatron(device_type: str) -> None:
     model_parallel_cuda_manual_seed(torch.initial_seed())
 
 
-def build_gpt(workload: Workload, device_type: str, attention_backend: str = "auto") -> BuiltModel:
-    """Build the GPT of ``workload`` for this rank on ``device_type`` ("cuda" or "cpu"), for
-    sequences of up to ``workload.seq`` tokens.
+def build_gpt(workload: Workload, device_type: str, attention_backend: str = "auto", *,
+              layers: LayerBuild) -> BuiltModel:
+    """Build the GPT of ``workload`` for this rank on ``device_type`` ("cuda" or "cpu"), its layers
+    as ``layers`` says (the run's activation policy's, :mod:`memo.policy`), for sequences of up to
+    ``workload.seq`` tokens.
 
-    The method's ``loss`` is "megatron" (Megatron's output layer and vocab-parallel cross entropy)
+    The workload's ``loss`` is "megatron" (Megatron's output layer and vocab-parallel cross entropy)
     or "tiled" (:class:`~memo.model.loss.TiledLossGPTModel`, ``workload.loss_tile_tokens`` tokens
     per tile, ``None`` for its default).
 
@@ -339,13 +348,13 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
 
     Raises:
         ConfigError: if the attention backend asked for is not available here, or is SDPA's math
-            kernel under a swapping method.
+            kernel for layers whose saves are taken apart token by token.
     """
     _prepare_megatron(device_type)
-    model, method, parallel, loss = workload.model, workload.method, workload.parallel, workload.method.loss
+    model, parallel, loss, method = workload.model, workload.parallel, workload.loss, workload.method.name
     dtype = torch_dtype(workload)
-    use_te = uses_transformer_engine(parallel, device_type, attention_backend, method)
-    config = transformer_config(workload, device_type, local_spec=not use_te)
+    use_te = uses_transformer_engine(device_type, attention_backend, layers, method)
+    config = transformer_config(workload, device_type, local_spec=not use_te, layers=layers)
     block_kernel = "none"
     if use_te:
         spec = ModuleSpec(
@@ -357,21 +366,20 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
         grouped = config.num_query_groups not in (None, config.num_attention_heads)
         backend = select_backend(device_type, dtype, config.kv_channels, attention_backend, grouped)
         rotary = RotaryTable()
-        spec = _local_block_spec(config, backend, method, rotary)
-        if parallel.cp > 1 and method.cp_attention == "memo":
+        spec = _local_block_spec(config, backend, layers, rotary)
+        if parallel.cp > 1 and not layers.ulysses:
             capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
             block_kernel = attention_blocks.choose(backend, device_type, capability, dtype,
                                                    config.kv_channels)
-        if workload.swaps and backend == "math" \
-                and block_kernel == "none":
+        if layers.token_wise_saves and backend == "math" and block_kernel == "none":
             # SDPA's math kernel saves the s×s probabilities for its backward, which no token-wise
             # slot can hold (context-parallel blocks save only O(s) tensors, whatever the kernel)
             raise ConfigError(
-                f"method={method.name} needs a fused attention kernel, and {device_type} in {dtype} with "
+                f"method={method} needs a fused attention kernel, and {device_type} in {dtype} with "
                 f"head size {config.kv_channels} has only the math kernel (its backward keeps the s×s "
                 "probabilities); use bf16 or fp16 on a GPU, or a method that does not swap"
                 if attention_backend == "auto" else
-                f"method={method.name} swaps attention's saved tensors token by token, and the math "
+                f"method={method} swaps attention's saved tensors token by token, and the math "
                 "kernel's backward keeps the s×s probabilities; use train.attention_backend=auto"
             )
 
@@ -390,7 +398,7 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
         rope_scaling_factor=model.rope_scaling_factor,
         **extra,
     )
-    layout = sequence_layout(method.cp_attention)
+    layout = layers.sequence_layout
     if device_type == "cpu" or layout != "load_balanced":
         # Megatron's own takes the positions of its load-balanced chunks and its table to the GPU
         gpt.rotary_pos_emb = HostRotaryEmbedding(

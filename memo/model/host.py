@@ -31,7 +31,7 @@ from memo.model.context_parallel import part_for_rank
 class HostRotaryEmbedding(RotaryEmbedding):
     """Megatron's RoPE with the frequency table left on the device it was built on, and each
     context-parallel rank's positions taken in ``sequence_layout``
-    (:func:`memo.model.context_parallel.sequence_layout`)."""
+    (:data:`memo.model.context_parallel.SEQUENCE_LAYOUTS`)."""
 
     sequence_layout = "load_balanced"
 

@@ -9,7 +9,7 @@ layer spec, with control over what its forward pass keeps for the backward pass.
 * ``activations="recompute"``: the layer keeps only its input and runs its forward again in
   the backward pass, attention included (method ``full_recompute``, the paper's ablation).
 * ``activations="keep"``: the layer keeps everything, as Megatron's would: the trace from which
-  the fit planner takes a swapping method's activations (:mod:`memo.fit.template`).
+  the fit planner takes a swapping method's activations (:mod:`memo.profile.template`).
 
 The computation itself is Megatron's, unchanged; without grad (evaluation) both run plainly.
 Under swapping the layer's own modules write the tensors it saves straight into the placement's
@@ -49,4 +49,4 @@ class MemoTransformerLayer(Placed, TransformerLayer):
         if self.activations == "recompute":
             # No dropout in our models, so there is no random state to replay.
             return checkpoint(self.run, use_reentrant=False, preserve_rng_state=False, **kwargs)
-        raise RuntimeError("place the layers (memo.swap.prepare_swap) before training with swapping")
+        raise RuntimeError("get the layers' runtime ready (memo.policy: its prepare) before training with swapping")

@@ -159,18 +159,18 @@ class TiledColumnParallelLinear(Placed, ColumnParallelLinear):
     The bias is always added in the product: it is never returned apart.
 
     Args:
-        tile_tokens: tokens of this rank's input per tile (``None``:
+        matmul_tile_tokens: tokens of this rank's input per tile of the product (``None``:
             :func:`~memo.model.tiles.eighth_tile_tokens`).
     """
 
-    def __init__(self, *args, tile_tokens: Optional[int] = None, **kwargs):
+    def __init__(self, *args, matmul_tile_tokens: Optional[int] = None, **kwargs):
         # The bias is added in place to the product, never returned for the caller to add:
         # Megatron's MLP would otherwise make FC1's output a second time, as output + bias.
         kwargs["skip_bias_add"] = False
         super().__init__(*args, **kwargs)
-        if tile_tokens is not None and tile_tokens < 1:
-            raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
-        self.tile_tokens = tile_tokens
+        if matmul_tile_tokens is not None and matmul_tile_tokens < 1:
+            raise ValueError(f"matmul_tile_tokens={matmul_tile_tokens} must be at least 1")
+        self.matmul_tile_tokens = matmul_tile_tokens
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         ours = (
@@ -179,7 +179,7 @@ class TiledColumnParallelLinear(Placed, ColumnParallelLinear):
         )
         bias, group = kwargs.get("bias"), kwargs.get("tp_group")
         if ours and kwargs.get("sequence_parallel"):
-            tile = self.tile_tokens or eighth_tile_tokens(input.shape[0])
+            tile = self.matmul_tile_tokens or eighth_tile_tokens(input.shape[0])
             return column_parallel_tiled(input, weight, bias, group, tile, self.placement)
         if ours and self.placement is not None:
             return _PlacedLinear.apply(input, weight, bias, group, bool(kwargs.get("allreduce_dgrad")),
@@ -193,15 +193,15 @@ class TiledRowParallelLinear(RowParallelLinear):
     Megatron's fused weight gradients, expert communication) is Megatron's own.
 
     Args:
-        tile_tokens: tokens of this rank's output per tile (``None``:
+        matmul_tile_tokens: tokens of this rank's output per tile of the product (``None``:
             :func:`~memo.model.tiles.eighth_tile_tokens`).
     """
 
-    def __init__(self, *args, tile_tokens: Optional[int] = None, **kwargs):
+    def __init__(self, *args, matmul_tile_tokens: Optional[int] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        if tile_tokens is not None and tile_tokens < 1:
-            raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
-        self.tile_tokens = tile_tokens
+        if matmul_tile_tokens is not None and matmul_tile_tokens < 1:
+            raise ValueError(f"matmul_tile_tokens={matmul_tile_tokens} must be at least 1")
+        self.matmul_tile_tokens = matmul_tile_tokens
 
     def forward(self, input_):
         ours = (
@@ -212,7 +212,7 @@ class TiledRowParallelLinear(RowParallelLinear):
         if not ours:
             return super().forward(input_)
         size = dist.get_world_size(self.tp_group)
-        tile = self.tile_tokens or eighth_tile_tokens(input_.shape[0] // size)
+        tile = self.matmul_tile_tokens or eighth_tile_tokens(input_.shape[0] // size)
         output = row_parallel_tiled(input_, self.weight, self.tp_group, tile)
         if self.skip_bias_add:
             return output, self.bias

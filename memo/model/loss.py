@@ -138,7 +138,7 @@ def tiled_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    tile_tokens: int,
+    loss_tile_tokens: int,
     sequence_parallel: bool = False,
     group=None,
     norm=None,
@@ -150,15 +150,15 @@ def tiled_cross_entropy(
             output on this rank.
         weight: ``[v / tp, h]``: this rank's rows of the output (tied embedding) weight.
         labels: ``[s, b]`` target token ids (every tensor-parallel rank holds all of them).
-        tile_tokens: tokens of ``hidden`` per tile (under sequence parallelism, per rank).
+        loss_tile_tokens: tokens of ``hidden`` per tile (under sequence parallelism, per rank).
         group: the tensor-parallel group (``None``: no tensor parallelism).
         norm: the final norm, applied to each tile of ``hidden`` (then ``hidden`` is its input):
             its output never exists for the whole sequence. Its weight's gradient is added by
             autograd, one tile at a time.
     """
-    if tile_tokens < 1:
-        raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
-    return _TiledCrossEntropy.apply(hidden, weight, labels, tile_tokens, sequence_parallel, group, norm)
+    if loss_tile_tokens < 1:
+        raise ValueError(f"loss_tile_tokens={loss_tile_tokens} must be at least 1")
+    return _TiledCrossEntropy.apply(hidden, weight, labels, loss_tile_tokens, sequence_parallel, group, norm)
 
 
 class TiledLossGPTModel(GPTModel):
@@ -204,13 +204,13 @@ class TiledLossHead(torch.nn.Module):
     and the ``[v/tp, h]`` output weight in, ``[b, s]`` fp32 losses out. Holds no parameters.
 
     Args:
-        tile_tokens: tokens per tile, or ``None`` for :func:`auto_tile_tokens`.
+        loss_tile_tokens: tokens per tile, or ``None`` for :func:`auto_tile_tokens`.
         ffn_per_rank: the MLP's FC1 width on this rank, which bounds the automatic tile.
     """
 
-    def __init__(self, tile_tokens: Optional[int], sequence_parallel: bool, ffn_per_rank: int):
+    def __init__(self, loss_tile_tokens: Optional[int], sequence_parallel: bool, ffn_per_rank: int):
         super().__init__()
-        self.tile_tokens, self.sequence_parallel = tile_tokens, sequence_parallel
+        self.loss_tile_tokens, self.sequence_parallel = loss_tile_tokens, sequence_parallel
         self.ffn_per_rank = ffn_per_rank
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, norm=None) -> torch.Tensor:
@@ -218,7 +218,7 @@ class TiledLossHead(torch.nn.Module):
         then its input)."""
         tp = parallel_state.get_tensor_model_parallel_world_size()
         group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-        tile = self.tile_tokens or auto_tile_tokens(
+        tile = self.loss_tile_tokens or auto_tile_tokens(
             hidden.shape[0], tp if self.sequence_parallel else 1, hidden.shape[1], weight.shape[0],
             self.ffn_per_rank, hidden.element_size())
         loss = tiled_cross_entropy(

@@ -6,7 +6,9 @@ save, and core attention. The modules that make such tensors are :class:`Placed`
 itself, its norms, rotary embedding, FC1 and activation, and core attention. A placement is given
 to them once the model is built (``place``); without one (``None``) every function here computes
 exactly what the op it replaces computes (same kernels, same saved tensors, bit-identical
-results), so the layout a swap placement discovers is the same either way.
+results), so the layout a swap placement discovers is the same either way. What drives such a
+placement through a training run (attach, release, token order, accounting, report) is its
+:class:`LayerRuntime` side; a method that places nothing has a :class:`NullRuntime`.
 
 Under MEMO's swapping (:class:`memo.swap.runtime.SwapRuntime`) every tensor a layer saves for its
 backward pass lives in a rounding buffer. An op asks the placement for its output's memory with
@@ -30,6 +32,7 @@ Which tensors are born where (the README repeats it):
   residual between attention and the MLP, which every method holds while the layer runs.
 """
 
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -69,6 +72,96 @@ class Placement(Protocol):
         """Core attention on ``q, k, v`` (``[b, heads, s, dim]``, softmax ``scale``, kernels of
         ``backend``); ``compute()`` runs it as the layer would."""
         ...
+
+
+@dataclass(frozen=True)
+class RuntimeReport:
+    """What getting a :class:`LayerRuntime` ready decided and measured, for the run's records."""
+
+    row: dict = field(default_factory=dict)  # result-row columns (``swap.*``, ``tiles.*``)
+    layer_records: tuple[dict, ...] = ()  # lines of ``layers.jsonl`` at step 0 (each tile's α, say)
+    summary: Optional[str] = None  # one line for the log; None: nothing to say
+    # one swapped unit's (a layer's, a tile's) skeletal bytes: its input's, attention's output and
+    # log-sum-exp, the rest; None where nothing is swapped
+    skeletal_bytes: Optional[tuple[int, int, int]] = None
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """The skeletal activations of the steps since the last look, bytes: each layer's
+    (``{"layer", "device", "host", "recomputed"}``, lines of ``layers.jsonl``) and the step's."""
+
+    layers: tuple[dict, ...]
+    device_bytes: int  # what the device holds of them: the rounding buffers, nothing beside them
+
+    def totals(self) -> dict:
+        """The step record's columns."""
+        return {"skeletal_device_bytes": self.device_bytes,
+                "skeletal_host_bytes": sum(r["host"] for r in self.layers),
+                "recomputed_bytes": sum(r["recomputed"] for r in self.layers)}
+
+
+class LayerRuntime(Protocol):
+    """What runs a model's layers through training as its activation policy (:mod:`memo.policy`)
+    got it ready: MEMO's swap runtime, a walk in sequence tiles, or :class:`NullRuntime`. The
+    training loop and the memory plan see this, never which one it is."""
+
+    def attach(self, layers: list) -> None:
+        """Take over ``layers`` (the model's decoder layers, in order)."""
+        ...
+
+    def release(self) -> None:
+        """Give back the memory it holds, once the copies in flight are done (idempotent)."""
+        ...
+
+    def token_order(self, micro_batch: dict) -> dict:
+        """A micro-batch (``[b, s]`` tensors) in the token order the layers take."""
+        ...
+
+    def accounting(self) -> Optional[Accounting]:
+        """The skeletal activations of the steps since the last call; None where it keeps them
+        nowhere but where autograd does."""
+        ...
+
+    def report(self) -> RuntimeReport:
+        """What getting it ready decided and measured."""
+        ...
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The device buffers it keeps activations in (MEMO's rounding or tile buffers), once made:
+        a trace names their requests."""
+        ...
+
+    def name_phases(self, on_phase: Optional[Callable[[int, str], None]]) -> None:
+        """Tell ``on_phase(layer, part)`` of the parts of a layer's pass as they begin (a walk's
+        tiles, rebuilds and attention blocks), until called with None."""
+        ...
+
+
+class NullRuntime:
+    """The :class:`LayerRuntime` of a policy that places nothing: the layers run as they are built
+    (Megatron's, or memo's keeping or recomputing whole layers)."""
+
+    def attach(self, layers: list) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def token_order(self, micro_batch: dict) -> dict:
+        return micro_batch
+
+    def accounting(self) -> Optional[Accounting]:
+        return None
+
+    def report(self) -> RuntimeReport:
+        return RuntimeReport()
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def name_phases(self, on_phase: Optional[Callable[[int, str], None]]) -> None:
+        pass
 
 
 class Placed:

@@ -40,6 +40,12 @@ def eighth_tile_tokens(tokens: int) -> int:
     return 1 << (fit.bit_length() - 1)
 
 
+def tiles_per_rank(seq: int, cp: int, layer_tile_tokens: int) -> int:
+    """``T``: the tiles of ``layer_tile_tokens`` tokens (gathered over sequence parallelism) that a
+    context-parallel rank's share of a ``seq``-token sequence is walked in."""
+    return seq // (cp * layer_tile_tokens)
+
+
 def rank_tile_blocks(tiles: int, cp: int, rank: int) -> list[int]:
     """Where each of context-parallel rank ``rank``'s ``tiles`` tiles of a layer lies in the
     sequence, in tiles: in order without context parallelism; under it, the first half in chunk

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 
 from memo.config import ConfigError, HardwareConfig, MethodConfig, ModelConfig, RunConfig, TrainConfig, resolve
 from memo.execute import checkpoint, distributed
-from memo.model import build_gpt, hf_checkpoint
+from memo.model import hf_checkpoint
+from memo.policy import build_model
 
 log = logging.getLogger("memo")
 
@@ -50,7 +51,7 @@ def export(source: Path, output: Path) -> Path:
                   gpu_visible=False)
     distributed.initialize(run.workload.parallel, "cpu", distributed.ProcessInfo(rank=0, world_size=1, local_rank=0))
     try:
-        built = build_gpt(run.workload, "cpu")
+        built = build_model(run.workload, "cpu")
         checkpoint.load_weights(found.path, built.module, facts)
         try:
             hf_checkpoint.save(built.module, model, output)

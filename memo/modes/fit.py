@@ -22,16 +22,15 @@ import torch
 from omegaconf import DictConfig
 
 from memo import hardware
-from memo.config import ConfigError, Run, SeqSearch, resolve
-from memo.config.validate import CP_COMM_TYPES, WHOLE_LAYERS, tile_tokens
+from memo.config import WHOLE_LAYERS, ConfigError, Run, SeqSearch, resolve
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
-from memo.fit.template import MIN_TRACED_TILE
 from memo.fit.search import Candidate, LayoutResult, candidate_label, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
-from memo.model import dtype_label, torch_dtype, unsupported_layout
+from memo.model import dtype_label, torch_dtype
 from memo.model.gpt import parameter_count
 from memo.modes.frame import job_frame
 from memo.modes.train import METRIC_FIELDS
+from memo.policy import policy_of
 from memo.results import create_file_atomic
 
 log = logging.getLogger("memo")
@@ -63,7 +62,6 @@ def problem_of(run: Run, hw: hardware.Hardware) -> Problem:
         micro_batches=run.train.micro_batches,
         distributed_optimizer=run.train.distributed_optimizer,
         plan=run.plan,
-        alpha=run.alpha,
         optimizer_offload=_offload_share(run, run.train.optimizer_offload),
         plan_time_limit_s=run.planner.time_limit_s,
     )
@@ -79,7 +77,7 @@ def evaluate(problem: Problem, candidate: Candidate, seq: int, search: Optional[
     """One candidate at ``seq`` tokens, or at the longest length ``search`` allows (if given)."""
     parallel = candidate.parallel
     problem = dataclasses.replace(
-        problem, workload=dataclasses.replace(problem.workload, tile_tokens=candidate.tile_tokens),
+        problem, workload=problem.workload.in_layer_tiles(candidate.tile_tokens),
         optimizer_offload=candidate.optimizer_offload)
     if search is None:
         prediction = predict(problem, parallel, seq)
@@ -99,52 +97,34 @@ def _candidates(run: Run, problem: Problem) -> list[Candidate]:
     """The candidates to predict, each with why training cannot run it: the run's own, or under
     ``parallel=search`` every layout with every tile (for a method that walks tiles) and every
     placement of Adam's states of ``fit.tile_tokens`` and ``fit.optimizer_offload``, the run's
-    own ``method.tile_tokens`` and ``train.optimizer_offload`` among them. Tiles under context
-    parallelism are tried without sequence parallelism (as training runs them) and with one
-    exchange (they gather into their stores whatever it is named); tiles that do not split a
-    fixed ``seq``, or that are below what the fit models, are not tried."""
-    method, parallel = run.workload.method, run.workload.parallel
+    own ``method.tile_tokens`` and ``train.optimizer_offload`` among them, each layout as the
+    candidate's activation policy tries it (:meth:`memo.policy.ActivationPolicy.candidate_layout`)."""
+    workload, parallel = run.workload, run.workload.parallel
+    policy = policy_of(workload)
     if not parallel.search:
-        return [Candidate(parallel, unsupported_layout(parallel, method)
+        return [Candidate(parallel, policy.training_refusal(parallel)
                           or _unrunnable(run, problem.optimizer_offload),
-                          run.workload.tile_tokens, problem.optimizer_offload)]
-    # DeepSpeed-Ulysses exchanges by its all-to-all only; our attention by any of Megatron's three
-    exchanges = ("a2a",) if method.cp_attention == "deepspeed" else CP_COMM_TYPES
-    tiles = [run.workload.tile_tokens]
-    if method.walks_tiles:
-        tiles = list(dict.fromkeys([*(tile_tokens(dataclasses.replace(method, tile_tokens=t))
-                                      for t in run.fit.tile_tokens), run.workload.tile_tokens]))
+                          workload.layer_tile_tokens, problem.optimizer_offload)]
+    tiles = policy.layer_tiles_tried(run.fit_layer_tiles, workload.layer_tile_tokens)
     shares = list(dict.fromkeys([*(_offload_share(run, placement) for placement in run.fit.optimizer_offload),
                                  problem.optimizer_offload]))
+    fixed_seq = None if run.seq_search is not None else workload.seq
     found = []
-    for p in layouts(run.workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
-                     parallel.sequence_parallel, exchanges):
+    for p in layouts(workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
+                     parallel.sequence_parallel, policy.exchanges):
         for tile in tiles:
-            layout = p if tile is None or p.cp == 1 else dataclasses.replace(p, sequence_parallel=False)
-            if tile is not None and not _modelled_tiles(run, layout, tile, exchanges[0]):
+            tiled = workload.in_layer_tiles(tile)
+            candidate = policy_of(tiled)
+            layout = candidate.candidate_layout(tiled, p, fixed_seq)
+            if layout is None:
                 continue
-            found += [Candidate(layout, unsupported_layout(layout, method) or _unrunnable(run, share),
-                                tile, share) for share in shares]
+            found += [Candidate(layout, candidate.training_refusal(layout) or _unrunnable(run, share), tile, share)
+                      for share in shares]
     if not found:
         raise ConfigError(
-            f"no valid layout of cluster.gpus={run.cluster.gpus} for model={run.workload.model.name}"
+            f"no valid layout of cluster.gpus={run.cluster.gpus} for model={workload.model.name}"
         )
     return found
-
-
-def _modelled_tiles(run: Run, parallel, tile: int, exchange: str) -> bool:
-    """Whether tiles of ``tile`` tokens are a candidate under ``parallel``: one exchange under
-    context parallelism, tiles that split the run's sequence (each of the ``2·cp`` chunks; ``seq=max``
-    searches lengths that they split) and that the fit models (:data:`MIN_TRACED_TILE` tokens a
-    sequence-parallel rank)."""
-    if parallel.cp > 1 and parallel.cp_comm_type != exchange:
-        return False
-    chunks = parallel.tp if parallel.sequence_parallel else 1
-    if tile // chunks < MIN_TRACED_TILE:
-        log.info("tiles of %d tokens under %s: not tried, the fit models tiles of at least %d tokens a rank",
-                 tile, layout_label(parallel), MIN_TRACED_TILE)
-        return False
-    return run.seq_search is not None or run.workload.seq % (tile * (2 * parallel.cp if parallel.cp > 1 else 1)) == 0
 
 
 def _unrunnable(run: Run, offload_share: float) -> Optional[str]:
@@ -226,7 +206,7 @@ def _row(p: Prediction, problem: Problem) -> dict[str, Any]:
         "dtype": dtype_label(torch_dtype(workload)),
         **{f"hardware.{k}": v for k, v in dataclasses.asdict(problem.hardware).items()},
         "params": parameter_count(workload.model),
-        "train.loss": workload.method.loss,
+        "train.loss": workload.loss,
         "global_batch_size": global_batch,
         "tokens_per_iter": global_batch * p.seq,
         "flops_per_iter": p.time.flops_per_iteration,
@@ -293,6 +273,7 @@ def report(p: Prediction, problem: Problem) -> str:
     """The prediction as the lines a user reads: terms per device and per node, α, verdict, time."""
     a, s, t = p.acts, p.states, p.time
     model, method = problem.workload.model, problem.workload.method
+    policy = policy_of(problem.workload.in_layer_tiles(p.tile_tokens))
     lines = [
         f"{model.name}, {method.name}{' + plan' if problem.plan else ''}, "
         f"{p.seq} tokens, {layout_label(p.parallel)}"
@@ -323,16 +304,7 @@ def report(p: Prediction, problem: Problem) -> str:
         f"  total                      {_gib(p.device_total)} of {_gib(p.device_capacity)}"
         + (f"  (activations peak in {a.peak_phase})" if a else ""),
     ]
-    if method.swaps or method.offloads or s.offload.host_bytes:
-        lines += [
-            "per node:",
-            f"  host memory                {_gib(p.host_per_node)} of {_gib(p.host_capacity_per_node)}"
-            " (optimizer states and swapped activations)",
-        ]
-    if method.swaps:
-        lines.append(f"alpha {p.alpha if p.alpha is None else round(p.alpha, 4)}, bound by {p.alpha_binding}"
-                     + (f"; per tile {min(p.tiles.solution.alphas):.3f} to {max(p.tiles.solution.alphas):.3f}, "
-                        f"a checkpoint layer every {p.tiles.solution.checkpoint_every}" if p.tiles else ""))
+    lines += policy.report_lines(p)
     lines.append(
         f"time per iteration {t.iteration_s:.3f} s (layer forward {t.layer_forward_s * 1e3:.1f} ms, "
         f"backward {t.layer_backward_s * 1e3:.1f} ms, recompute {t.layer_recompute_s * 1e3:.1f} ms), "

@@ -7,7 +7,7 @@ PyTorch's caching allocator would reserve for the same requests (simulated), so 
 read against the baseline it replaces. Both run on any machine: the default back-end traces with
 fake tensors, for every model, length and parallel layout.
 
-A walk in tiles is planned from three layers of three tiles (:mod:`memo.fit.template`), every
+A walk in tiles is planned from three layers of three tiles (:mod:`memo.profile.template`), every
 request sized at the run's length and tile: one level-1 block serves every tile of a layer and
 one every block of its attention, however many the run has (:mod:`memo.plan.bilevel`), and that
 iteration has, part by part, the peak of the run's (``tests/fit/test_fit_tiles.py``). So ``mode=plan``
@@ -24,10 +24,10 @@ import torch
 from omegaconf import DictConfig
 
 from memo.config import ConfigError, PlannerConfig, Run, resolve
+from memo.dsa.caching_allocator import simulate
 from memo.model import dtype_label, torch_dtype
 from memo.plan.bilevel import plan_iteration, write_plan
-from memo.dsa.caching_allocator import simulate
-from memo.fit.template import iteration_template
+from memo.policy import policy_of
 from memo.profile.iteration import trace_iteration
 from memo.profile.layers import LayerMismatchError, check_identical_layers, layer_bytes, transient_events
 from memo.profile.trace import Trace, layer_phase, write_trace
@@ -68,21 +68,13 @@ def _profile(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
     workload, backend = run.workload, run.profile_backend
     row["seq"] = workload.seq
     row["dtype"] = dtype_label(torch_dtype(workload))
-    row["train.loss"] = workload.method.loss
+    row["train.loss"] = workload.loss
     start = time.perf_counter()
-    template = run.mode == "plan" and workload.tiled
-    if template:
-        if workload.parallel.cp > 1:
-            raise ConfigError(f"mode=plan plans one rank's layers walked in tiles without context parallelism, "
-                              f"not parallel.cp={workload.parallel.cp}; set parallel.cp=1")
-        layers = workload.model.num_layers
-        trace = iteration_template(workload, layers).instance(
-            workload.seq, layers, loss_tile_tokens=workload.loss_tile_tokens, tile_tokens=workload.tile_tokens)
-        log.info("planning %d layers of %d tiles as three layers of three tiles, each request sized at "
-                 "seq=%d and tiles of %d tokens", layers, workload.seq // workload.tile_tokens, workload.seq,
-                 workload.tile_tokens)
-    else:
-        trace = trace_iteration(workload, backend, run.train.seed)
+    policy = policy_of(workload)
+    trace = policy.planned_trace(workload) if run.mode == "plan" else None
+    template = trace is not None
+    if not template:
+        trace = trace_iteration(workload, policy, backend, run.train.seed)
     row["profile.template"] = template
     row["profile.seconds"] = time.perf_counter() - start
     row["profile.events"] = len(trace.events)

@@ -35,14 +35,13 @@ from memo.model import (
     hf_checkpoint,
     model_flops_parameters,
     torch_dtype,
-    unsupported_layout,
     uses_transformer_engine,
 )
-from memo.model.context_parallel import sequence_layout
-from memo.model.deepspeed_attention import require_deepspeed
+from memo.model.placement import LayerRuntime, NullRuntime
 from memo.modes.frame import Job, job_frame
-from memo.results import CHECKPOINTS_DIR, ResultWriter, finite
-from memo.swap import SwapReport, SwapRuntime, TileReport, TiledLayers, host_budget, prepare_swap
+from memo.policy import ActivationPolicy, policy_of
+from memo.results import CHECKPOINTS_DIR, ResultWriter
+from memo.swap import report_columns
 
 log = logging.getLogger("memo")
 
@@ -51,43 +50,35 @@ METRIC_FIELDS = (
     "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "resumed_from_step",
     "checkpoint_last", "steps_timed", "iter_time_s", "iter_time_s_median", "tgs", "mfu", "mfu_documents", "loss_first",
     "loss_last",
-    *(f"swap.{f.name}" for f in dataclasses.fields(SwapReport)),
-    *(f"tiles.{name}" for name in TileReport.row_fields()),
+    *report_columns(),
     "valid_loss", "valid_loss_by_position", *ALLOCATOR_FIELDS, "plan.serving",
     *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
 )
 
 
-def _check_runtime_support(run: Run) -> None:
+def _check_runtime_support(run: Run, policy: ActivationPolicy) -> None:
     w = run.workload
-    reason = unsupported_layout(w.parallel, w.method)
-    if reason is not None:
-        raise ConfigError(reason)
-    te = uses_transformer_engine(w.parallel, run.device_type, run.train.attention_backend, w.method)
+    policy.check_training(w.parallel)
+    te = uses_transformer_engine(run.device_type, run.train.attention_backend, policy.layers, w.method.name)
     if te and w.document_mask:
         raise ConfigError(f"train.document_mask keeps documents apart in memo's own attention, and method="
                           f"{w.method.name} here runs Transformer Engine's; set train.attention_backend to flash, "
                           "cudnn or efficient, or train.document_mask=false")
-    if w.method.cp_attention == "deepspeed":
-        require_deepspeed()
     if w.model.init_from is not None:
         hf_checkpoint.check_config(w.model, Path(w.model.init_from), w.parallel.tp)
 
 
-def _swap_accounting(runtime: SwapRuntime, step: int, writer: ResultWriter) -> dict:
+def _swap_accounting(runtime: LayerRuntime, step: int, writer: ResultWriter) -> dict:
     """One step's activation bytes: per layer into ``layers.jsonl``, totals for the step record."""
-    layers = runtime.take_accounting()
+    accounting = runtime.accounting()
+    if accounting is None:
+        return {}
     writer.append_layers([
         {"step": step, "layer": r["layer"], "device_bytes": r["device"], "host_bytes": r["host"],
          "recomputed_bytes": r["recomputed"]}
-        for r in layers
+        for r in accounting.layers
     ])
-    return {
-        # The last R units keep theirs inside the buffers: nothing is held beside them.
-        "skeletal_device_bytes": runtime.rounding_buffer_bytes,
-        "skeletal_host_bytes": sum(r["host"] for r in layers),
-        "recomputed_bytes": sum(r["recomputed"] for r in layers),
-    }
+    return accounting.totals()
 
 
 def _max_over_ranks(values: dict, device_type: str) -> dict:
@@ -153,7 +144,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     workload, train, device_type = run.workload, run.train, run.device_type
     model, seq = workload.model, workload.seq
     row["seq"] = seq
-    row["train.loss"] = workload.method.loss
+    row["train.loss"] = workload.loss
+    policy = policy_of(workload)
     arena = None
     if run.plan and device_type == "cuda":
         from memo.execute import cuda_arena
@@ -162,7 +154,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         # for hardware=auto, say) initialises CUDA
         arena = cuda_arena.install(phase=lambda: "setup", device=distributed.device_index(info))
     hw = hardware.resolve(run.hardware)
-    _check_runtime_support(run)
+    _check_runtime_support(run, policy)
     dtype = torch_dtype(workload)
     hw = hardware.with_measured_peak(hw, dtype)
     row["dtype"] = dtype_label(dtype)
@@ -190,9 +182,9 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     memory = PeakMemory(device_type, arena)
     memory.reset()
-    placement = None
+    placement: LayerRuntime = NullRuntime()
     try:
-        built = build_gpt(workload, device_type, train.attention_backend)
+        built = build_gpt(workload, device_type, train.attention_backend, layers=policy.layers)
         if model.init_from is not None:
             read = hf_checkpoint.load(built.module, model, model.init_from)
             log.info("weights: %d tensors of %s", read, model.init_from)
@@ -201,7 +193,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         # (only swapping fills the host: what may be pinned is not even looked at otherwise;
         # measured before Adam's states offloaded to the host take their share of it, all of it
         # taken out below, though part of it is allocated only at the first step)
-        budget = host_budget(hw, device, info.world_size) if workload.method.swaps else 0
+        budget = policy.host_budget(hw, device, info.world_size)
         optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
         resumed = checkpoint.load(resume_from, saved, built.module, optimizer) if saved is not None else None
         start_step, consumed = (resumed.step, resumed.consumed_samples) if resumed else (0, 0)
@@ -210,23 +202,12 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
             row.update({f"optimizer_offload.{k}": v for k, v in optimizer.offload.row().items()})
         budget = max(budget - optimizer.offload.host_bytes, 0)
         tp_group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
-        placement, report = prepare_swap(built.module, workload, device, budget, run.alpha, group=tp_group)
-        if isinstance(report, TileReport):
-            row.update({f"tiles.{k}": finite(v) for k, v in report.row().items()})
-            writer.append_layers([{"step": 0, **record} for record in report.tile_records()])
-            log.info("tiles of %d tokens swapped: alpha %.3f to %.3f over %d tiles, a checkpoint layer every "
-                     "%d, host %.2f GiB", report.tile_tokens, min(report.alphas), max(report.alphas),
-                     report.tiles, report.checkpoint_every, report.host_bytes / 2**30)
-        elif report is not None:
-            row.update({f"swap.{k}": finite(v) for k, v in dataclasses.asdict(report).items()})
-            log.info(
-                "swapping: alpha %.4f (%s), %d of %d tokens per chunk, T_layer %.4f s, "
-                "B %.2f GB/s, host %.2f GiB", report.alpha, report.alpha_binding,
-                report.keep_tokens, report.tokens, report.layer_time_s,
-                report.host_bandwidth_bytes_per_s / 1e9, report.host_bytes / 2**30,
-            )
-        elif workload.tiled:
-            log.info("layers walked in tiles of %d tokens", workload.tile_tokens)
+        placement = policy.prepare(built.module, workload, device, budget, group=tp_group)
+        report = placement.report()
+        row.update(report.row)
+        writer.append_layers(list(report.layer_records))
+        if report.summary is not None:
+            log.info("%s", report.summary)
         dp_size = parallel_state.get_data_parallel_world_size()
         global_batch = workload.micro_batch_size * train.micro_batches * dp_size
         source = token_source(train, model.vocab_size, seq, validation=train.eval_interval is not None)
@@ -255,7 +236,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         )
 
         records = []
-        this_ranks_tokens = rank_tokens(sequence_layout(workload.method.cp_attention))
+        this_ranks_tokens = rank_tokens(policy.layers.sequence_layout)
 
         def on_step(record: dict) -> None:  # runs inside the `with` below, where progress is set
             record["tgs"] = tgs(global_batch * seq, record["iter_time_s"], info.world_size)
@@ -266,10 +247,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                 record["mfu_documents"] = mfu(record["flops_documents"], record["iter_time_s"], info.world_size,
                                               hw.peak_flops)
             record.update(memory.read())
-            if isinstance(placement, SwapRuntime):
-                record.update(_swap_accounting(placement, record["step"], writer))
-            elif isinstance(placement, TiledLayers) and placement.swap is not None:
-                record.update(_swap_accounting(placement.swap, record["step"], writer))
+            record.update(_swap_accounting(placement, record["step"], writer))
             step = record["step"]
             if train.eval_interval is not None and (step % train.eval_interval == 0 or step == train.steps):
                 record.update(validation_loss(
@@ -297,21 +275,20 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                 )
 
         runtime = PlanRuntime(built.module, run.plan, run.planner, untimed_steps(train, start_step), device_type, arena,
-                              walk=placement if isinstance(placement, TiledLayers) else None)
+                              layers=placement)
         if arena is not None:
             arena.phase = runtime.phase
         with step_progress(train.steps - start_step, show_bar=info.rank == 0) as progress:
             run_steps(optimizer, batches, train, device_type, on_step, runtime.step,
                       this_ranks_tokens=this_ranks_tokens,
-                      token_order=placement.token_order if placement is not None else lambda mb: mb,
+                      token_order=placement.token_order,
                       step_end=built.step_end, start_step=start_step)
         row.update(runtime.finish())
     except BaseException:
         row.update(memory.read())  # this rank's peak: the others may be gone
         raise
     finally:
-        if placement is not None:
-            placement.release()
+        placement.release()
     row.update(_max_over_ranks(memory.read(), device_type))
     if device_type == "cuda":
         row.update(measured_allocator_row(row, arena is not None))

@@ -20,7 +20,7 @@ CPU back-ends); any other request alive at the end persists from one iteration t
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,14 +28,32 @@ from megatron.core import parallel_state, tensor_parallel
 from omegaconf import OmegaConf
 
 from memo.config import ConfigError, ParallelConfig, Workload
-from memo.model import build_gpt, dtype_label, torch_dtype
+from memo.model import LayerBuild, build_gpt, dtype_label, torch_dtype
 from memo.model.attention import select_backend
 from memo.model.gpt import transformer_config
+from memo.model.placement import LayerRuntime
 from memo.profile.recorder import PhaseMarker, record
 from memo.profile.trace import Trace
-from memo.swap import prepare_swap
 
 BACKENDS = ("fake", "cpu", "cuda")
+
+
+class Traced(Protocol):
+    """How the traced iteration's layers are built and run: an activation policy
+    (:class:`memo.policy.ActivationPolicy`) is one."""
+
+    @property
+    def layers(self) -> LayerBuild:
+        """How the model builds its decoder layers."""
+        ...
+
+    def check_trace(self) -> None:
+        """Refuse, in one line, a trace of these layers."""
+        ...
+
+    def trace_runtime(self, model, workload: Workload, device: torch.device) -> LayerRuntime:
+        """What runs ``model``'s layers in the traced iteration."""
+        ...
 
 
 def _plain(config) -> dict:
@@ -46,7 +64,7 @@ def _plain(config) -> dict:
 
 
 @contextlib.contextmanager
-def _unchecked_rng_forks() -> Iterator[None]:
+def unchecked_rng_forks() -> Iterator[None]:
     """Megatron's RNG tracker checks, when a fork ends, that the CPU generator is untouched, by
     reading a tensor's value; fake tensors have none. Traces draw no random numbers that matter
     (no dropout), so forks are plain no-ops while tracing."""
@@ -59,7 +77,7 @@ def _unchecked_rng_forks() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _process_group(parallel: ParallelConfig, backend: str) -> Iterator[None]:
+def process_group(parallel: ParallelConfig, backend: str) -> Iterator[None]:
     """Megatron's parallel state for rank 0 of the configured layout, torn down afterwards."""
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized in this process")
@@ -89,12 +107,14 @@ def _process_group(parallel: ParallelConfig, backend: str) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234) -> Trace:
+def trace_iteration(workload: Workload, traced: Traced, backend: str = "fake", seed: int = 1234) -> Trace:
     """Allocation trace of one iteration of rank 0 (see the module docstring).
 
     Args:
         workload: what is traced; its ``seq`` counts the tokens of all ranks (each holds its
-            share), its method's ``loss`` is the loss traced.
+            share), its ``loss`` is the loss traced.
+        traced: how its layers are built and run (the run's activation policy, or the one a
+            prediction traces for it).
         backend: "fake", "cpu" or "cuda".
         seed: the torch seed the weights are drawn from.
 
@@ -107,13 +127,9 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
     if backend == "cuda" and not torch.cuda.is_available():
         raise ConfigError("profile.backend=cuda needs a GPU and none is visible here; "
                           "use profile.backend=fake")
-    method, parallel, seq = workload.method, workload.parallel, workload.seq
+    parallel, seq = workload.parallel, workload.seq
     micro_batch_size, dtype = workload.micro_batch_size, torch_dtype(workload)
-    if workload.swaps:
-        raise ConfigError(
-            f"method={method.name} moves skeletal tensors into its rounding buffers at run time, "
-            "which a trace does not follow yet; trace method=none or a recomputation method"
-        )
+    traced.check_trace()
     if parallel.pp > 1:
         raise ConfigError(f"parallel.pp={parallel.pp}: traces cover one pipeline stage only; "
                           "use parallel.pp=1")
@@ -131,10 +147,10 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-    figures, gradients, tile_buffers, tiles = {}, None, None, None
-    with _process_group(parallel, backend), mode:
+    figures, gradients, buffers = {}, None, None
+    with process_group(parallel, backend), mode:
         torch.manual_seed(seed)
-        gpt = build_gpt(workload, device, attention).module
+        gpt = build_gpt(workload, device, attention, layers=traced.layers).module
         # One implementation on every back-end (the CUDA default, foreach, allocates otherwise).
         optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-4, foreach=False)
         for p in gpt.parameters():  # states exist before the traced step, as after step 1
@@ -144,15 +160,11 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
         tokens = torch.zeros(micro_batch_size, seq, dtype=torch.long, device=device)
         positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, seq)
 
-        # a trace follows no swapping (refused above): a walk in tiles, or the layers as built
-        # A walk that swaps puts its host memory outside the trace, which follows the device:
-        # the least of it (α = 0), and on a GPU none of it page-locked.
-        walk, tiles = prepare_swap(gpt, workload, torch.device(device), host_budget=2**60, alpha=0.0, pin=False)
+        runtime = traced.trace_runtime(gpt, workload, torch.device(device))
 
         def run(marker: PhaseMarker) -> None:
-            if walk is not None:
-                walk.on_phase = marker.enter_layer
-            with _unchecked_rng_forks():
+            runtime.name_phases(marker.enter_layer)
+            with unchecked_rng_forks():
                 per_token = gpt(tokens, positions, None, labels=tokens)
                 loss = per_token.float().mean()
                 marker.backward()
@@ -175,25 +187,25 @@ def trace_iteration(workload: Workload, backend: str = "fake", seed: int = 1234)
                 r for r in (recorder.request_of(p.grad) for p in gpt.parameters() if p.grad is not None)
                 if r is not None
             )
-            if tiles is not None:  # a walk that swaps: its tile buffers, made in the first step
-                tile_buffers = sorted(recorder.request_of(b) for b in walk.swap.buffers)
+            # a runtime's own buffers (a walk that swaps: its tile buffers), made in the first step
+            buffers = sorted(recorder.request_of(b) for b in runtime.device_buffers()) or None
+    skeletal = runtime.report().skeletal_bytes
     meta = {
         "backend": backend,
         "model": _plain(workload.model),
-        "method": method.name,
-        "loss": method.loss,
+        "method": workload.method.name,
+        "loss": workload.loss,
         "parallel": _plain(parallel),
         "seq": seq,
-        "tile_tokens": workload.tile_tokens,
+        "tile_tokens": workload.layer_tile_tokens,
         "micro_batch_size": micro_batch_size,
         "dtype": dtype_label(dtype),
         "attention": attention,
         "gradient_requests": gradients,
         # a walk in tiles that swaps: the requests of its tile buffers, and one tile's skeletal
         # bytes as its runtime found them (input share, attention's output, the rest)
-        "tile_buffer_requests": tile_buffers,
-        "tile_skeletal_bytes": None if tiles is None else [
-            tiles.skeletal_input_bytes, tiles.skeletal_attention_bytes, tiles.skeletal_other_bytes],
+        "tile_buffer_requests": buffers,
+        "tile_skeletal_bytes": None if skeletal is None else list(skeletal),
         **{f"cuda.{k}": v for k, v in figures.items()},
     }
     return Trace(events, meta)

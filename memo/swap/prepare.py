@@ -1,7 +1,8 @@
-"""Before training: the layers' placement (swapping or tiles), measured and allocated.
+"""Before training: the layers' runtime (swapping, or a walk in tiles), measured and allocated.
 
-:func:`prepare_swap` is the one way a model's layers get their placement, for training, the GPU
-pack and the benchmarks alike. A method that swaps whole layers gets a :class:`SwapRuntime`:
+The activation policies (:mod:`memo.policy`) get their runtimes ready here, for training, the GPU
+pack and the benchmarks alike. Whole layers that swap get a :class:`SwapRuntime`
+(:func:`prepare_swapped_layers`):
 
 1. Run layer 0 forward on a random input of the training shape: the tensors it saves give the
    layer layout and S_input, S_attn, S_other; two more forwards give T_layer.
@@ -9,6 +10,9 @@ pack and the benchmarks alike. A method that swaps whole layers gets a :class:`S
    buffers and the pinned slab for the largest α the host allows.
 3. Measure B by copying a rounding buffer into that slab on the D2H stream.
 4. ``alpha=auto``: solve α; if it is smaller, allocate the slab again at its exact size.
+
+Layers walked in tiles get a :class:`TiledLayers` (:func:`prepare_tiles`), whose tiles are units
+of a swap runtime where they swap, α solved per tile (:func:`ready_tiles`).
 
 The processes of a tensor-parallel group must swap the same number of tokens (the
 recomputation's collectives see their shapes), so the smallest k over the group is used. Other
@@ -35,6 +39,9 @@ from memo.hardware import Hardware
 from memo.model import torch_dtype
 from memo.model.context_parallel import batch_for_rank
 from memo.model.documents import DocumentParams, Documents
+from memo.model.placement import RuntimeReport
+from memo.model.tiles import tiles_per_rank
+from memo.results import finite
 from memo.swap.alpha import SkeletalBytes, check_host, choose_alpha, host_bound
 from memo.swap.layout import ATTENTION, EXTERNAL, INPUT, TOKENS
 from memo.swap.runtime import SwapRuntime
@@ -63,6 +70,15 @@ class SwapReport:
     skeletal_input_bytes: int  # S_input of one layer
     skeletal_attention_bytes: int  # S_attn
     skeletal_other_bytes: int  # S_other
+
+    def runtime_report(self) -> RuntimeReport:
+        """The run's records of it: ``swap.*`` columns and a log line."""
+        return RuntimeReport(
+            row={f"swap.{k}": finite(v) for k, v in dataclasses.asdict(self).items()},
+            summary=(f"swapping: alpha {self.alpha:.4f} ({self.alpha_binding}), {self.keep_tokens} of {self.tokens} "
+                     f"tokens per chunk, T_layer {self.layer_time_s:.4f} s, B "
+                     f"{self.host_bandwidth_bytes_per_s / 1e9:.2f} GB/s, host {self.host_bytes / 2**30:.2f} GiB"),
+            skeletal_bytes=(self.skeletal_input_bytes, self.skeletal_attention_bytes, self.skeletal_other_bytes))
 
 
 def _sync(device: torch.device) -> None:
@@ -112,8 +128,6 @@ def _min_over(value: Union[int, list[int]], device: torch.device, group) -> Unio
 
 log = logging.getLogger("memo")
 
-LayerRuntime = Union[SwapRuntime, TiledLayers]
-
 
 def sequence_chunks(parallel: ParallelConfig) -> int:
     """Chunks of ``S`` tokens in the tensors between sequence parallelism's gather and
@@ -155,45 +169,51 @@ def host_budget(hw: Hardware, device: torch.device, job_devices: int = 1) -> flo
     return budget
 
 
-def prepare_swap(model, workload: Workload, device: torch.device, host_budget: float,
-                 alpha: Optional[float] = None, streams: Optional[Streams] = None,
-                 group=None, pin: bool = True) -> tuple[Optional[LayerRuntime], Union["SwapReport", "TileReport", None]]:
-    """Give ``model``'s layers (``workload``'s Megatron ``GPTModel``) their placement and get it
-    ready to train ``workload.micro_batch_size`` sequences of ``workload.seq`` tokens (all
-    tensor-parallel ranks together) per micro-batch.
-
-    Returns ``(None, None)`` for a method that leaves its layers to Megatron (or to our layer's
-    own recomputation), ``(TiledLayers, None)`` for layers walked in tiles that recompute what
-    they save (``full_recompute``), ``(TiledLayers, TileReport)`` for tiles that swap (``memo``,
-    ``full_swap``), and a
-    :class:`SwapRuntime` with its :class:`SwapReport` for whole layers that swap. A training step's micro-batch
-    goes through the placement's ``token_order``; ``release`` gives its memory back.
+def prepare_swapped_layers(model, workload: Workload, device: torch.device, host_budget: float,
+                           alpha: Optional[float] = None, streams: Optional[Streams] = None,
+                           group=None) -> SwapRuntime:
+    """A :class:`SwapRuntime` for ``model``'s layers (``workload``'s Megatron ``GPTModel``), ready
+    to train ``workload.micro_batch_size`` sequences of ``workload.seq`` tokens (all
+    tensor-parallel ranks together) per micro-batch: attached, measured, α solved (or ``alpha``,
+    fixed) and its memory allocated (steps 1–4 above); its :meth:`SwapRuntime.report` says what
+    was decided.
 
     Args:
         device: where the model lives (the rounding buffers go there).
         host_budget: bytes of host memory this process may fill with activations (M_host).
-        alpha: a fixed swap ratio, or ``None`` to solve for it.
         streams: the copy streams; by default CUDA streams on a GPU, inline copies on the CPU.
         group: the processes whose recomputations exchange tokens (the tensor-parallel group),
             which must keep the same ``k``; ``None`` for a process alone.
-        pin: page-lock the host memory of tiles that swap, on a GPU (a trace does not).
+
+    Raises:
+        HostMemoryError: if the swapped activations cannot fit in ``host_budget``.
+    """
+    parallel = workload.parallel
+    runtime = SwapRuntime(len(model.decoder.layers), streams or streams_for(device), device,
+                          sequence_chunks(parallel), segments(parallel))
+    ready_runtime(runtime, model, workload, alpha, host_budget, group)
+    return runtime
+
+
+def prepare_tiles(model, workload: Workload, tile_tokens: int, device: torch.device, swap: bool,
+                  host_budget: float = 0.0, alpha: Union[None, float, Sequence[float]] = None,
+                  streams: Optional[Streams] = None, group=None, pin: bool = True) -> TiledLayers:
+    """A walk of ``model``'s layers in tiles of ``tile_tokens`` tokens, attached; with ``swap``
+    its tiles are units of a swap runtime, measured, α solved per tile (or ``alpha``, fixed) and
+    the host memory allocated (:func:`ready_tiles`; ``pin``: page-locked, on a GPU), else they
+    recompute what they save.
 
     Raises:
         HostMemoryError: if the swapped activations cannot fit in ``host_budget``.
     """
     layers = list(model.decoder.layers)
-    parallel = workload.parallel
-    if workload.tiled:
-        if workload.method.swaps:
-            walk = swapping_walk(workload, len(layers), streams or streams_for(device), device)
-            return walk, ready_tiles(walk, model, workload, alpha, host_budget, group, pin=pin)
-        walk = TiledLayers(workload.tile_tokens, sequence_chunks=sequence_chunks(parallel))
+    if not swap:
+        walk = TiledLayers(tile_tokens, sequence_chunks=sequence_chunks(workload.parallel))
         walk.attach(layers)
-        return walk, None
-    if not workload.swaps:
-        return None, None
-    runtime = SwapRuntime(len(layers), streams or streams_for(device), device, sequence_chunks(parallel), segments(parallel))
-    return runtime, ready_runtime(runtime, model, workload, alpha, host_budget, group)
+        return walk
+    walk = swapping_walk(workload, tile_tokens, len(layers), streams or streams_for(device), device)
+    ready_tiles(walk, model, workload, alpha, host_budget, group, pin=pin)
+    return walk
 
 
 def _layer_arguments(model, workload: Workload, runtime: SwapRuntime) -> dict:
@@ -214,14 +234,14 @@ def _layer_arguments(model, workload: Workload, runtime: SwapRuntime) -> dict:
     return arguments
 
 
-def swapping_walk(workload: Workload, num_layers: int, streams: Streams, device: torch.device,
+def swapping_walk(workload: Workload, tile_tokens: int, num_layers: int, streams: Streams, device: torch.device,
                   buffers: int = 2) -> TiledLayers:
-    """A walk in tiles whose tiles are units of a swap runtime with ``buffers`` tile buffers
-    (:func:`ready_tiles` gets it ready)."""
+    """A walk in tiles of ``tile_tokens`` tokens whose tiles are units of a swap runtime with
+    ``buffers`` tile buffers (:func:`ready_tiles` gets it ready)."""
     chunks = sequence_chunks(workload.parallel)
-    tiles = workload.seq // (workload.parallel.cp * workload.tile_tokens)
+    tiles = tiles_per_rank(workload.seq, workload.parallel.cp, tile_tokens)
     runtime = SwapRuntime(num_layers * tiles, streams, device, chunks, buffers=buffers, units_per_layer=tiles)
-    return TiledLayers(workload.tile_tokens, sequence_chunks=chunks, swap=runtime)
+    return TiledLayers(tile_tokens, sequence_chunks=chunks, swap=runtime)
 
 
 def tile_alphas(alpha: Union[None, float, Sequence[float]], tiles: int) -> list[float]:
@@ -273,6 +293,16 @@ class TileReport:
                 "alpha_max": max(self.alphas), "first_tile_time_s": self.tile_time_s[0],
                 "last_tile_time_s": self.tile_time_s[-1]}
 
+    def runtime_report(self) -> RuntimeReport:
+        """The run's records of it: ``tiles.*`` columns, a line per tile, and a log line."""
+        return RuntimeReport(
+            row={f"tiles.{k}": finite(v) for k, v in self.row().items()},
+            layer_records=tuple({"step": 0, **record} for record in self.tile_records()),
+            summary=(f"tiles of {self.tile_tokens} tokens swapped: alpha {min(self.alphas):.3f} to "
+                     f"{max(self.alphas):.3f} over {self.tiles} tiles, a checkpoint layer every "
+                     f"{self.checkpoint_every}, host {self.host_bytes / 2**30:.2f} GiB"),
+            skeletal_bytes=(self.skeletal_input_bytes, self.skeletal_attention_bytes, self.skeletal_other_bytes))
+
     def tile_records(self) -> list[dict]:
         """One record per tile: its α, tokens kept, what bound it, its bandwidth bound and time."""
         return [{"tile": t, "alpha": a, "keep_tokens": k, "binding": b,
@@ -301,7 +331,8 @@ def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None,
     """Attach ``walk`` (made by :func:`swapping_walk`) to ``model``'s layers, find a tile's layout,
     solve α per tile and k (:mod:`memo.swap.tile_alpha`; ``alpha`` fixes α, one for all tiles or
     one per tile; ``checkpoint_every`` fixes k) and allocate the host slab of every tile's swapped
-    part and the host memory of the checkpoint layers' inputs; the device's stores and tile buffers follow in the first step.
+    part and the host memory of the checkpoint layers' inputs; the device's stores and tile
+    buffers follow in the first step. The walk keeps the report (:meth:`TiledLayers.report`).
     The tensor-parallel ranks of ``group`` keep the smallest ``k`` of each tile and the largest
     checkpoint interval, so that their recomputations' collectives match.
 
@@ -309,11 +340,12 @@ def ready_tiles(walk: TiledLayers, model, workload: Workload, alpha: Union[None,
         HostMemoryError: if even α = 0 fits the host with no checkpoint interval.
     """
     with _released_on_failure(walk):
-        return _ready_tiles(walk, model, workload, alpha, host_budget, group, checkpoint_every, pin)
+        walk.tile_report = _ready_tiles(walk, model, workload, alpha, host_budget, group, checkpoint_every, pin)
+        return walk.tile_report
 
 
 @contextlib.contextmanager
-def _released_on_failure(placement: LayerRuntime):
+def _released_on_failure(placement: Union[SwapRuntime, TiledLayers]):
     """Give ``placement``'s memory back if getting it ready fails: a registered slab must not
     outlive the failure."""
     try:
@@ -363,7 +395,7 @@ def _ready_tiles(walk: TiledLayers, model, workload: Workload, alpha, host_budge
     runtime.buffers = []
     inputs = walk.inputs.host
     return TileReport(
-        tiles=tiles, tile_tokens=workload.tile_tokens, buffers=runtime.buffer_count, checkpoint_every=k,
+        tiles=tiles, tile_tokens=walk.tile_tokens, buffers=runtime.buffer_count, checkpoint_every=k,
         alphas=tuple(kt / segment for kt in keeps), keep_tokens=tuple(keeps), binding=solution.binding,
         alpha_bandwidth=solution.alpha_bandwidth, tile_time_s=tuple(times),
         host_bandwidth_bytes_per_s=bandwidth, host_budget_bytes=int(host_budget),
@@ -375,10 +407,12 @@ def _ready_tiles(walk: TiledLayers, model, workload: Workload, alpha, host_budge
 def ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float],
                   host_budget: float, group=None) -> SwapReport:
     """Attach ``runtime`` to ``model``'s layers, measure a layer, solve α and allocate the
-    buffers and the slab (steps 1–4 above): :func:`prepare_swap`'s work on a runtime it did not
-    make (one with another segment count, in the tests)."""
+    buffers and the slab (steps 1–4 above): :func:`prepare_swapped_layers`'s work on a runtime it
+    did not make (one with another segment count, in the tests). The runtime keeps the report
+    (:meth:`SwapRuntime.report`)."""
     with _released_on_failure(runtime):
-        return _ready_runtime(runtime, model, workload, alpha, host_budget, group)
+        runtime.swap_report = _ready_runtime(runtime, model, workload, alpha, host_budget, group)
+        return runtime.swap_report
 
 
 def _ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Optional[float],

@@ -48,7 +48,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from memo.model.placement import Placed, check_layer_arguments
+from memo.model.placement import Accounting, Placed, RuntimeReport, check_layer_arguments
 from memo.swap.alpha import HostMemoryError
 from memo.swap.capture import Capture, Discover, Forward, Replay
 from memo.swap.layout import (ALIAS, BYTELESS, EXTERNAL, INPUT, TOKENS, LayerLayout, Slot, address, empty_in_layout,
@@ -90,7 +90,8 @@ class _ReplayDone(Exception):
 
 class SwapRuntime:
     """Token-wise swapping and recomputation for the layers of one model replica: the
-    :class:`memo.model.placement.Placement` of every module of its layers.
+    :class:`memo.model.placement.Placement` of every module of its layers, and (whole layers) their
+    :class:`memo.model.placement.LayerRuntime`.
 
     Args:
         num_units: what swaps: the model's transformer layers (n), or its layers' tiles (n·T).
@@ -130,6 +131,8 @@ class SwapRuntime:
         self._buffer_free: list[object] = [None] * buffers
         self._capture: Optional[Capture] = None
         self._accounting: dict[int, dict[str, int]] = {}
+        # what getting it ready decided (memo.swap.prepare.ready_runtime), for the run's records
+        self.swap_report = None
 
     @property
     def swapped_layers(self) -> int:
@@ -239,6 +242,21 @@ class SwapRuntime:
     def rounding_buffer_bytes(self) -> int:
         """Bytes of the rounding buffers, allocated or still to be."""
         return self.buffer_count * self.layout.buffer_bytes
+
+    def accounting(self) -> Accounting:
+        """:meth:`take_accounting`'s rows, and the rounding buffers that hold the device's part."""
+        return Accounting(tuple(self.take_accounting()), self.rounding_buffer_bytes)
+
+    def report(self) -> RuntimeReport:
+        """What getting it ready decided and measured (nothing, before :func:`memo.swap.prepare.ready_runtime`)."""
+        return self.swap_report.runtime_report() if self.swap_report is not None else RuntimeReport()
+
+    def name_phases(self, on_phase) -> None:
+        """Whole layers have no parts of a pass to name."""
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The rounding buffers, once the first forward pass made them."""
+        return list(self.buffers)
 
     def take_accounting(self) -> list[dict]:
         """Per-layer bytes since the last call: ``device`` (skeletal bytes the last ``R`` units

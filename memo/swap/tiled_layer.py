@@ -65,7 +65,7 @@ import torch.distributed as dist
 from memo.model import attention_blocks as blocks
 from memo.model.tiled_attention import block, tile_backward, tile_forward
 from memo.model.documents import Documents, block_kernel, documents_of
-from memo.model.placement import check_layer_arguments
+from memo.model.placement import Accounting, RuntimeReport, check_layer_arguments
 from memo.model.tiles import batch_in_tile_order, rank_tile_blocks
 from memo.swap.runtime import SwapRuntime, host_memory, register, unregister
 from memo.swap.streams import Streams
@@ -111,6 +111,10 @@ class _Tile:
     block: int  # where the tile's tokens are in the store (t without context parallelism)
 
 
+def _unnamed(layer: int, part: str) -> None:
+    """Where the walk's phases go when nobody names them."""
+
+
 class _Rebuilt(Exception):
     """Raised by core attention in a rebuild, once the tile's keys and values are in the store."""
 
@@ -125,7 +129,8 @@ class _KeysMade(Exception):
 
 class TiledLayers:
     """The per-tile walk of every layer of one model replica (see the module docstring): the
-    :class:`memo.model.placement.Placement` of its layers and their core attention.
+    :class:`memo.model.placement.Placement` of its layers and their core attention, and their
+    :class:`memo.model.placement.LayerRuntime`.
 
     Args:
         tile_tokens: ``c``, tokens per tile as attention sees them: gathered over the
@@ -164,7 +169,27 @@ class TiledLayers:
         # "bwd.t<t>", "bwd.kv.t<t>" (context parallelism), and the layer's own "fwd" or "bwd" when
         # its tiles are done (the profiler names its phases so); within a tile, each block of its
         # attention as "<part>.b<j>" (forward kernels) or "<part>.db<j>" (backward kernels)
-        self.on_phase: Callable[[int, str], None] = lambda layer, part: None
+        self.on_phase: Callable[[int, str], None] = _unnamed
+        # under swapping, what getting it ready decided (memo.swap.prepare.ready_tiles)
+        self.tile_report = None
+
+    def name_phases(self, on_phase: Optional[Callable[[int, str], None]]) -> None:
+        """Tell ``on_phase`` of the walk's parts as they begin (see :attr:`on_phase`); None: stop."""
+        self.on_phase = on_phase or _unnamed
+
+    def accounting(self) -> Optional[Accounting]:
+        """Under swapping, the tiles' skeletal bytes by layer since the last call."""
+        return self.swap.accounting() if self.swap is not None else None
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """Under swapping, the tile buffers, once the first forward pass made them."""
+        return self.swap.device_buffers() if self.swap is not None else []
+
+    def report(self) -> RuntimeReport:
+        """What getting the walk ready decided and measured."""
+        if self.tile_report is not None:
+            return self.tile_report.runtime_report()
+        return RuntimeReport(summary=f"layers walked in tiles of {self.tile_tokens} tokens")
 
     def token_order(self, micro_batch: dict) -> dict:
         """A micro-batch's tokens (``[b, s]`` tensors) in the order the walk needs them."""

@@ -7,7 +7,7 @@ import pytest
 from memo.config import (
     ConfigError,
     HardwareConfig,
-    MethodConfig,
+    Method,
     ModelConfig,
     ParallelConfig,
     SeqSearch,
@@ -32,9 +32,9 @@ def test_every_group_option_composes_and_validates(group, option):
     fit = ["mode=fit", "cluster.gpus=8"] if option in ("search", *predicted) else []
     cfg = compose_config(f"{'+' if added else ''}{group}={option}", *fit)
     if option in predicted:  # mode=fit searches the longest sequence
-        assert cfg.mode == "fit" and cfg.seq == "max" and validate(cfg) is None
+        assert cfg.mode == "fit" and cfg.seq == "max" and validate(cfg).seq is None
         return
-    assert validate(cfg) == parse_seq(cfg.seq) == (131072 if option == "convergence" else 1024)
+    assert validate(cfg).seq == parse_seq(cfg.seq) == (131072 if option == "convergence" else 1024)
     if group in ("model", "method", "hardware"):
         assert cfg[group].name == option
 
@@ -82,8 +82,8 @@ def test_parse_seq_rejects_with_one_line(text):
 
 
 def test_seq_sweep_values_compose_as_strings():
-    assert validate(compose_config("seq=4096")) == 4096
-    assert validate(compose_config("seq=1408k")) == 1441792
+    assert validate(compose_config("seq=4096")).seq == 4096
+    assert validate(compose_config("seq=1408k")).seq == 1441792
 
 
 @pytest.mark.parametrize(
@@ -150,15 +150,14 @@ def test_validation_errors_name_the_key_in_one_line(overrides, key):
 @pytest.mark.parametrize("text, alpha", [("auto", None), ("0", 0.0), ("0.125", 0.125), ("1", 1.0)])
 def test_alpha_is_auto_or_a_fraction(text, alpha):
     cfg = compose_config("method=memo", f"alpha={text}")
-    validate(cfg)
-    assert parse_alpha(cfg.alpha) == alpha
+    assert validate(cfg).method.alpha == parse_alpha(cfg.alpha) == alpha
 
 
 def test_divisibility_message_names_the_divisor():
     tp2_cp2_sp = ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"]
     with pytest.raises(ConfigError, match=r"2·cp × tp = 8"):
         validate(compose_config(*tp2_cp2_sp, "seq=1028"))
-    assert validate(compose_config(*tp2_cp2_sp, "seq=1k")) == 1024
+    assert validate(compose_config(*tp2_cp2_sp, "seq=1k")).seq == 1024
 
 
 def test_unknown_group_option_lists_the_choices():
@@ -194,13 +193,13 @@ def test_a_run_is_resolved_into_typed_values():
                                  "train.loss_tile_tokens=512", "hardware=a800", "mode=fit"),
                   gpu_visible=False)
     w = run.workload
-    assert isinstance(w.model, ModelConfig) and isinstance(w.method, MethodConfig)
+    assert isinstance(w.model, ModelConfig) and isinstance(w.method, Method)
     assert isinstance(w.parallel, ParallelConfig) and isinstance(run.hardware, HardwareConfig)
     assert (w.model.num_layers, w.seq, w.parallel.tp, w.micro_batch_size, w.loss_tile_tokens) == \
         (32, 65536, 4, 2, 512)
     # an A800 is a GPU although none is visible here: bf16, and the method's tiled loss
-    assert (run.device_type, w.dtype, w.dtype_bytes, w.method.loss) == ("cuda", "bf16", 2, "tiled")
-    assert (run.alpha, run.swaps, run.seq_search) == (0.25, True, None)
+    assert (run.device_type, w.dtype, w.dtype_bytes, w.loss) == ("cuda", "bf16", 2, "tiled")
+    assert (w.method.alpha, w.method.swaps, w.layer_tile_tokens, run.seq_search) == (0.25, True, None, None)
     assert w.at(ParallelConfig(tp=2), 4096) == dataclasses.replace(w, parallel=ParallelConfig(tp=2), seq=4096)
 
 
@@ -225,7 +224,7 @@ def test_the_device_and_dtype_follow_hardware_backend_and_what_is_visible(overri
     (["method=none"], None),
 ])
 def test_alpha_is_the_one_value_a_run_swaps(overrides, alpha):
-    assert resolve(compose_config(*overrides), gpu_visible=False).alpha == alpha
+    assert resolve(compose_config(*overrides), gpu_visible=False).workload.method.alpha == alpha
 
 
 def test_seq_max_searches_between_the_fit_bounds():

@@ -260,14 +260,14 @@ def test_megatrons_distributed_optimizer_resumes_bit_for_bit_without_transformer
 
     from memo.execute import checkpoint
     from memo.execute.optimizer import MegatronStepOptimizer
-    from memo.model import build_gpt
+    from memo.policy import build_model
 
     run = resolve_config("model=tiny", "model.vocab_size=64", "seq=16", "train.dtype=bf16")
     train = dataclasses.replace(run.train, optimizer_offload=offload, optimizer_offload_fraction=fraction)
 
     def model():  # built before CUDA is stood in for (cuda_standin)
         torch.manual_seed(0)
-        return build_gpt(run.workload, "cpu").module
+        return build_model(run.workload, "cpu").module
 
     def steps(optimizer, numbers) -> list[float]:
         losses = []

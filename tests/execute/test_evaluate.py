@@ -9,7 +9,7 @@ import torch
 from conftest import resolve_config, run_in_process
 from memo.execute.data import SyntheticTokens, micro_batches
 from memo.execute.evaluate import ValidationSamples, bucket_bounds, validation_loss
-from memo.model import build_gpt
+from memo.policy import build_model
 
 
 def test_bucket_bounds_cover_the_sequence_in_equal_spans():
@@ -20,7 +20,7 @@ def test_bucket_bounds_cover_the_sequence_in_equal_spans():
 def _tiny_model_and_source(seq: int):
     """The tiny model for ``seq`` tokens (seed 0) and a synthetic source of its vocabulary."""
     torch.manual_seed(0)
-    model = build_gpt(resolve_config("model=tiny", "model.vocab_size=1000", f"seq={seq}").workload, "cpu").module
+    model = build_model(resolve_config("model=tiny", "model.vocab_size=1000", f"seq={seq}").workload, "cpu").module
     return model, SyntheticTokens(1000, seed=3)
 
 

@@ -20,7 +20,7 @@ from memo.execute.optimizer_offload import (
     pinned_block_bytes,
 )
 from memo.execute.train import run_steps
-from memo.model import build_gpt
+from memo.policy import build_model
 
 from conftest import compose_config, resolve_config
 from cuda_standin import cuda_stand_in
@@ -35,7 +35,7 @@ def _model(run) -> torch.nn.Module:
     """The model, built for the CPU (seed 0). Build it before CUDA is stood in for: building for
     the CPU points ``torch.cuda.current_device`` at the host, which the stand-in must answer."""
     torch.manual_seed(0)
-    return build_gpt(run.workload, "cpu").module
+    return build_model(run.workload, "cpu").module
 
 
 def _train(run, offload: str, fraction: float = 1.0, steps: int = 10):

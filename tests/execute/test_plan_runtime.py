@@ -7,15 +7,14 @@ import os
 import subprocess
 
 import pytest
-from conftest import compose_config, run_in_process
+from conftest import compose_config, run_in_process, trace_of
 from requirements import c_compiler_missing, require
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, PlannerConfig, validate, Workload
+from memo.config import ConfigError, Method, ModelConfig, ParallelConfig, PlannerConfig, validate, Workload
 from memo.execute.cuda_arena import ArenaAllocator, build_library
 from memo.execute.plan_runtime import CPU_SERVING, PlanRuntime, measured_allocator_row
 from memo.execute.plan_server import PlanServer
 from memo.plan.bilevel import addresses, plan_iteration
-from memo.profile.iteration import trace_iteration
 from memo.profile.trace import Event, Trace
 
 
@@ -68,14 +67,14 @@ def test_plan_needs_a_warm_up_step_and_one_micro_batch():
         validate(compose_config("plan=true", "train.warmup_steps=0"))
     with pytest.raises(ConfigError, match="set train.micro_batches=1"):
         validate(compose_config("plan=true", "train.micro_batches=2"))
-    assert validate(compose_config("plan=true")) == 1024
+    assert validate(compose_config("plan=true")).seq == 1024
 
 
 @functools.lru_cache
 def _tiny_plan():
     model = ModelConfig(name="tiny", num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
                         vocab_size=512)
-    trace = trace_iteration(Workload(model, MethodConfig(name="none"), ParallelConfig(), 256, dtype="fp32"),
+    trace = trace_of(Workload(model, Method(name="none"), ParallelConfig(), 256, dtype="fp32"),
                             "fake")
     return trace, plan_iteration(trace, time_limit_s=5, mip="none", alignment=512)
 

@@ -7,12 +7,13 @@ import random
 
 import pytest
 
-from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload
+from memo.config import Method, ModelConfig, ParallelConfig, Workload
 from memo.execute.plan_server import PlanServer, is_layer_region, serve_events
 from memo.plan.bilevel import addresses, plan_iteration
 from memo.dsa.buffers import Buffer, validate
-from memo.profile.iteration import trace_iteration
 from memo.profile.trace import Event, Trace
+
+from conftest import trace_of
 
 TINY = ModelConfig(name="tiny", num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
                    vocab_size=512)
@@ -25,7 +26,7 @@ ALIGN = 512
 def traced(model_name: str, method: str) -> tuple[Trace, object]:
     tiny = model_name == "tiny"
     model, seq, dtype = (TINY, 256, "fp32") if tiny else (SEVEN_B, 8192, "bf16")
-    trace = trace_iteration(Workload(model, MethodConfig(name=method, layer_activations=(
+    trace = trace_of(Workload(model, Method(name=method, layer_activations=(
         "recompute" if method == "full_recompute" else "megatron")), ParallelConfig(), seq, dtype=dtype),
         "fake")
     return trace, plan_iteration(trace, time_limit_s=10, mip="none", alignment=ALIGN)

@@ -11,7 +11,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from memo.execute.data import SyntheticTokens, micro_batches
-from memo.model import build_gpt
+from memo.policy import build_model
 
 from conftest import PYTHON, REPO, free_port, resolve_config, run_in_process
 from requirements import deepspeed_missing, require
@@ -36,7 +36,7 @@ def _one_backward(method: str, loss: str):
     """Loss, gradients and saved-activation bytes of one forward/backward pass (seed 0)."""
     workload = resolve_config(f"method={method}", "seq=256", f"train.loss={loss}").workload
     torch.manual_seed(0)
-    model = build_gpt(workload, "cpu").module
+    model = build_model(workload, "cpu").module
     (batch,) = next(micro_batches(SyntheticTokens(50257, 0), 256, 2, 1, 0, 1, torch.device("cpu")))
     saved = []
 

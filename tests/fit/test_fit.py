@@ -13,16 +13,19 @@ from conftest import PYTHON, REPO, resolve_config, run_in_process
 
 from analysis import tables
 from analysis.rows import load_results
-from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, Workload
+from memo.config import FitConfig, Method, ModelConfig, ParallelConfig, Workload
 from memo.fit import memory
-from analysis.calibration import compare, problem_of_row
+from analysis.calibration import compare
+from memo.fit.calibration import problem_of_row
 from memo.fit.predict import Problem, predict
 from memo.fit.search import layouts, longest
-from memo.fit.template import iteration_template
 from memo.fit.timing import predict_time
+from memo.policy import policy_of
+from memo.policy.whole_layers import host_plan
+from memo.profile.template import iteration_template
 from memo.hardware import HARDWARE, GiB
 from memo.model.gpt import layer_matmul_weights, model_flops_parameters, padded_vocab_size, parameter_count
-from memo.swap.alpha import HostMemoryError
+from memo.swap.alpha import HostMemoryError, SkeletalBytes
 from memo.dsa.buffers import max_load
 from memo.profile.iteration import trace_iteration
 from memo.profile.trace import Trace
@@ -31,10 +34,10 @@ SEVEN_B = ModelConfig(
     name="7b", num_layers=32, hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32
 )
 TINY = ModelConfig(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4)
-NONE = MethodConfig(name="none")
-MEMO = MethodConfig(name="memo", layer_activations="swap")
-FULL_RECOMPUTE = MethodConfig(name="full_recompute", layer_activations="recompute")
-MEGATRON_FULL = MethodConfig(
+NONE = Method(name="none")
+MEMO = Method(name="memo", layer_activations="swap")
+FULL_RECOMPUTE = Method(name="full_recompute", layer_activations="recompute")
+MEGATRON_FULL = Method(
     name="megatron_full_recompute",
     recompute_granularity="full",
     recompute_method="uniform",
@@ -49,8 +52,16 @@ def work(model=SEVEN_B, method=NONE, parallel=ParallelConfig(), seq=S, dtype="bf
     return Workload(model, method, parallel, seq, dtype=dtype, **kwargs)
 
 
-def problem(method=NONE, model=SEVEN_B, hw=A800, **kwargs) -> Problem:
+def problem(method=NONE, model=SEVEN_B, hw=A800, alpha=None, **kwargs) -> Problem:
+    """The problem of ``method`` (swapping ``alpha`` of the tokens where given) on ``model``."""
+    if alpha is not None:
+        method = dataclasses.replace(method, alpha=alpha)
     return Problem(work(model, method), hardware=hw, fit=FitConfig(), **kwargs)
+
+
+def template_of(workload: Workload, layers: int):
+    """The iteration template of ``workload`` as a prediction traces it (its policy's ``traced``)."""
+    return iteration_template(workload, layers, policy_of(workload).traced)
 
 
 def without_gradients(trace: Trace) -> Trace:
@@ -70,9 +81,10 @@ def test_a_template_instance_has_the_peak_of_the_real_iteration(method):
         TINY, num_layers=7, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8
     )
     layout = ParallelConfig(tp=2, sequence_parallel=True)
-    template = iteration_template(work(model, method, layout), 7)
+    template = template_of(work(model, method, layout), 7)
     assert template.layers == 5
-    real = without_gradients(trace_iteration(work(model, method, layout, 6144)))
+    direct = work(model, method, layout, 6144)
+    real = without_gradients(trace_iteration(direct, policy_of(direct)))
     instance = template.instance(6144, 7)
     assert max_load(instance.buffers()) == max_load(real.buffers())
     assert memory.split_peak(instance) == memory.split_peak(real)
@@ -89,16 +101,16 @@ def test_a_tiled_loss_template_stands_for_many_tiles(tp, sp, tile):
     model = dataclasses.replace(
         TINY, num_layers=9, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8
     )
-    tiled = MethodConfig(name="none", loss="tiled")
     layout = ParallelConfig(tp=tp, sequence_parallel=sp)
-    template = iteration_template(work(model, tiled, layout), 9)
-    real = without_gradients(trace_iteration(work(model, tiled, layout, 6144, loss_tile_tokens=tile)))
+    template = template_of(work(model, NONE, layout, loss="tiled"), 9)
+    direct = work(model, NONE, layout, 6144, loss="tiled", loss_tile_tokens=tile)
+    real = without_gradients(trace_iteration(direct, policy_of(direct)))
     instance = template.instance(6144, 9, loss_tile_tokens=tile)
-    short = 4 * (6144 - template.tile_tokens(6144, tile))
+    short = 4 * (6144 - template.loss_tile(6144, tile))
     chunks = tp if sp else 1
-    assert template.tile_tokens(6144, tile) == (tile or 64) * chunks
+    assert template.loss_tile(6144, tile) == (tile or 64) * chunks
     # by default a power of two at most an eighth of a rank's tokens: 256 of 3072, 512 of 6144
-    assert template.embedding_tile_tokens(6144, tile) == (tile * chunks if tile else 512)
+    assert template.embedding_tile(6144, tile) == (tile * chunks if tile else 512)
     assert max_load(real.buffers()) - max_load(instance.buffers()) == short
     (peak, phase, kinds), (real_peak, real_phase, real_kinds) = (
         memory.split_peak(instance), memory.split_peak(real))
@@ -199,24 +211,24 @@ def test_memo_buffers_host_bytes_and_alpha_at_one_million_tokens():
 
 
 def test_memo_alpha_is_solved_against_bandwidth_and_host_memory():
-    sizes = memory.SkeletalBytes(input=100, attention=100, other=1000)
+    sizes = SkeletalBytes(input=100, attention=100, other=1000)
     # The copy of one layer (200 + α·1000 bytes at 1000 B/s) must hide behind 0.7 s: α = 0.5.
-    plan = memory.host_plan(sizes, 12, None, 0.7, 1000.0, budget=1e9)
+    plan = host_plan(sizes, 12, None, 0.7, 1000.0, budget=1e9)
     assert plan.solution.alpha == pytest.approx(0.5) and plan.solution.binding == "bandwidth"
     assert plan.per_device == 10 * 700
     # Ten swapped layers in 4000 bytes: 400 per layer, α = 0.2.
-    plan = memory.host_plan(sizes, 12, None, 0.7, 1000.0, budget=4000)
+    plan = host_plan(sizes, 12, None, 0.7, 1000.0, budget=4000)
     assert plan.solution.alpha == pytest.approx(0.2) and plan.solution.binding == "host"
     with pytest.raises(HostMemoryError, match="out of host memory"):
-        memory.host_plan(sizes, 12, None, 0.7, 1000.0, budget=1000)
+        host_plan(sizes, 12, None, 0.7, 1000.0, budget=1000)
     # A given α keeps both bounds, as the training run's report does (one choose_alpha for both).
-    plan = memory.host_plan(sizes, 12, 0.1, 0.7, 1000.0, budget=4000)
+    plan = host_plan(sizes, 12, 0.1, 0.7, 1000.0, budget=4000)
     assert (plan.solution.alpha, plan.solution.binding) == (0.1, "fixed")
     bounds = (plan.solution.alpha_bandwidth, plan.solution.alpha_host)
     assert bounds == (pytest.approx(0.5), pytest.approx(0.2))
     assert plan.per_device == 10 * 300
     with pytest.raises(HostMemoryError, match="alpha=0.3 swaps"):
-        memory.host_plan(sizes, 12, 0.3, 0.7, 1000.0, budget=4000)
+        host_plan(sizes, 12, 0.3, 0.7, 1000.0, budget=4000)
 
 
 def test_a_planned_prediction_places_every_request_of_the_scaled_iteration():
@@ -334,7 +346,7 @@ def test_tiny_activation_peak_matches_a_real_cpu_iteration():
     tiny = work(model, NONE, seq=4096, dtype="fp32")
     fit = FitConfig(device_reserved_gib=0)
     prediction = predict(Problem(tiny, hardware=cpu, fit=fit), ParallelConfig(), 4096)
-    real = without_gradients(trace_iteration(tiny, "cpu"))
+    real = without_gradients(trace_iteration(tiny, policy_of(tiny), "cpu"))
     measured = max_load(real.buffers())
     assert prediction.acts.allocated_peak == pytest.approx(measured, rel=0.10)
     assert prediction.states.weights == 4 * prediction.states.params  # fp32, no main copy
@@ -353,7 +365,7 @@ def test_tiny_memo_prediction_matches_a_cpu_training_run(tmp_path, name):
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     cpu = _CPU_BOX
     model = resolve_config(f"model={name}", "model.vocab_size=1000").workload.model
-    tiny = Problem(work(model, MEMO, dtype="fp32"), hardware=cpu, fit=FitConfig(), alpha=0.5)
+    tiny = Problem(work(model, dataclasses.replace(MEMO, alpha=0.5), dtype="fp32"), hardware=cpu, fit=FitConfig())
     prediction = predict(tiny, ParallelConfig(), 2048)
     assert prediction.rounding_buffers == pytest.approx(row["swap.rounding_buffer_bytes"], rel=0.10)
     assert prediction.host_per_device == pytest.approx(row["swap.host_bytes"], rel=0.10)
@@ -527,7 +539,7 @@ def test_calibration_predicts_measured_rows_again_and_gives_the_errors(tmp_path)
     w = problem_.workload
     assert (w.model.name, w.method.name, seq, parallel.tp, w.dtype) == ("tiny", "none", 1024, 1, "fp32")
     assert w.model.vocab_size == 1000
-    assert w.method.loss == measured["train.loss"]  # the loss the run used
+    assert w.loss == measured["train.loss"]  # the loss the run used
     assert problem_.hardware.peak_flops == measured["hardware.peak_flops"]  # the run's own denominator
     expected = predict(problem_, parallel, seq)
     cpu, device = table.iloc[0], table.iloc[1]

@@ -10,25 +10,27 @@ import pytest
 import yaml
 from conftest import REPO
 
-from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, Workload
+from memo.config import FitConfig, Method, ModelConfig, ParallelConfig, Workload
 from memo.execute.optimizer_offload import offload_bytes
 from memo.fit import memory
 from memo.fit.predict import Problem, predict
-from memo.fit.template import TRACED_TILES, iteration_template, traced_tile_tokens
 from memo.hardware import HARDWARE, GiB
 from memo.model.gpt import parameter_count, parameter_numels
+from memo.policy import policy_of
+from memo.policy.tiles import tile_host_plan
 from memo.profile.iteration import trace_iteration
+from memo.profile.template import TRACED_TILES, iteration_template, traced_tile_tokens
 from memo.profile.trace import Trace
 from memo.swap.alpha import HostMemoryError, SkeletalBytes
 from memo.swap.tile_alpha import TileShape, solve_tiles
 
 TINY_LLAMA = ModelConfig(**yaml.safe_load((REPO / "conf" / "model" / "tiny_llama.yaml").read_text()))
-MEMO = MethodConfig(name="memo", layer_activations="swap", loss="tiled", tile_tokens="512")
+MEMO = Method(name="memo", layer_activations="swap")
 H200 = HARDWARE["h200"]
 
 
 def tiled(seq: int, tile: int, model=TINY_LLAMA, parallel=ParallelConfig(), **kwargs) -> Workload:
-    return Workload(model, MEMO, parallel, seq, dtype="bf16", tile_tokens=tile, **kwargs)
+    return Workload(model, MEMO, parallel, seq, dtype="bf16", loss="tiled", layer_tile_tokens=tile, **kwargs)
 
 
 def without_gradients(trace: Trace) -> Trace:
@@ -54,12 +56,12 @@ def test_three_layers_of_three_tiles_stand_for_more_of_both():
     loss's fp32 gradient per token is sized at one tile of the loss, 4 bytes a token short (as
     whole layers have it); one tile's skeletal bytes are the ones the runtime finds."""
     work = tiled(4 * 512, 512)
-    template = iteration_template(work, 4)
+    template = iteration_template(work, 4, policy_of(work).traced)
     assert (template.layers, TRACED_TILES, traced_tile_tokens(512)) == (3, 3, 512)
-    real = without_gradients(trace_iteration(work))
-    instance = template.instance(2048, 4, tile_tokens=512)
+    real = without_gradients(trace_iteration(work, policy_of(work)))
+    instance = template.instance(2048, 4, layer_tile_tokens=512)
     real_peaks, peaks = peaks_by_part(real), peaks_by_part(instance)
-    short = 4 * (2048 - template.tile_tokens(2048))
+    short = 4 * (2048 - template.loss_tile(2048))
     assert set(peaks) == set(real_peaks)
     for part, value in real_peaks.items():
         assert peaks[part] == value - (short if part == "loss.bwd" else 0), part
@@ -78,15 +80,15 @@ def test_the_fits_alpha_and_k_are_the_training_solvers():
     exposed time is zero at the bandwidth bound and what α = 1 leaves over the next tile."""
     sizes = SkeletalBytes(1000, 2000, 8000)
     times = [1e-6 * (t + 1) for t in range(4)]
-    plan = memory.tile_host_plan(sizes, 6, times, None, 5e9, 4e5)
+    plan = tile_host_plan(sizes, 6, times, None, 5e9, 4e5)
     expected = solve_tiles(TileShape(sizes, 6, 4, 2), times, 5e9, 4e5)
     assert plan.solution == expected and plan.per_device == math.ceil(expected.host_bytes)
     assert plan.exposed_copy_s == pytest.approx(0.0, abs=1e-12)
-    full = memory.tile_host_plan(sizes, 6, times, 1.0, 5e9, 1e9)
+    full = tile_host_plan(sizes, 6, times, 1.0, 5e9, 1e9)
     copy = (1000 + 2000 + 8000) / 5e9
     assert full.exposed_copy_s == pytest.approx(sum(max(0.0, copy - times[(t + 1) % 4]) for t in range(4)))
     with pytest.raises(HostMemoryError, match="layer inputs"):
-        memory.tile_host_plan(sizes, 6, times, None, 5e9, 1e3)
+        tile_host_plan(sizes, 6, times, None, 5e9, 1e3)
 
 
 def test_tiled_memo_is_predicted_ok_oom_and_oohm():
@@ -125,15 +127,15 @@ def test_parameter_tensors_are_the_models(name, tiny_models):
 
 @pytest.fixture(scope="module")
 def tiny_models():
-    from memo.model import build_gpt
-    from memo.profile.iteration import _process_group
+    from memo.policy import build_model
+    from memo.profile.iteration import process_group
 
     models = {}
     for name in ("tiny", "tiny_llama"):
         model = ModelConfig(**yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text()))
-        with _process_group(ParallelConfig(), "cpu"):
-            models[name] = (model, build_gpt(Workload(model, MethodConfig(name="none"), ParallelConfig(), 256),
-                                             "cpu", "math").module)
+        with process_group(ParallelConfig(), "cpu"):
+            models[name] = (model, build_model(Workload(model, Method(name="none"), ParallelConfig(), 256),
+                                               "cpu", "math").module)
     return models
 
 
@@ -141,7 +143,7 @@ def test_adam_on_the_host_moves_the_optimizer_off_the_device():
     """All of Adam's states on the host: none left on the device, the host bytes those of the byte
     model of what a run allocates over the model's tensors; sharded over two ranks, each tensor's
     half."""
-    work = Workload(TINY_LLAMA, MethodConfig(name="none"), ParallelConfig(), 1024, dtype="bf16")
+    work = Workload(TINY_LLAMA, Method(name="none"), ParallelConfig(), 1024, dtype="bf16")
     states = memory.model_states(work, None, 1.0)
     assert states.optimizer == 0 and states.weights == 2 * states.params and states.gradients == 4 * states.params
     assert states.offload == offload_bytes(parameter_numels(TINY_LLAMA), 2, 1.0)
@@ -169,14 +171,14 @@ def test_adam_on_the_host_takes_its_share_of_the_host_first():
 def test_megatrons_offloading_takes_its_layers_tensors_to_the_host():
     """``method=megatron_offload``: the iteration of method=none with every offloading layer's
     freed bytes off the device but the one brought back ahead, and their copies on the host."""
-    from memo.fit.megatron_offload import offloaded_bytes
+    from memo.policy.megatron_offload import offloaded_bytes
 
     model = dataclasses.replace(TINY_LLAMA, num_layers=6)
-    offloading = MethodConfig(name="megatron_offload", loss="tiled", offload_modules=["core_attn", "attn_proj"])
-    work = Workload(model, offloading, ParallelConfig(), 16384, dtype="bf16")
+    offloading = Method(name="megatron_offload", offload_modules=("core_attn", "attn_proj"))
+    work = Workload(model, offloading, ParallelConfig(), 16384, dtype="bf16", loss="tiled")
     hw, fit = HARDWARE["h100"], FitConfig()
     got = predict(Problem(work, hw, fit), ParallelConfig(), 16384)
-    none = predict(Problem(dataclasses.replace(work, method=MethodConfig(name="none", loss="tiled")), hw, fit),
+    none = predict(Problem(dataclasses.replace(work, method=Method(name="none")), hw, fit),
                    ParallelConfig(), 16384)
     layer = offloaded_bytes(work)
     assert layer.per_layer_device_freed > 0 and got.status == "ok"
@@ -207,7 +209,7 @@ def test_the_search_tries_tiles_and_picks_them_where_they_reach_further(tmp_path
     assert at_tiles[1.0] >= at_tiles[0.0]
     assert row["train.optimizer_offload"] == ("host" if at_tiles[1.0] > at_tiles[0.0] else "none")
     # the row says how to run it: predicted again from the row (as calibration does), the same
-    from analysis.calibration import problem_of_row
+    from memo.fit.calibration import problem_of_row
 
     problem, parallel, seq = problem_of_row(pd.Series(row))
     again = predict(problem, parallel, seq)

@@ -1,5 +1,5 @@
 """Megatron-core's fine-grained activation offloading (method=megatron_offload): the byte model of
-memo.fit.megatron_offload against saved tensors counted on a real model, and what configuration
+memo.policy.megatron_offload against saved tensors counted on a real model, and what configuration
 and training refuse."""
 
 import dataclasses
@@ -12,20 +12,20 @@ from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memo.model.gpt
-from memo.config import ConfigError, MethodConfig, ParallelConfig, Workload, validate
-from memo.fit.megatron_offload import (
+from memo.config import ConfigError, Method, ParallelConfig, Workload, validate
+from memo.policy import policy_of
+from memo.policy.megatron_offload import (
     MIN_OFFLOADED_ELEMENTS,
     module_scopes,
     offloaded_bytes,
     offloaded_layers,
-    without_offloading,
 )
 from memo.model import build_gpt, torch_dtype, uses_transformer_engine
 from memo.model.attention import select_backend
 from memo.model.gpt import transformer_config
-from memo.profile.iteration import _process_group, _unchecked_rng_forks
+from memo.profile.iteration import process_group, unchecked_rng_forks
 
-from conftest import compose_config, run_in_process
+from conftest import compose_config, resolve_config, run_in_process
 
 MEGATRON_MIN_ELEMENTS = 1024 * 1024  # TransformerConfig.min_offloaded_tensor_size in megatron-core 0.16
 
@@ -87,14 +87,14 @@ def _count(workload: Workload, modules: set, fake: bool) -> list[tuple[int, int,
     attention = select_backend("cpu", torch_dtype(workload), config.kv_channels, "auto", grouped)
     where = (lambda t: id(t.untyped_storage())) if fake else (lambda t: t.untyped_storage().data_ptr())
     tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
-    with _process_group(parallel, "fake"), tensors:
+    with process_group(parallel, "fake"), tensors:
         torch.manual_seed(0)
-        gpt = build_gpt(workload, "cpu", attention).module
+        gpt = build_gpt(workload, "cpu", attention, layers=policy_of(workload).layers).module
         parameters = {where(p) for p in gpt.parameters()}
         counted = [_Counted(layer) for layer in gpt.decoder.layers[1:-1]]
         b, s = workload.micro_batch_size, workload.seq
         ids = torch.zeros(b, s, dtype=torch.long)
-        with _unchecked_rng_forks():
+        with unchecked_rng_forks():
             gpt(ids, torch.arange(s).expand(b, s), None, labels=ids)
         return [c.bytes(modules, parameters, MEGATRON_MIN_ELEMENTS, where) for c in counted]
 
@@ -115,11 +115,12 @@ def test_byte_model_equals_the_saved_tensors_counted_at_a_third_length(model, tp
     # 6144 tokens is neither traced length (2048, 4096 per sequence-parallel chunk) and splits the
     # saved tensors on both sides of Megatron's 2^20-element threshold
     modules = list(units)
-    method = MethodConfig(name="megatron_offload", offload_modules=modules)
+    method = Method(name="megatron_offload", offload_modules=tuple(modules))
     workload = Workload(_model(model), method, ParallelConfig(tp=tp, sequence_parallel=tp > 1), 6144,
                         micro_batch_size, dtype)
     predicted = offloaded_bytes(workload)
-    counted = _count(dataclasses.replace(workload, method=without_offloading(method)), set(modules), fake)
+    counted = _count(dataclasses.replace(workload, method=dataclasses.replace(method, offload_modules=None)),
+                     set(modules), fake)
     (host, kept, none), = counted  # the one inner layer
     assert (predicted.per_layer_host, predicted.per_layer_device_kept, predicted.per_layer_device_none) == (
         host, kept, none)
@@ -135,8 +136,7 @@ def test_attention_output_is_copied_once_per_save_and_small_tensors_stay():
     # log-sum-exp (8·s) stay. The output is saved by the kernel and as the projection's input:
     # copied twice, freed once. Each copy is page-locked on its own: 6 MiB as 8.
     s, h, e = 6144, 256, 4
-    workload = Workload(_model("tiny_llama"), MethodConfig(name="megatron_offload",
-                                                          offload_modules=["core_attn", "attn_proj"]),
+    workload = Workload(_model("tiny_llama"), Method(name="megatron_offload", offload_modules=("core_attn", "attn_proj")),
                         ParallelConfig(), s, 1, "fp32")
     offload = offloaded_bytes(workload)
     assert offload.host_by_module == {"core_attn": 2 * 2**23, "attn_proj": 2**23}
@@ -157,22 +157,21 @@ def test_training_without_transformer_engine_or_gpu_is_refused_in_one_line(tmp_p
     assert row["status"] == "error" and "\n" not in row["error"] and row["iter_time_s"] is None
     assert row["error"].startswith("method=megatron_offload is Megatron-core's fine-grained activation "
                                    "offloading, which needs a GPU and Transformer Engine"), row["error"]
-    method = OmegaConf.to_object(compose_config("method=megatron_offload").method)
-    parallel = ParallelConfig()
+    workload = resolve_config("method=megatron_offload", "model=tiny_llama", "seq=1024", "train.dtype=bf16").workload
+    layers, name = policy_of(workload).layers, workload.method.name
     monkeypatch.setattr(memo.model.gpt, "HAVE_TE", True)
     with pytest.raises(ConfigError, match=r"which needs a GPU \(it copies"):
-        uses_transformer_engine(parallel, "cpu", "auto", method)
+        uses_transformer_engine("cpu", "auto", layers, name)
     with pytest.raises(ConfigError, match=r"train.attention_backend=flash is not supported"):
-        uses_transformer_engine(parallel, "cuda", "flash", method)
+        uses_transformer_engine("cuda", "flash", layers, name)
     # with both, Megatron's TransformerConfig fields are set on Transformer Engine's layers
-    assert uses_transformer_engine(parallel, "cuda", "auto", method)
-    workload = Workload(_model("tiny_llama"), method, parallel, 1024, 1, "bf16")
-    config = transformer_config(workload, "cuda", local_spec=False)
+    assert uses_transformer_engine("cuda", "auto", layers, name)
+    config = transformer_config(workload, "cuda", local_spec=False, layers=layers)
     assert config.fine_grained_activation_offloading and config.offload_modules == ["core_attn", "attn_proj"]
     monkeypatch.setattr(memo.model.gpt, "HAVE_TE", False)
     with pytest.raises(ConfigError, match=r"needs Transformer Engine \(pip install '.\[gpu\]'\) \(it copies"):
-        uses_transformer_engine(parallel, "cuda", "auto", method)
-    assert not transformer_config(workload, "cpu").fine_grained_activation_offloading
+        uses_transformer_engine("cuda", "auto", layers, name)
+    assert not transformer_config(workload, "cpu", layers=layers).fine_grained_activation_offloading
 
 
 @pytest.mark.parametrize("modules, message", [
@@ -201,4 +200,4 @@ def test_offloading_combines_with_no_other_activation_method():
     ]:
         with pytest.raises(ConfigError, match=message):
             validate(compose_config(*overrides))
-    assert validate(compose_config("method=megatron_offload", "method.offload_modules=[qkv_linear]")) == 1024
+    assert validate(compose_config("method=megatron_offload", "method.offload_modules=[qkv_linear]")).seq == 1024

@@ -9,7 +9,8 @@ import torch
 from memo import hardware
 from memo.config import ConfigError
 from memo.metrics import PeakMemory, mfu, model_flops, model_flops_per_sample, tgs
-from memo.model import build_gpt, padded_vocab_size, parameter_count
+from memo.model import padded_vocab_size, parameter_count
+from memo.policy import build_model
 
 from conftest import compose_config, resolve_config
 
@@ -63,7 +64,7 @@ def test_vocab_padding_is_the_same_for_common_tp(tp):
 
 def test_parameters_counted_from_the_model_match_the_formula(single_process):
     workload = resolve_config("model=tiny", "seq=256", "train.loss=megatron").workload
-    built = build_gpt(workload, "cpu")
+    built = build_model(workload, "cpu")
     assert built.params == parameter_count(workload.model) == 16_037_376
     assert built.params == sum(p.numel() for p in built.module.parameters())
 

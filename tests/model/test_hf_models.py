@@ -10,7 +10,8 @@ import torch
 
 import hf_models
 from memo.config import ConfigError
-from memo.model import build_gpt, hf_checkpoint
+from memo.model import hf_checkpoint
+from memo.policy import build_model
 
 from conftest import resolve_config, run_in_process
 
@@ -50,7 +51,7 @@ def test_a_checkpoint_survives_a_round_trip_byte_for_byte(single_process, tmp_pa
 
     hf_models.make_checkpoint(model, tmp_path / "theirs")
     run = resolve_config(f"model={model}", "seq=64")
-    gpt = build_gpt(run.workload, "cpu").module
+    gpt = build_model(run.workload, "cpu").module
     hf_checkpoint.load(gpt, run.workload.model, tmp_path / "theirs")
     hf_checkpoint.save(gpt, run.workload.model, tmp_path / "ours")
     weights = hf_checkpoint.WEIGHTS_FILE
@@ -95,7 +96,7 @@ def test_a_checkpoint_with_tensors_the_model_has_no_place_for_is_refused(single_
     weights = tmp_path / hf_checkpoint.WEIGHTS_FILE
     tensors = load_file(weights)
     run = resolve_config("model=tiny_llama", "seq=64")
-    gpt = build_gpt(run.workload, "cpu").module
+    gpt = build_model(run.workload, "cpu").module
     save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": torch.zeros(256)}, weights)
     with pytest.raises(ConfigError, match=r"holds model.layers.0.self_attn.o_proj.bias, which the model has no "
                                           r"place for \(0 missing, 1 unused\)"):
@@ -108,7 +109,7 @@ def test_a_checkpoint_with_tensors_the_model_has_no_place_for_is_refused(single_
 
 def test_megatrons_distributed_checkpoint_sees_every_weight(single_process):
     for model in MODELS:
-        gpt = build_gpt(resolve_config(f"model={model}", "seq=64").workload, "cpu").module
+        gpt = build_model(resolve_config(f"model={model}", "seq=64").workload, "cpu").module
         sharded = gpt.sharded_state_dict()
         assert {name for name, _ in gpt.named_parameters()} <= set(sharded), model
 

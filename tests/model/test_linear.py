@@ -2,9 +2,10 @@
 
 import pytest
 
-from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload
+from memo.config import Method, ModelConfig, ParallelConfig, Workload
 from memo.model.tiles import eighth_tile_tokens
-from memo.profile.iteration import trace_iteration
+
+from conftest import trace_of
 
 
 @pytest.mark.slow
@@ -25,9 +26,9 @@ def _traced(layer_activations: str, seq: int):
     model = ModelConfig(name="small", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                         num_attention_heads=4, vocab_size=1024)
     # the tiled loss: Megatron's output layer would gather into the buffer too
-    method = MethodConfig(name=layer_activations, layer_activations=layer_activations, loss="tiled")
+    method = Method(name=layer_activations, layer_activations=layer_activations)
     layout = ParallelConfig(tp=2, sequence_parallel=True)
-    return trace_iteration(Workload(model, method, layout, seq, dtype="fp32"), "fake")
+    return trace_of(Workload(model, method, layout, seq, dtype="fp32", loss="tiled"), "fake")
 
 
 def _persistent_bytes(layer_activations: str, seq: int) -> int:

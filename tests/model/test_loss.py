@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, validate, Workload
+from memo.config import ConfigError, Method, ModelConfig, ParallelConfig, validate, Workload
 from memo.model.loss import tiled_cross_entropy
 from memo.model.tiles import auto_tile_tokens
-from memo.profile.iteration import trace_iteration
 
-from conftest import compose_config, resolve_config, run_in_process
+from conftest import compose_config, resolve_config, run_in_process, trace_of
 from loss_worker import gradients
 
 
@@ -84,8 +83,7 @@ def _loss_peak(loss: str) -> int:
     """Bytes the output layer and loss add, at their peak, to what the layers left live (fp32)."""
     model = ModelConfig(name="v50304", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                         num_attention_heads=4, vocab_size=50304)
-    trace = trace_iteration(Workload(model, MethodConfig(name="none", loss=loss), ParallelConfig(), 16384,
-                                     dtype="fp32"), "fake")
+    trace = trace_of(Workload(model, Method(name="none"), ParallelConfig(), 16384, dtype="fp32", loss=loss), "fake")
     return _phase_peak(trace, ("head.fwd", "loss.fwd", "loss.bwd", "head.bwd"))
 
 
@@ -101,8 +99,8 @@ def _embedding_backward_peak(loss: str, parallel: ParallelConfig, seq: int) -> i
     a vocabulary small enough that the [s, h] gradient is the largest thing there)."""
     model = ModelConfig(name="v1024", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                         num_attention_heads=4, vocab_size=1024)
-    workload = Workload(model, MethodConfig(name="none", loss=loss), parallel, seq, dtype="fp32")
-    trace = trace_iteration(workload, "fake")
+    workload = Workload(model, Method(name="none"), parallel, seq, dtype="fp32", loss=loss)
+    trace = trace_of(workload, "fake")
     return _phase_peak(trace, ("embedding.bwd",))
 
 
@@ -124,8 +122,8 @@ def test_the_tiled_embedding_backward_holds_no_gradient_of_the_whole_sequence(pa
 def test_tiled_trace_has_the_phases_of_megatrons():
     model = ModelConfig(name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=2)
     phases = {
-        loss: trace_iteration(Workload(model, MethodConfig(name="none", loss=loss), ParallelConfig(), 256,
-                                       dtype="fp32"), "fake").phases
+        loss: trace_of(Workload(model, Method(name="none"), ParallelConfig(), 256, dtype="fp32", loss=loss),
+                       "fake").phases
         for loss in ("megatron", "tiled")
     }
     # the tiled loss normalizes and multiplies inside its own tiles: the head asks for nothing
@@ -148,7 +146,7 @@ def test_tiled_trace_has_the_phases_of_megatrons():
     ],
 )
 def test_each_method_has_its_default_loss_and_train_loss_overrides_it(overrides, loss):
-    assert resolve_config(*overrides).workload.method.loss == loss
+    assert resolve_config(*overrides).workload.loss == loss
 
 
 @pytest.mark.parametrize(

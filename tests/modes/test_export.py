@@ -8,7 +8,7 @@ import torch
 
 from conftest import PYTHON, REPO, one_process, resolve_config, run_in_process
 from memo.execute.checkpoint import load_weights
-from memo.model import build_gpt
+from memo.policy import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,7 +31,7 @@ def test_an_exported_checkpoint_gives_our_logits_in_transformers(tmp_path, model
     run = resolve_config(f"model={model}", "seq=64")
     ids = torch.randint(0, run.workload.model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     with one_process():
-        ours = build_gpt(run.workload, "cpu").module
+        ours = build_model(run.workload, "cpu").module
         facts = load_weights(saved, ours)
         with torch.no_grad():
             logits = ours(ids, torch.arange(64).unsqueeze(0), None)[0]
@@ -47,7 +47,7 @@ def _initial_embedding(model: str) -> torch.Tensor:
     run = resolve_config(f"model={model}", "seq=64")
     with one_process():
         torch.manual_seed(run.train.seed)
-        return build_gpt(run.workload, "cpu").module.embedding.word_embeddings.weight.detach().clone()
+        return build_model(run.workload, "cpu").module.embedding.word_embeddings.weight.detach().clone()
 
 
 def test_a_model_transformers_has_no_format_for_is_one_line(tmp_path):

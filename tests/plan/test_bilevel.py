@@ -2,15 +2,16 @@
 
 import pytest
 
-from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload
+from memo.config import Method, ModelConfig, ParallelConfig, Workload
 from memo.plan.bilevel import addresses, plan_iteration, read_plan, write_plan
 from memo.dsa.buffers import PlanError, max_load, validate
-from memo.profile.iteration import trace_iteration
 from memo.profile.layers import LayerMismatchError
 from memo.profile.trace import Event, Trace
 
+from conftest import trace_of
+
 TINY = ModelConfig(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4)
-NONE = MethodConfig(name="none")
+NONE = Method(name="none")
 
 
 def _layered_trace(layers: int = 4) -> Trace:
@@ -50,7 +51,7 @@ def test_a_hand_made_iteration_gets_the_offsets_worked_out_by_hand():
 
 
 def test_every_request_of_a_real_trace_gets_an_address_and_none_overlap():
-    trace = trace_iteration(Workload(TINY, NONE, ParallelConfig(), 512, dtype="fp32"))
+    trace = trace_of(Workload(TINY, NONE, ParallelConfig(), 512, dtype="fp32"))
     memory_plan = plan_iteration(trace, time_limit_s=20)
     offsets = addresses(memory_plan, trace)
     buffers = trace.buffers()
@@ -81,7 +82,7 @@ def test_moving_one_transient_request_breaks_validation():
      1 << 20, 8),
 ], ids=["tiny-4k", "1.3b-64k", "7b-4k", "7b-1m-tp8"])
 def test_level_one_plans_of_our_traces_are_proven_optimal(model, seq, tp):
-    trace = trace_iteration(Workload(model, NONE, ParallelConfig(tp=tp), seq, dtype="bf16"))
+    trace = trace_of(Workload(model, NONE, ParallelConfig(tp=tp), seq, dtype="bf16"))
     memory_plan = plan_iteration(trace, time_limit_s=20)
     for name in ("layer.fwd", "layer.bwd"):
         block = memory_plan.blocks[name]

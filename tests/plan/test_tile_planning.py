@@ -6,24 +6,24 @@ import dataclasses
 
 import pytest
 import yaml
-from conftest import REPO, run_in_process
+from conftest import REPO, run_in_process, trace_of
 
-from memo.config import MethodConfig, ModelConfig, ParallelConfig, Workload
+from memo.config import Method, ModelConfig, ParallelConfig, Workload
 from memo.dsa.buffers import read_buffers, validate
 from memo.execute.plan_runtime import CPU_SERVING
-from memo.fit.template import iteration_template
 from memo.plan.bilevel import addresses, phase_kind, plan_iteration, read_plan
-from memo.profile.iteration import trace_iteration
+from memo.policy import policy_of
+from memo.profile.template import iteration_template
 from memo.profile.trace import Event, Trace, read_trace
 
 TINY_LLAMA = ModelConfig(**yaml.safe_load((REPO / "conf" / "model" / "tiny_llama.yaml").read_text()))
-MEMO = MethodConfig(name="memo", layer_activations="swap", loss="tiled", tile_tokens="512")
+MEMO = Method(name="memo", layer_activations="swap")
 TILE = 512
 
 
 def tiled(layers: int, tiles: int) -> Workload:
     return Workload(dataclasses.replace(TINY_LLAMA, num_layers=layers), MEMO, ParallelConfig(), tiles * TILE,
-                    dtype="bf16", tile_tokens=TILE)
+                    dtype="bf16", loss="tiled", layer_tile_tokens=TILE)
 
 
 def without_gradients(trace: Trace) -> Trace:
@@ -40,7 +40,7 @@ def placed_validly(memory_plan, trace: Trace) -> int:
 
 @pytest.fixture(scope="module")
 def three_and_six_tiles():
-    traces = {tiles: trace_iteration(tiled(3, tiles)) for tiles in (3, 6)}
+    traces = {tiles: trace_of(tiled(3, tiles)) for tiles in (3, 6)}
     return {tiles: (trace, plan_iteration(trace, 20, identical_layers=False)) for tiles, trace in traces.items()}
 
 
@@ -129,16 +129,16 @@ def test_a_block_that_keeps_a_request_past_itself_is_refused():
 def test_three_layers_of_three_tiles_plan_the_runs_own_tiles_and_arena():
     """The template's iteration at the run's length and tile has the level-1 blocks of a direct
     trace of four layers of five tiles, and its arena but the loss's per-token fp32 gradient,
-    which it sizes at one loss tile (as :mod:`memo.fit.template` states)."""
+    which it sizes at one loss tile (as :mod:`memo.profile.template` states)."""
     work = tiled(4, 5)
-    real = plan_iteration(without_gradients(trace_iteration(work)), 20, identical_layers=False)
-    template = iteration_template(work, 4)
-    instance = template.instance(work.seq, 4, tile_tokens=TILE)
+    real = plan_iteration(without_gradients(trace_of(work)), 20, identical_layers=False)
+    template = iteration_template(work, 4, policy_of(work).traced)
+    instance = template.instance(work.seq, 4, layer_tile_tokens=TILE)
     planned = plan_iteration(instance, 20, identical_layers=False)
     for name in real.blocks:
         if ".t" in name:
             assert planned.blocks[name].placements == real.blocks[name].placements, name
-    assert planned.arena_bytes == real.arena_bytes - 4 * (work.seq - template.tile_tokens(work.seq))
+    assert planned.arena_bytes == real.arena_bytes - 4 * (work.seq - template.loss_tile(work.seq))
 
 
 def test_plan_mode_plans_a_walk_in_tiles_and_its_files_place_every_request(tmp_path):

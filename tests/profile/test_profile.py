@@ -5,21 +5,22 @@ import dataclasses
 import pytest
 import torch
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
+from memo.config import ConfigError, Method, ModelConfig, ParallelConfig, Workload
 from memo.dsa.buffers import read_buffers
-from memo.profile.iteration import trace_iteration
 from memo.profile.layers import LayerMismatchError, check_identical_layers, layer_bytes
 from memo.profile.recorder import AllocationRecorder
 from memo.profile.trace import Event, Trace, read_trace, write_trace
 
+from conftest import trace_of
+
 TINY = ModelConfig(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4)
 SEVEN_B = ModelConfig(name="7b", num_layers=4, hidden_size=4096, ffn_hidden_size=16384,
                       num_attention_heads=32)
-NONE = MethodConfig(name="none")
+NONE = Method(name="none")
 METHODS = [
     NONE,
-    MethodConfig(name="full_recompute", layer_activations="recompute"),
-    MethodConfig(name="megatron_full_recompute", recompute_granularity="full", recompute_method="uniform",
+    Method(name="full_recompute", layer_activations="recompute"),
+    Method(name="megatron_full_recompute", recompute_granularity="full", recompute_method="uniform",
                  recompute_num_layers=1),
 ]
 
@@ -48,14 +49,14 @@ def test_recorder_sees_storages_not_views_and_frees_when_the_last_user_goes():
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
 def test_fake_and_real_cpu_traces_are_the_same_requests_in_the_same_order(method):
-    fake = trace_iteration(Workload(TINY, method, ParallelConfig(), 512, dtype="fp32"), "fake")
-    real = trace_iteration(Workload(TINY, method, ParallelConfig(), 512, dtype="fp32"), "cpu")
+    fake = trace_of(Workload(TINY, method, ParallelConfig(), 512, dtype="fp32"), "fake")
+    real = trace_of(Workload(TINY, method, ParallelConfig(), 512, dtype="fp32"), "cpu")
     assert len(fake.events) > 500
     assert [(e.op, e.size, e.phase) for e in fake.events] == [(e.op, e.size, e.phase) for e in real.events]
 
 
 def test_phases_follow_the_iteration():
-    trace = trace_iteration(Workload(TINY, NONE, ParallelConfig(), 256, dtype="bf16"))
+    trace = trace_of(Workload(TINY, NONE, ParallelConfig(), 256, dtype="bf16"))
     layers = range(TINY.num_layers)
     assert trace.phases == [
         "embedding.fwd", *(f"layer.{i}.fwd" for i in layers), "head.fwd", "loss.fwd", "loss.bwd",
@@ -89,7 +90,7 @@ def _expected_skeletal(model: ModelConfig, seq: int, tp: int, sp: bool, element:
 ], ids=["tiny", "7b-4k", "7b-1m", "7b-1m-tp8", "7b-1m-tp8-sp"])
 def test_skeletal_bytes_are_the_specs_sixteen_bsh(model, seq, tp, sp):
     layout = ParallelConfig(tp=tp, sequence_parallel=sp)
-    trace = trace_iteration(Workload(model, NONE, layout, seq, dtype="bf16"))
+    trace = trace_of(Workload(model, NONE, layout, seq, dtype="bf16"))
     got = layer_bytes(trace, 1)
     assert got.skeletal == _expected_skeletal(model, seq, tp, sp, element=2)
     # input, two norm outputs and their mean and rstd, q, k, v, attention's output and
@@ -99,7 +100,7 @@ def test_skeletal_bytes_are_the_specs_sixteen_bsh(model, seq, tp, sp):
 
 
 def test_a_layer_that_allocates_differently_is_named():
-    trace = trace_iteration(Workload(TINY, NONE, ParallelConfig(), 256, dtype="fp32"))
+    trace = trace_of(Workload(TINY, NONE, ParallelConfig(), 256, dtype="fp32"))
     events = list(trace.events)
     at = next(i for i, e in enumerate(events) if e.phase == "layer.2.bwd")
     events[at:at] = [Event("malloc", 10**6, 512, "layer.2.bwd"), Event("free", 10**6, 512, "layer.2.bwd")]
@@ -108,7 +109,7 @@ def test_a_layer_that_allocates_differently_is_named():
 
 
 def test_traces_round_trip_are_dsa_instances_and_are_never_overwritten(tmp_path):
-    trace = trace_iteration(Workload(TINY, NONE, ParallelConfig(), 256, dtype="fp32"))
+    trace = trace_of(Workload(TINY, NONE, ParallelConfig(), 256, dtype="fp32"))
     path = tmp_path / "trace.csv"
     write_trace(path, trace)
     back = read_trace(path)
@@ -128,12 +129,12 @@ def test_a_corrupt_trace_is_refused_with_its_line(tmp_path):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(backend="cpu", parallel=ParallelConfig(tp=2)), "traces one process"),
-    (dict(method=MethodConfig(name="memo", layer_activations="swap")), "rounding buffers"),
+    (dict(method=Method(name="memo", layer_activations="swap")), "rounding buffers"),
     (dict(backend="gpu"), "profile.backend=gpu"),
 ])
 def test_what_cannot_be_traced_is_refused_in_one_line(kwargs, message):
     backend = kwargs.pop("backend", "fake")
     workload = Workload(**(dict(model=TINY, method=NONE, parallel=ParallelConfig(), seq=256) | kwargs))
     with pytest.raises(ConfigError, match=message) as error:
-        trace_iteration(workload, backend)
+        trace_of(workload, backend)
     assert "\n" not in str(error.value)

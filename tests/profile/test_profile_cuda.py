@@ -43,15 +43,15 @@ def test_a_cut_trace_or_an_oom_is_refused():
 def test_the_cuda_back_end_runs_on_a_gpu_and_is_refused_in_one_line_without():
     import torch
 
-    from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
-    from memo.profile.iteration import trace_iteration
+    from memo.config import ConfigError, Method, ModelConfig, ParallelConfig, Workload
+    from conftest import trace_of
 
     tiny = ModelConfig(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=1024,
                        num_attention_heads=4)
-    args = (Workload(tiny, MethodConfig(name="none"), ParallelConfig(), 256, dtype="bf16"), "cuda")
+    args = (Workload(tiny, Method(name="none"), ParallelConfig(), 256, dtype="bf16"), "cuda")
     if torch.cuda.is_available():
-        trace = trace_iteration(*args)
+        trace = trace_of(*args)
         assert trace.phases[0] == "embedding.fwd" and trace.meta["cuda.max_memory_reserved"] > 0
     else:
         with pytest.raises(ConfigError, match="needs a GPU and none is visible here"):
-            trace_iteration(*args)
+            trace_of(*args)

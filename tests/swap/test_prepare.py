@@ -1,4 +1,4 @@
-"""prepare_swap: the one way a model's layers get their placement, and the rules it owns."""
+"""A policy's prepare: the one way a model's layers get their runtime, and the rules it owns."""
 
 import dataclasses
 
@@ -7,9 +7,9 @@ import torch
 
 from memo.config import ParallelConfig
 from memo.hardware import HARDWARE
-from memo.model import build_gpt
-from memo.model.placement import Placed
-from memo.swap import SwapRuntime, TileReport, TiledLayers, host_budget, host_share, prepare_swap
+from memo.model.placement import NullRuntime, Placed, RuntimeReport
+from memo.policy import build_model, policy_of
+from memo.swap import SwapRuntime, TileReport, TiledLayers, host_budget, host_share
 from memo.swap.prepare import segments, sequence_chunks
 
 from conftest import resolve_config
@@ -26,13 +26,14 @@ def _placements(model) -> dict[str, object]:
                                             ("full_swap", SwapRuntime)])
 def test_each_method_gets_the_placement_it_runs_with(single_process, method, placed):
     workload = resolve_config(f"method={method}", "model.num_layers=4", "seq=128").workload
-    model = build_gpt(workload, "cpu").module
-    placement, report = prepare_swap(model, workload, CPU, 2**40)
+    model = build_model(workload, "cpu").module
+    placement = policy_of(workload).prepare(model, workload, CPU, 2**40)
+    report = placement.report()
     if placed is None:
-        assert placement is None and report is None
+        assert isinstance(placement, NullRuntime) and report == RuntimeReport()
         assert all(p is None for p in _placements(model).values())
         return
-    assert isinstance(placement, placed) and report is not None
+    assert isinstance(placement, placed) and report.row["swap.alpha"] is not None
     given = _placements(model)
     # every module of a layer that makes a saved tensor: the layer, its two norms, rotary
     # attention, core attention, QKV and FC1, the activation; the final norm is the loss's
@@ -48,10 +49,10 @@ def test_each_method_gets_the_placement_it_runs_with(single_process, method, pla
 def test_tiles_take_over_the_layer_and_its_core_attention_and_memo_swaps_the_rest(single_process, method):
     workload = resolve_config(f"method={method}", "method.tile_tokens=32", "model.num_layers=4",
                               "seq=128").workload
-    model = build_gpt(workload, "cpu").module
-    walk, report = prepare_swap(model, workload, CPU, 2**40)
+    model = build_model(workload, "cpu").module
+    walk = policy_of(workload).prepare(model, workload, CPU, 2**40)
     assert isinstance(walk, TiledLayers) and (walk.swap is not None) == (method == "memo")
-    assert isinstance(report, TileReport) if method == "memo" else report is None
+    assert isinstance(walk.tile_report, TileReport) if method == "memo" else walk.tile_report is None
     given = _placements(model)
     placed = {name for name, p in given.items() if p is walk}
     assert placed == {f"decoder.layers.{i}{part}" for i in range(4)
@@ -66,8 +67,8 @@ def test_tiles_take_over_the_layer_and_its_core_attention_and_memo_swaps_the_res
 
 def test_no_model_module_carries_a_runtime_attribute(single_process):
     workload = resolve_config("method=memo", "model=tiny_llama", "model.num_layers=2", "seq=128").workload
-    model = build_gpt(workload, "cpu").module
-    prepare_swap(model, workload, CPU, 2**40)[0].release()
+    model = build_model(workload, "cpu").module
+    policy_of(workload).prepare(model, workload, CPU, 2**40).release()
     assert [name for name, module in model.named_modules() if "runtime" in vars(module)] == []
 
 

@@ -7,10 +7,10 @@ import torch
 
 from memo.config import ConfigError
 from memo.execute.data import SyntheticTokens, micro_batches
-from memo.swap import SwapRuntime, prepare_swap
+from memo.swap import SwapRuntime, prepare_swapped_layers
 from memo.swap.capture import Forward
 from memo.swap.streams import CudaStreams, DeferredStreams, InlineStreams, OrderingError
-from memo.model import build_gpt
+from memo.policy import build_model, policy_of
 from memo.swap.alpha import HostMemoryError
 from memo.profile.layers import layer_bytes
 from memo.profile.recorder import record
@@ -165,8 +165,9 @@ def test_skeletal_sizes_of_a_layer_match_a_hand_count(parallel_state):
     # tiny: h = 256, 4 heads of 64, ffn 1024; one sequence of S = 256 tokens in fp32.
     workload = resolve_config("method=memo", *SIX, "seq=256", "train.loss=megatron").workload
     torch.manual_seed(0)
-    model = build_gpt(workload, "cpu").module
-    runtime, report = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.25, DeferredStreams())
+    model = build_model(workload, "cpu").module
+    runtime = prepare_swapped_layers(model, workload, torch.device("cpu"), 2**40, 0.25, DeferredStreams())
+    report = runtime.swap_report
     S, h, f, heads = 256, 256, 1024, 4
     assert report.skeletal_input_bytes == 4 * S * h
     assert report.skeletal_attention_bytes == 4 * S * (h + heads)  # output and log-sum-exp
@@ -187,8 +188,9 @@ def test_skeletal_sizes_of_a_llama_layer_match_a_hand_count(parallel_state):
     workload = resolve_config("method=memo", "model=tiny_llama", "model.num_layers=6", VOCAB, "seq=256",
                               "train.loss=megatron").workload
     torch.manual_seed(0)
-    model = build_gpt(workload, "cpu").module
-    runtime, report = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.25, DeferredStreams())
+    model = build_model(workload, "cpu").module
+    runtime = prepare_swapped_layers(model, workload, torch.device("cpu"), 2**40, 0.25, DeferredStreams())
+    report = runtime.swap_report
     S, h, f, heads, kv = 256, 256, 768, 8, 2 * 32
     assert report.skeletal_input_bytes == 4 * S * h
     assert report.skeletal_attention_bytes == 4 * S * (h + heads)  # output and log-sum-exp
@@ -217,9 +219,9 @@ def test_swapping_refuses_the_math_kernel_in_one_line(parallel_state):
     # them, so the swap runtime would stop at its first layer (as it did on a GPU).
     workload = resolve_config("method=memo", *SIX, "seq=256").workload
     with pytest.raises(ConfigError, match="method=memo swaps .* math kernel.*train.attention_backend=auto"):
-        build_gpt(workload, "cpu", "math")
+        build_model(workload, "cpu", "math")
     keeping = resolve_config("method=full_recompute", *SIX, "seq=256").workload
-    assert build_gpt(keeping, "cpu", "math").attention_backend == "math"
+    assert build_model(keeping, "cpu", "math").attention_backend == "math"
 
 
 def _one_step_accounting(layers: int, alpha: float):
@@ -245,8 +247,8 @@ def _recorded_memo_step(layers: int, seq: int, model: str = "tiny"):
     workload = resolve_config("method=memo", f"model={model}", f"model.num_layers={layers}", f"seq={seq}",
                               VOCAB).workload
     torch.manual_seed(0)
-    model = build_gpt(workload, "cpu").module
-    runtime, _ = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.5, InlineStreams())
+    model = build_model(workload, "cpu").module
+    runtime = prepare_swapped_layers(model, workload, torch.device("cpu"), 2**40, 0.5, InlineStreams())
     (batch,) = next(micro_batches(SyntheticTokens(workload.model.vocab_size, 0), seq, 1, 1, 0, 1,
                                   torch.device("cpu")))
 
@@ -277,7 +279,7 @@ def test_the_slab_is_allocated_once_before_training(parallel_state, monkeypatch)
     original = SwapRuntime.allocate
     monkeypatch.setattr(SwapRuntime, "allocate", lambda self, *a: calls.append(a) or original(self, *a))
     _, _, runtime = train_gradients("memo", *SIX, alpha=0.5, steps=2)
-    assert len(calls) == 1  # in prepare_swap, none during the two steps
+    assert len(calls) == 1  # in prepare_swapped_layers, none during the two steps
     assert runtime.slab.numel() == 4 * runtime.layout.host_bytes(runtime.keep_tokens)
 
 
@@ -348,9 +350,9 @@ def test_copies_to_and_from_the_host_are_contiguous_blocks():
 def test_a_swapped_layer_does_not_run_fc2_again_when_recomputing(parallel_state):
     workload = resolve_config("method=memo", *SIX, "seq=256").workload
     torch.manual_seed(0)
-    model = build_gpt(workload, "cpu").module
+    model = build_model(workload, "cpu").module
     streams = _RecordingStreams()
-    runtime, _ = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.5, streams)
+    runtime = prepare_swapped_layers(model, workload, torch.device("cpu"), 2**40, 0.5, streams)
     calls = [0] * 6
     for i, layer in enumerate(model.decoder.layers):
         layer.mlp.linear_fc2.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -432,8 +434,8 @@ def test_saved_tensors_come_back_in_the_layout_they_were_saved_in(parallel_state
     batch = f"train.micro_batch_size={micro_batch_size}"
     workload = resolve_config("method=memo", *SIX, "seq=256", batch).workload
     torch.manual_seed(0)
-    model = build_gpt(workload, "cpu").module
-    runtime, _ = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.5, InlineStreams())
+    model = build_model(workload, "cpu").module
+    runtime = prepare_swapped_layers(model, workload, torch.device("cpu"), 2**40, 0.5, InlineStreams())
     tokens = SyntheticTokens(workload.model.vocab_size, 0)
     batches = micro_batches(tokens, 256, micro_batch_size, 1, 0, 1, torch.device("cpu"))
     (batch,) = next(batches)
@@ -504,9 +506,9 @@ def test_a_released_placement_and_its_model_are_freed(parallel_state, tiles):
     import gc
     import weakref
 
-    workload = resolve_config("method=memo", "model=tiny_llama", "seq=256", *tiles).workload
-    model = build_gpt(workload, "cpu").module
-    placement, _ = prepare_swap(model, workload, torch.device("cpu"), 2**40, 0.5, InlineStreams())
+    workload = resolve_config("method=memo", "alpha=0.5", "model=tiny_llama", "seq=256", *tiles).workload
+    model = build_model(workload, "cpu").module
+    placement = policy_of(workload).prepare(model, workload, torch.device("cpu"), 2**40, InlineStreams())
     alive = [weakref.ref(placement), weakref.ref(model.decoder.layers[0])]
     placement.release()
     del placement, model

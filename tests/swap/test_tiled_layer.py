@@ -6,6 +6,7 @@ import torch
 
 from memo.config import ConfigError
 from memo.model.tiles import tile_order
+from memo.policy import SequenceTiles, SwappedLayers, policy_of
 from memo.swap.tiled_layer import TiledLayers
 
 from conftest import resolve_config
@@ -80,9 +81,10 @@ def test_a_tiled_run_it_cannot_do_is_refused_in_one_line(overrides, fragment):
 
 
 def test_whole_layers_are_the_default():
-    assert resolve_config("method=memo").workload.tile_tokens is None
+    assert resolve_config("method=memo").workload.layer_tile_tokens is None
+    assert isinstance(policy_of(resolve_config("method=memo").workload), SwappedLayers)
     run = resolve_config("method=memo", "method.tile_tokens=4k", "seq=8k")
-    assert run.workload.tile_tokens == 4096 and not run.swaps
+    assert run.workload.layer_tile_tokens == 4096 and isinstance(policy_of(run.workload), SequenceTiles)
 
 
 @pytest.mark.slow

@@ -12,9 +12,8 @@ import torch
 
 from memo.execute import distributed
 from memo.execute.distributed import ProcessInfo
-from memo.model import build_gpt
+from memo.policy import build_model, policy_of
 from memo.profile.iteration import trace_iteration
-from memo.swap import prepare_swap
 
 from conftest import resolve_config
 from test_tiled_layer import SEQ, SHAPES
@@ -28,7 +27,7 @@ def _trace(*overrides: str, seq: int):
     """The workload and the events of one fake-traced iteration of tiled memo in bf16, the loss's
     tiles fixed."""
     run = resolve_config(*COMMON, *overrides, f"seq={seq}")
-    return run.workload, trace_iteration(run.workload, "fake").events
+    return run.workload, trace_iteration(run.workload, policy_of(run.workload), "fake").events
 
 
 def _requests(events) -> dict:
@@ -67,7 +66,7 @@ def _tile_buffer_bytes(*overrides: str, seq: int) -> int:
     workload = resolve_config(*COMMON[1:], *overrides, f"seq={seq}").workload
     distributed.initialize(workload.parallel, "cpu", ProcessInfo(rank=0, world_size=1, local_rank=0))
     try:
-        walk, _ = prepare_swap(build_gpt(workload, "cpu").module, workload, torch.device("cpu"), 2**40)
+        walk = policy_of(workload).prepare(build_model(workload, "cpu").module, workload, torch.device("cpu"), 2**40)
         walk.release()
         return walk.swap.layout.buffer_bytes
     finally:

@@ -24,7 +24,7 @@ What Megatron-core 0.16 does (``megatron/core/pipeline_parallel/fine_grained_act
 Megatron's names on the dense Transformer Engine layer the method trains on: ``qkv_linear`` is the
 QKV projection with the input norm fused into it (Megatron builds ``input_layernorm`` as
 ``IdentityOp`` there, which ``attn_norm`` skips), ``core_attn`` core attention, ``attn_proj`` the
-output projection (:data:`memo.config.validate.OFFLOAD_MODULES`, :func:`module_scopes`).
+output projection (:data:`memo.config.method.OFFLOAD_MODULES`, :func:`module_scopes`).
 
 How the bytes are found: one forward pass of a three-layer model of the workload's shape, on fake
 tensors, with the layers ``method=none`` builds on this machine (Megatron's local layers), records
@@ -33,7 +33,7 @@ pre- and post-hooks) and its storage. This takes Transformer Engine's fused norm
 projection, attention and output projection to save for their backward what these modules save:
 the layer's input, the norm's output and statistics; q, k, v, the attention output and its
 log-sum-exp; the projection's input. Two lengths give every size as ``base + slope·tokens``, as
-:mod:`memo.fit.template` does; the size threshold is applied at the length asked for, so the
+:mod:`memo.profile.template` does; the size threshold is applied at the length asked for, so the
 bytes are piecewise affine in tokens.
 """
 
@@ -45,20 +45,20 @@ from typing import Optional
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from memo.fit.affine import Affine
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
-from memo.config.validate import OFFLOAD_MODULES
+from memo.config import ConfigError, Method, ModelConfig, ParallelConfig, Workload
+from memo.config.method import OFFLOAD_MODULES
 from memo.execute.optimizer_offload import pinned_block_bytes
-from memo.model import build_gpt, torch_dtype
+from memo.model import LayerBuild, build_gpt, torch_dtype
 from memo.model.attention import select_backend
 from memo.model.gpt import transformer_config
-from memo.profile.iteration import _process_group, _unchecked_rng_forks
+from memo.profile.affine import Affine
+from memo.profile.iteration import process_group, unchecked_rng_forks
 
 # Megatron's default of TransformerConfig.min_offloaded_tensor_size (elements), which the method
 # leaves as it is.
 MIN_OFFLOADED_ELEMENTS: int = next(
     f.default for f in dataclasses.fields(TransformerConfig) if f.name == "min_offloaded_tensor_size")
-_TRACED_TOKENS = (2048, 4096)  # per sequence-parallel chunk, as memo.fit.template traces
+_TRACED_TOKENS = (2048, 4096)  # per sequence-parallel chunk, as memo.profile.template traces
 _TRACED_LAYERS = 3
 _LAYER = 2  # Megatron's number of the traced layer: a layer makes its input, as for all but the first
 
@@ -94,12 +94,6 @@ def offloaded_layers(layers: int) -> int:
     but the last, whose groups Megatron keeps on the device (their reload would stall the backward
     pass that starts right after)."""
     return max(layers - 1, 0)
-
-
-def without_offloading(method: MethodConfig) -> MethodConfig:
-    """``method`` with no offloading: the model whose saved tensors :func:`offloaded_bytes` moves,
-    as a trace of ``method=none`` on this machine builds it (same loss)."""
-    return dataclasses.replace(method, offload_modules=None)
 
 
 def offloaded_bytes(workload: Workload,
@@ -240,7 +234,7 @@ class _SaveRecorder:
 def _trace_layer(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int, dtype: str,
                  tokens: int) -> _LayerTrace:
     parallel = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel)
-    workload = Workload(model, MethodConfig(name="none"), parallel, tokens, micro_batch_size, dtype)
+    workload = Workload(model, Method(name="none"), parallel, tokens, micro_batch_size, dtype)
     config = transformer_config(workload, "cpu")
     grouped = config.num_query_groups not in (None, config.num_attention_heads)
     # a real probe, outside fake mode
@@ -251,14 +245,14 @@ def _trace_layer(model: ModelConfig, tp: int, sequence_parallel: bool, micro_bat
                           "for it")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with _process_group(workload.parallel, "fake"), FakeTensorMode(allow_non_fake_inputs=True):
+    with process_group(workload.parallel, "fake"), FakeTensorMode(allow_non_fake_inputs=True):
         torch.manual_seed(0)
-        gpt = build_gpt(workload, "cpu", attention).module
+        gpt = build_gpt(workload, "cpu", attention, layers=LayerBuild()).module
         parameters = {id(p.untyped_storage()) for p in gpt.parameters()}
         recorder = _SaveRecorder(gpt.decoder.layers[_LAYER - 1], parameters)
         ids = torch.zeros(micro_batch_size, tokens, dtype=torch.long)
         positions = torch.arange(tokens).unsqueeze(0).expand(micro_batch_size, tokens)
-        with _unchecked_rng_forks(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        with unchecked_rng_forks(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             gpt(ids, positions, None, labels=ids)
         return recorder.trace()
 

@@ -49,12 +49,11 @@ from typing import Optional
 
 import torch
 
-from memo.config import ConfigError, MethodConfig, ModelConfig, ParallelConfig, Workload
-from memo.fit.affine import Affine
-from memo.fit.megatron_offload import without_offloading
+from memo.config import ConfigError, Method, ModelConfig, ParallelConfig, Workload
 from memo.model.gpt import padded_vocab_size
 from memo.model.tiles import auto_tile_tokens, eighth_tile_tokens
-from memo.profile.iteration import trace_iteration
+from memo.profile.affine import Affine
+from memo.profile.iteration import Traced, trace_iteration
 from memo.profile.trace import Event, Trace, layer_phase
 from memo.swap.alpha import SkeletalBytes
 
@@ -174,7 +173,7 @@ class IterationTemplate:
         before = layer_phase(layer - 1, "fwd") if layer else "embedding.fwd"
         return sum(self.size(i, tokens) for i in self.kept[layer] if self._made_in[i] == before)
 
-    def tile_tokens(self, tokens: int, loss_tile_tokens: Optional[int] = None) -> int:
+    def loss_tile(self, tokens: int, loss_tile_tokens: Optional[int] = None) -> int:
         """The tokens of one tile of the tiled loss, counted as ``tokens`` is (all tensor-parallel
         ranks together): at most ``tokens``."""
         parallel, model = self.meta["parallel"], self.meta["model"]
@@ -186,7 +185,7 @@ class IterationTemplate:
             model["ffn_hidden_size"] // parallel["tp"], element)
         return min(tokens, tile * chunks)
 
-    def embedding_tile_tokens(self, tokens: int, loss_tile_tokens: Optional[int] = None) -> int:
+    def embedding_tile(self, tokens: int, loss_tile_tokens: Optional[int] = None) -> int:
         """The tokens of one tile of the tiled embedding's backward pass, counted as ``tokens`` is:
         at most ``tokens``."""
         parallel = self.meta["parallel"]
@@ -194,22 +193,23 @@ class IterationTemplate:
         tile = loss_tile_tokens or eighth_tile_tokens(tokens // chunks)
         return min(tokens, tile * chunks)
 
-    def tile_skeletal(self, tile_tokens: int) -> SkeletalBytes:
+    def tile_skeletal(self, layer_tile_tokens: int) -> SkeletalBytes:
         """One tile's skeletal bytes as the swap runtime keeps them (its share of the layer input,
-        attention's output and log-sum-exp, the rest), for tiles of ``tile_tokens`` tokens (all
-        tensor-parallel ranks together) of a walk that swaps."""
+        attention's output and log-sum-exp, the rest), for tiles of ``layer_tile_tokens`` tokens
+        (all tensor-parallel ranks together) of a walk that swaps."""
         if self._tile_skeletal is None:
             raise ValueError("the template is not of a walk in tiles that swaps")
-        return SkeletalBytes(*(a.at(TRACED_TILES * tile_tokens) for a in self._tile_skeletal))
+        return SkeletalBytes(*(a.at(TRACED_TILES * layer_tile_tokens) for a in self._tile_skeletal))
 
     def instance(self, tokens: int, num_layers: int, swap: bool = False, recompute_bytes: int = 0,
-                 loss_tile_tokens: Optional[int] = None, tile_tokens: Optional[int] = None) -> Trace:
+                 loss_tile_tokens: Optional[int] = None, layer_tile_tokens: Optional[int] = None) -> Trace:
         """The iteration of ``num_layers`` layers at ``tokens``, gradients left out.
 
         Args:
             loss_tile_tokens: ``train.loss_tile_tokens`` (``None``: its default), for the tiled loss.
-            tile_tokens: a walk in tiles: tokens of a tile (all tensor-parallel ranks together);
-                the tile-sized requests are sized at it, the three traced tiles standing for all.
+            layer_tile_tokens: a walk in tiles: tokens of a tile (all tensor-parallel ranks
+                together); the tile-sized requests are sized at it, the three traced tiles standing
+                for all.
             swap: MEMO's rounding buffers hold the kept tensors of every layer, the last two
                 included, so those leave the allocator (and so do the extra layers').
             recompute_bytes: with ``swap``, bytes a swapped layer allocates at the start of its
@@ -217,8 +217,8 @@ class IterationTemplate:
         """
         if num_layers < self.layers or (num_layers > self.layers and self.layers < self.full):
             raise ValueError(f"a template of {self.layers} layers cannot stand for {num_layers}")
-        if self.tiled != (tile_tokens is not None):
-            raise ValueError("a template of a walk in tiles needs tile_tokens, and only such a template")
+        if self.tiled != (layer_tile_tokens is not None):
+            raise ValueError("a template of a walk in tiles needs layer_tile_tokens, and only such a template")
         # Every layer's kept tensors live in the rounding buffers (the last two layers' too);
         # all but the last two recompute their dropped tokens at the start of their backward.
         buffered = range(self.layers) if swap else range(0)
@@ -232,8 +232,8 @@ class IterationTemplate:
         end = max(i for i, e in enumerate(self.events) if _of_layer(e.phase, self.middle, "bwd")) \
             if carried else -1
         recompute = {layer_phase(layer, "bwd") for layer in swapped} if recompute_bytes else set()
-        tiles = {"loss": self.tile_tokens(tokens, loss_tile_tokens),
-                 "embedding": self.embedding_tile_tokens(tokens, loss_tile_tokens)}
+        tiles = {"loss": self.loss_tile(tokens, loss_tile_tokens),
+                 "embedding": self.embedding_tile(tokens, loss_tile_tokens)}
         fresh = itertools.count(max(self._size_of, default=0) + 1)
         carried_ids = [next(fresh) for _ in carried]
         events: list[Event] = []
@@ -253,7 +253,7 @@ class IterationTemplate:
                 if event.id in self.per_tile:
                     at = tiles[self.per_tile[event.id]]
                 else:
-                    at = TRACED_TILES * tile_tokens if event.id in self.tile_sized else tokens
+                    at = TRACED_TILES * layer_tile_tokens if event.id in self.tile_sized else tokens
                 events.append(Event(event.op, event.id, size.at(at), event.phase))
             if position == end:
                 events.extend(Event("free", i, s, f"{INNER_LAYERS}.bwd") for i, s in zip(carried_ids, carried))
@@ -262,32 +262,27 @@ class IterationTemplate:
         )
 
 
-def iteration_template(workload: Workload, num_layers: int) -> IterationTemplate:
+def iteration_template(workload: Workload, num_layers: int, traced: Traced) -> IterationTemplate:
     """The template of ``num_layers`` layers of ``workload``'s model on one rank of its tensor-
-    parallel layout; the rest of the layout, the length and the loss tile do not change it, nor,
-    for a walk in tiles, the tile (but for the eighths of it the norms work in, see
-    :func:`traced_tile_tokens`).
-
-    Swapping methods on whole layers are traced with ``method.layer_activations=keep`` (the same
-    layer, everything kept): the instance then takes their kept tensors out
-    (:meth:`IterationTemplate.instance`). A walk in tiles is traced as it runs. Megatron's
-    offloading is traced without it (:mod:`memo.fit.megatron_offload` takes its bytes out).
-    Templates are cached per process, so a sweep traces each shape once.
+    parallel layout, its layers built and run as ``traced`` (an activation policy's
+    :attr:`memo.policy.ActivationPolicy.traced`) runs them; the rest of the layout, the length and
+    the loss tile do not change it, nor, for a walk in tiles, the tile (but for the eighths of it
+    the norms work in, see :func:`traced_tile_tokens`). Templates are cached per process, so a
+    sweep traces each shape once.
     """
-    method = workload.method
-    traced_method = MethodConfig(name=method.name, layer_activations="keep", loss=method.loss) \
-        if workload.swaps else without_offloading(method)
     chunk = workload.parallel.tp if workload.parallel.sequence_parallel else 1
-    layers = min(num_layers, TILED_TEMPLATE_LAYERS if workload.tiled else TEMPLATE_LAYERS)
+    tiled = workload.layer_tile_tokens is not None
+    layers = min(num_layers, TILED_TEMPLATE_LAYERS if tiled else TEMPLATE_LAYERS)
     return _template(
-        _frozen(dataclasses.replace(workload.model, num_layers=layers)),  # one template for every depth
-        _frozen(traced_method),
+        _frozen(dataclasses.replace(workload.model, num_layers=layers, init_from=None)),  # one for every depth
+        workload.method.name,
+        traced,
         workload.parallel.tp,
         workload.parallel.sequence_parallel,
-        layers,
         workload.micro_batch_size,
         workload.dtype,
-        traced_tile_tokens(workload.tile_tokens // chunk) if workload.tiled else None,
+        workload.loss,
+        traced_tile_tokens(workload.layer_tile_tokens // chunk) if tiled else None,
     )
 
 
@@ -308,26 +303,24 @@ def traced_tile_tokens(tile_tokens: int) -> int:
     return tile_tokens
 
 
-def _frozen(config) -> tuple:
-    """A config dataclass as a hashable value for the cache (lists become tuples)."""
-    return tuple(
-        (k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(dataclasses.asdict(config).items())
-    )
+def _frozen(model: ModelConfig) -> tuple:
+    """A model's shape as a hashable value for the cache."""
+    return tuple(sorted(dataclasses.asdict(model).items()))
 
 
 @functools.lru_cache(maxsize=64)
 def _template(
     model: tuple,
-    method: tuple,
+    method: str,
+    traced: Traced,
     tp: int,
     sequence_parallel: bool,
-    layers: int,
     micro_batch_size: int,
     dtype: str,
+    loss: str,
     tile: Optional[int],
 ) -> IterationTemplate:
-    shape = ModelConfig(**{**dict(model), "num_layers": layers})
-    method_config = MethodConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in method})
+    shape = ModelConfig(**dict(model))
     parallel = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel)
     chunk = tp if sequence_parallel else 1
     # whole layers at two lengths; tiles as TRACED_TILES tiles a layer at two tile sizes
@@ -336,7 +329,8 @@ def _template(
     tiles = (None, None) if tile is None else (tile * chunk, 2 * tile * chunk)
     # one tile of the tiled loss per pass (every token of the rank): see the module docstring
     small, large = (
-        trace_iteration(Workload(shape, method_config, parallel, t, micro_batch_size, dtype,
-                                 loss_tile_tokens=t // chunk, tile_tokens=c)) for t, c in zip(tokens, tiles)
+        trace_iteration(Workload(shape, Method(name=method), parallel, t, micro_batch_size, dtype, loss=loss,
+                                 loss_tile_tokens=t // chunk, layer_tile_tokens=c), traced)
+        for t, c in zip(tokens, tiles)
     )
-    return IterationTemplate(small, large, tokens, layers)
+    return IterationTemplate(small, large, tokens, shape.num_layers)
