@@ -9,7 +9,8 @@ optimizer minimizes.
 
 import contextlib
 import time
-from typing import Callable, ContextManager, Iterator, Optional
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,20 @@ from memo.model.context_parallel import batch_for_rank
 from memo.profile.recorder import PhaseMarker
 
 
+def _whole(micro_batch: dict) -> dict:
+    return micro_batch
+
+
+def _nothing() -> None:
+    pass
+
+
 def rank_tokens(layout: str) -> Callable[[dict], dict]:
     """This rank's tokens of a micro-batch under context parallelism, in ``layout``
     (:data:`memo.model.context_parallel.SEQUENCE_LAYOUTS`); the whole micro-batch without it."""
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
-        return lambda micro_batch: micro_batch
+        return _whole
     rank = parallel_state.get_context_parallel_rank()
     return lambda micro_batch: batch_for_rank(micro_batch, rank, cp, layout)
 
@@ -65,79 +74,93 @@ def untimed_steps(train: TrainConfig, start_step: int) -> int:
     return min(train.warmup_steps, train.steps - start_step - 1)
 
 
+@dataclass
+class TrainingStep:
+    """What one training step runs: forward and backward passes of its micro-batches (gradients
+    accumulate), then the optimizer.
+
+    Args:
+        optimizer: the model's optimizer (its ``model`` is what trains).
+        device_type: "cuda" (the step waits for the GPU before its clock stops) or "cpu".
+        micro_batch_view: a micro-batch as this rank's layers take it: under context parallelism
+            its tokens of the sequence (:func:`rank_tokens`), in the order of the layers' runtime
+            (:meth:`memo.model.placement.LayerRuntime.token_order`).
+        step_end: called after the last micro-batch's backward pass, before the optimizer
+            (:attr:`memo.model.BuiltModel.step_end`).
+    """
+
+    optimizer: StepOptimizer
+    device_type: str
+    micro_batch_view: Callable[[dict], dict] = _whole
+    step_end: Callable[[], None] = _nothing
+
+    def __call__(self, batch: list[dict], lr: float, marker: Optional[PhaseMarker] = None) -> tuple[torch.Tensor, float]:
+        """One step on ``batch`` (this data-parallel rank's micro-batches) at learning rate ``lr``:
+        the summed loss (float32, on the device) and the gradient norm. ``marker``, where the step
+        is recorded, is told when the backward pass and the optimizer step begin."""
+        model, optimizer = self.optimizer.model, self.optimizer
+        cp = parallel_state.get_context_parallel_world_size()
+        optimizer.zero_grad()
+        loss_sum = torch.zeros((), device=self.device_type, dtype=torch.float32)
+        for micro_batch in batch:
+            mb = self.micro_batch_view(micro_batch)
+            counted = micro_batch.get("loss_mask")  # (the whole sequence's)
+            loss = mean_loss(*token_losses(model, mb), None if counted is None else counted.sum(), cp) / len(batch)
+            if marker is not None:
+                marker.backward()
+            optimizer.scale_loss(loss).backward()
+            loss_sum += loss.detach()
+            del loss  # freed within the step, as a recorded iteration has them
+        self.step_end()
+        if marker is not None:
+            marker.optimizer()
+        return loss_sum, optimizer.step(lr)
+
+
 def run_steps(
-    optimizer: StepOptimizer,
+    step: TrainingStep,
     batches: Iterator[list[dict]],
     train: TrainConfig,
-    device_type: str,
-    on_step: Callable[[dict], None],
-    step_scope: Optional[Callable[[int], ContextManager[Optional[PhaseMarker]]]] = None,
-    this_ranks_tokens: Callable[[dict], dict] = lambda micro_batch: micro_batch,
-    token_order: Callable[[dict], dict] = lambda micro_batch: micro_batch,
-    step_end: Callable[[], None] = lambda: None,
+    hooks: Sequence[Callable[[dict], None]] = (),
+    scope: Optional[Callable[[int], ContextManager[Optional[PhaseMarker]]]] = None,
     start_step: int = 0,
 ) -> None:
-    """Train from step ``start_step`` (a checkpoint's, else 0) up to ``train.steps``, calling
-    ``on_step`` with each step's record.
+    """Train from step ``start_step`` (a checkpoint's, else 0) up to ``train.steps``, calling each
+    of ``hooks`` (:mod:`memo.execute.hooks`) with each step's record.
 
-    A record holds ``step`` (1-based), ``loss``, ``lr``, ``grad_norm``, ``iter_time_s``,
-    ``document_squared_tokens`` where documents are kept apart (``Σ n²`` over the global batch's
-    documents, for :func:`memo.metrics.flops.model_flops`) and ``timed`` (False for the first
+    A record holds ``step`` (1-based), ``loss`` (the mean over micro-batches and data-parallel
+    replicas), ``lr``, ``grad_norm``, ``iter_time_s`` (the step's wall-clock time, device work
+    included; preparing its tokens comes before its clock starts), ``document_squared_tokens``
+    where documents are kept apart (``Σ n²`` over the global batch's documents, for
+    :func:`memo.metrics.flops.model_flops`) and ``timed`` (False for the first
     ``train.warmup_steps`` steps this process runs, fewer if it runs no more, so that one is
-    timed). Each step runs inside ``step_scope(k)`` (k counts this
-    process's steps from 0), whose phase marker, if it yields one, is told when the
-    backward pass and the optimizer step begin; what it does on leaving is not timed. Under
-    context parallelism each rank trains on its tokens of every micro-batch
-    (``this_ranks_tokens``, :func:`rank_tokens`), put in ``token_order`` (layers walked in
-    tiles under sequence parallelism need their tile order,
-    :func:`memo.model.tiles.batch_in_tile_order`). ``step_end`` is called after the last
-    micro-batch's backward pass of every step (:attr:`memo.model.BuiltModel.step_end`).
+    timed). Each step runs inside ``scope(k)`` (k counts this process's steps from 0), whose phase
+    marker, if it yields one, the step tells of its backward pass and optimizer step; what the
+    scope does on leaving is not timed.
     """
-    model = optimizer.model
-    model.train()
-    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    step.optimizer.model.train()
+    sync = torch.cuda.synchronize if step.device_type == "cuda" else _nothing
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    cp = parallel_state.get_context_parallel_world_size()
     schedule = LearningRateSchedule(train)
     untimed = untimed_steps(train, start_step)
-    for step in range(start_step, train.steps):
+    for number in range(start_step, train.steps):
         batch = next(batches)
-        lr = schedule(step)
-        with step_scope(step - start_step) if step_scope else contextlib.nullcontext() as marker:
+        lr = schedule(number)
+        with scope(number - start_step) if scope else contextlib.nullcontext() as marker:
             sync()
             start = time.perf_counter()
-            optimizer.zero_grad()
-            loss_sum = torch.zeros((), device=device_type, dtype=torch.float32)
-            for micro_batch in batch:
-                mb = token_order(this_ranks_tokens(micro_batch))
-                counted = micro_batch.get("loss_mask")  # (the whole sequence's)
-                loss = mean_loss(*token_losses(model, mb), None if counted is None else counted.sum(), cp) / len(batch)
-                if marker is not None:
-                    marker.backward()
-                optimizer.scale_loss(loss).backward()
-                loss_sum += loss.detach()
-                del loss  # freed within the step, as a recorded iteration has them
-            step_end()
-            if marker is not None:
-                marker.optimizer()
-            grad_norm = optimizer.step(lr)
+            loss_sum, grad_norm = step(batch, lr, marker)
             sync()
             elapsed = time.perf_counter() - start
         dist.all_reduce(loss_sum, group=dp_group)
-        loss_value = loss_sum.item()
+        record = {"step": number + 1, "loss": loss_sum.item() / dist.get_world_size(dp_group), "lr": lr,
+                  "grad_norm": grad_norm, "iter_time_s": elapsed, "timed": number - start_step >= untimed}
         del loss_sum  # not alive into the next step, which a recorded step did not see
-        record = {
-            "step": step + 1,
-            "loss": loss_value / dist.get_world_size(dp_group),
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "iter_time_s": elapsed,
-            "timed": step - start_step >= untimed,
-        }
         # Σ n² over the documents of this replica's micro-batches, where kept apart
         squared = sum(mb["documents"].documents.squared_lengths() for mb in batch if "documents" in mb)
         if squared:  # over the replicas (a replica's context-parallel ranks share its documents)
-            total = torch.tensor(squared, dtype=torch.float64, device=device_type)
+            total = torch.tensor(squared, dtype=torch.float64, device=step.device_type)
             dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
             record["document_squared_tokens"] = int(total.item())
-        on_step(record)
+        for hook in hooks:
+            hook(record)

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import logging
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -20,15 +21,17 @@ from memo import hardware
 from memo.config import ConfigError, Run, resolve
 from memo.execute import checkpoint, distributed
 from memo.execute.data import micro_batches, token_source
-from memo.execute.optimizer import build_optimizer, checkpoint_format
+from memo.execute.hooks import (ActivationAccounting, Checkpointing, MemoryReadings, Progress, StepLog,
+                                 Throughput, Validation, validation_pass)
+from memo.execute.optimizer import StepOptimizer, build_optimizer, checkpoint_format
 from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
-from memo.execute.evaluate import validation_loss
 from memo.execute.plan_server import ServingStats
-from memo.execute.progress import format_seconds, step_progress
+from memo.execute.progress import step_progress
 from memo.execute.schedule import schedule_settings
-from memo.execute.train import rank_tokens, run_steps, untimed_steps
-from memo.metrics import PeakMemory, mfu, model_flops, model_flops_per_sample, tgs
+from memo.execute.train import TrainingStep, rank_tokens, run_steps, untimed_steps
+from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import (
+    BuiltModel,
     build_gpt,
     dtype_label,
     dtype_setting,
@@ -40,7 +43,7 @@ from memo.model import (
 from memo.model.placement import LayerRuntime, NullRuntime
 from memo.modes.frame import Job, job_frame
 from memo.policy import ActivationPolicy, policy_of
-from memo.results import CHECKPOINTS_DIR, ResultWriter
+from memo.results import CHECKPOINTS_DIR
 from memo.swap import report_columns
 
 log = logging.getLogger("memo")
@@ -66,19 +69,6 @@ def _check_runtime_support(run: Run, policy: ActivationPolicy) -> None:
                           "cudnn or efficient, or train.document_mask=false")
     if w.model.init_from is not None:
         hf_checkpoint.check_config(w.model, Path(w.model.init_from), w.parallel.tp)
-
-
-def _swap_accounting(runtime: LayerRuntime, step: int, writer: ResultWriter) -> dict:
-    """One step's activation bytes: per layer into ``layers.jsonl``, totals for the step record."""
-    accounting = runtime.accounting()
-    if accounting is None:
-        return {}
-    writer.append_layers([
-        {"step": step, "layer": r["layer"], "device_bytes": r["device"], "host_bytes": r["host"],
-         "recomputed_bytes": r["recomputed"]}
-        for r in accounting.layers
-    ])
-    return accounting.totals()
 
 
 def _max_over_ranks(values: dict, device_type: str) -> dict:
@@ -139,13 +129,44 @@ def run_job(
 
 
 def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
-    """Everything of a job that can fail; fills the job's row as facts become known."""
-    row, writer = job.row, job.writer
-    workload, train, device_type = run.workload, run.train, run.device_type
-    model, seq = workload.model, workload.seq
-    row["seq"] = seq
+    """Everything of a job that can fail, as named phases; fills the job's row as facts become known."""
+    policy = policy_of(run.workload)
+    started = _start(run, policy, info, job)
+    runtime: LayerRuntime = NullRuntime()
+    try:
+        built = _build(run, policy, started, job.row)
+        runtime = _place(run, policy, started, built, job)
+        trained = _run(run, policy, started, built, runtime, info, job)
+    except BaseException:
+        job.row.update(started.memory.read())  # this rank's peak: the others may be gone
+        raise
+    finally:
+        runtime.release()
+    _summarize(run, started, trained, info, job.row)
+
+
+@dataclass
+class Started:
+    """What the start phase settled: the machine, the checkpoint to go on from, the records kept."""
+
+    hw: hardware.Hardware
+    dtype: torch.dtype
+    device: torch.device  # this rank's
+    host_budget: float  # bytes of host memory this rank's activations may fill, before Adam's share
+    arena: Optional[object]  # the plan's CUDA arena (memo.execute.cuda_arena), where installed
+    save_dir: Path
+    resume_from: Optional[checkpoint.Checkpoint]
+    saved: Optional[dict]  # the facts of the checkpoint to go on from
+    facts: checkpoint.RunFacts  # this run's
+    memory: PeakMemory
+
+
+def _start(run: Run, policy: ActivationPolicy, info: distributed.ProcessInfo, job: Job) -> Started:
+    """The machine and the process group, the checks that need them, and the checkpoint this run
+    goes on from: all before the model is built, so that a refusal comes in seconds."""
+    row, workload, train, device_type = job.row, run.workload, run.train, run.device_type
+    row["seq"] = workload.seq
     row["train.loss"] = workload.loss
-    policy = policy_of(workload)
     arena = None
     if run.plan and device_type == "cuda":
         from memo.execute import cuda_arena
@@ -163,6 +184,11 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
         row["device_name"] = torch.cuda.get_device_name()
 
     distributed.initialize(workload.parallel, device_type, info)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    # Only a policy that swaps looks at what may be pinned; before Adam's states offloaded to the
+    # host take their share of it (which the place phase takes out, though part of it is
+    # allocated only at the first step)
+    host_budget = policy.host_budget(hw, device, info.world_size)
     save_dir = _save_dir(train, job.writer.output_dir)
     resume_from = checkpoint.to_load(train, save_dir)
     if resume_from is not None and resume_from.step >= train.steps:
@@ -173,136 +199,129 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
                           "train.steps to train further")
     if train.save_interval is not None:
         checkpoint.check_save_dir(save_dir, resume_from)
-    facts = checkpoint.RunFacts.of(model, dtype_setting(dtype),
+    facts = checkpoint.RunFacts.of(workload.model, dtype_setting(dtype),
                                    checkpoint_format(train, device_type, workload.parallel),
-                                   schedule_settings(train), seq, train)
+                                   schedule_settings(train), workload.seq, train)
     saved = checkpoint.saved_facts(resume_from.path) if resume_from is not None else None
-    if saved is not None:  # before the model is built: a refusal comes in seconds
+    if saved is not None:
         checkpoint.check_resumable(resume_from.path, saved, facts, auto=train.load == "auto")
-    torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     memory = PeakMemory(device_type, arena)
     memory.reset()
-    placement: LayerRuntime = NullRuntime()
-    try:
-        built = build_gpt(workload, device_type, train.attention_backend, layers=policy.layers)
-        if model.init_from is not None:
-            read = hf_checkpoint.load(built.module, model, model.init_from)
-            log.info("weights: %d tensors of %s", read, model.init_from)
-        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
-            else torch.device("cpu")
-        # (only swapping fills the host: what may be pinned is not even looked at otherwise;
-        # measured before Adam's states offloaded to the host take their share of it, all of it
-        # taken out below, though part of it is allocated only at the first step)
-        budget = policy.host_budget(hw, device, info.world_size)
-        optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
-        resumed = checkpoint.load(resume_from, saved, built.module, optimizer) if saved is not None else None
-        start_step, consumed = (resumed.step, resumed.consumed_samples) if resumed else (0, 0)
-        row["resumed_from_step"] = start_step if resumed else None
-        if optimizer.offload.host_bytes:
-            row.update({f"optimizer_offload.{k}": v for k, v in optimizer.offload.row().items()})
-        budget = max(budget - optimizer.offload.host_bytes, 0)
-        tp_group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
-        placement = policy.prepare(built.module, workload, device, budget, group=tp_group)
-        report = placement.report()
-        row.update(report.row)
-        writer.append_layers(list(report.layer_records))
-        if report.summary is not None:
-            log.info("%s", report.summary)
-        dp_size = parallel_state.get_data_parallel_world_size()
-        global_batch = workload.micro_batch_size * train.micro_batches * dp_size
-        source = token_source(train, model.vocab_size, seq, validation=train.eval_interval is not None)
-        eod = source.eod if train.document_mask else None  # (Megatron data: validated)
-        batches = micro_batches(
-            source, seq, workload.micro_batch_size, train.micro_batches,
-            parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type), consumed, eod,
-        )
-        flops_parameters = model_flops_parameters(model)
-        flops_per_iter = global_batch * model_flops_per_sample(seq, flops_parameters, model.num_layers,
-                                                               model.hidden_size)
-        row.update(
-            params=built.params,
-            global_batch_size=global_batch,
-            tokens_per_iter=global_batch * seq,
-            flops_per_iter=flops_per_iter,
-            layer_spec=built.layer_spec,
-            attention_backend=built.attention_backend,
-            attention_block_kernel=built.attention_block_kernel,
-            optimizer=optimizer.name,
-        )
-        log.info(
-            "%s: %s params, seq %d, %s on %s (%s, %s attention, %s blocks), %d process(es)",
-            model.name, f"{built.params:,}", seq, workload.method.name, hw.name,
-            row["dtype"], built.attention_backend, built.attention_block_kernel, info.world_size,
-        )
+    return Started(hw, dtype, device, host_budget, arena, save_dir, resume_from, saved, facts, memory)
 
-        records = []
-        this_ranks_tokens = rank_tokens(policy.layers.sequence_layout)
 
-        def on_step(record: dict) -> None:  # runs inside the `with` below, where progress is set
-            record["tgs"] = tgs(global_batch * seq, record["iter_time_s"], info.world_size)
-            record["mfu"] = mfu(flops_per_iter, record["iter_time_s"], info.world_size, hw.peak_flops)
-            if "document_squared_tokens" in record:  # the attention computed: each document's square
-                record["flops_documents"] = model_flops(global_batch * seq, record["document_squared_tokens"],
-                                                        flops_parameters, model.num_layers, model.hidden_size)
-                record["mfu_documents"] = mfu(record["flops_documents"], record["iter_time_s"], info.world_size,
-                                              hw.peak_flops)
-            record.update(memory.read())
-            record.update(_swap_accounting(placement, record["step"], writer))
-            step = record["step"]
-            if train.eval_interval is not None and (step % train.eval_interval == 0 or step == train.steps):
-                record.update(validation_loss(
-                    optimizer.model, source, seq, workload.micro_batch_size, train.eval_iters * train.micro_batches,
-                    train.eval_buckets, torch.device(device_type), this_ranks_tokens, eod))
-                row.update(valid_loss=record["valid_loss"], valid_loss_by_position=record["valid_loss_by_position"])
-                if info.rank == 0:
-                    log.info("step %d validation loss %.4f, by position: %s", step, record["valid_loss"],
-                             " ".join("-" if v is None else f"{v:.4f}" for v in record["valid_loss_by_position"]))
-            records.append(record)
-            writer.append_step(record)
-            if train.save_interval is not None and (step % train.save_interval == 0 or step == train.steps):
-                saved = checkpoint.save(save_dir, step, consumed + (step - start_step) * global_batch,
-                                        built.module, optimizer, facts)
-                row["checkpoint_last"] = str(saved.path)
-                log.info("saved %s", saved.path)
-            job.stop_if_signalled()  # a stop signal whose interrupt a finalizer swallowed
-            left_s = progress.step(record["iter_time_s"], record["loss"])
-            if info.rank == 0:
-                log.info(
-                    "step %d/%d  loss %.4f  %.3f s/it  TGS %.1f  MFU %.2f%%  %s left%s",
-                    record["step"], train.steps, record["loss"], record["iter_time_s"],
-                    record["tgs"], 100 * record["mfu"], format_seconds(left_s),
-                    "" if record["timed"] else "  (warm-up)",
-                )
+@dataclass
+class Built:
+    """The model and its optimizer, at the step they go on from."""
 
-        runtime = PlanRuntime(built.module, run.plan, run.planner, untimed_steps(train, start_step), device_type, arena,
-                              layers=placement)
-        if arena is not None:
-            arena.phase = runtime.phase
-        with step_progress(train.steps - start_step, show_bar=info.rank == 0) as progress:
-            run_steps(optimizer, batches, train, device_type, on_step, runtime.step,
-                      this_ranks_tokens=this_ranks_tokens,
-                      token_order=placement.token_order,
-                      step_end=built.step_end, start_step=start_step)
-        row.update(runtime.finish())
-    except BaseException:
-        row.update(memory.read())  # this rank's peak: the others may be gone
-        raise
-    finally:
-        placement.release()
-    row.update(_max_over_ranks(memory.read(), device_type))
-    if device_type == "cuda":
-        row.update(measured_allocator_row(row, arena is not None))
+    model: BuiltModel
+    optimizer: StepOptimizer
+    start_step: int
+    consumed: int  # samples of the data consumed before ``start_step``
 
+
+def _build(run: Run, policy: ActivationPolicy, started: Started, row: dict) -> Built:
+    """The model (from Hugging Face weights where asked) and its optimizer, loaded from the
+    checkpoint the run goes on from."""
+    workload, train, device_type = run.workload, run.train, run.device_type
+    torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
+    built = build_gpt(workload, device_type, train.attention_backend, layers=policy.layers)
+    if workload.model.init_from is not None:
+        read = hf_checkpoint.load(built.module, workload.model, workload.model.init_from)
+        log.info("weights: %d tensors of %s", read, workload.model.init_from)
+    optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
+    resumed = None
+    if started.saved is not None:
+        resumed = checkpoint.load(started.resume_from, started.saved, built.module, optimizer)
+    row["resumed_from_step"] = resumed.step if resumed else None
+    if optimizer.offload.host_bytes:
+        row.update({f"optimizer_offload.{k}": v for k, v in optimizer.offload.row().items()})
+    return Built(built, optimizer, *((resumed.step, resumed.consumed_samples) if resumed else (0, 0)))
+
+
+def _place(run: Run, policy: ActivationPolicy, started: Started, built: Built, job: Job) -> LayerRuntime:
+    """What runs the layers through training, ready (:meth:`memo.policy.ActivationPolicy.prepare`),
+    its decisions into the row, ``layers.jsonl`` and the log."""
+    budget = max(started.host_budget - built.optimizer.offload.host_bytes, 0)
+    group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
+    runtime = policy.prepare(built.model.module, run.workload, started.device, budget, group=group)
+    report = runtime.report()
+    job.row.update(report.row)
+    job.writer.append_layers(list(report.layer_records))
+    if report.summary is not None:
+        log.info("%s", report.summary)
+    return runtime
+
+
+def _run(run: Run, policy: ActivationPolicy, started: Started, built: Built, runtime: LayerRuntime,
+         info: distributed.ProcessInfo, job: Job) -> list[dict]:
+    """Train from the step the run goes on from to its last, each step's after-work done by the
+    hooks of :mod:`memo.execute.hooks`; returns the steps' records."""
+    workload, train, device_type, row = run.workload, run.train, run.device_type, job.row
+    model, seq = workload.model, workload.seq
+    dp_size = parallel_state.get_data_parallel_world_size()
+    global_batch = workload.micro_batch_size * train.micro_batches * dp_size
+    source = token_source(train, model.vocab_size, seq, validation=train.eval_interval is not None)
+    eod = source.eod if train.document_mask else None  # (Megatron data: validated)
+    batches = micro_batches(source, seq, workload.micro_batch_size, train.micro_batches,
+                            parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type),
+                            built.consumed, eod)
+    flops_parameters = model_flops_parameters(model)
+    throughput = Throughput(global_batch, seq, info.world_size,
+                            global_batch * model_flops_per_sample(seq, flops_parameters, model.num_layers,
+                                                                  model.hidden_size),
+                            flops_parameters, model.num_layers, model.hidden_size, started.hw.peak_flops)
+    row.update(params=built.model.params, global_batch_size=global_batch, tokens_per_iter=global_batch * seq,
+               flops_per_iter=throughput.flops_per_step, layer_spec=built.model.layer_spec,
+               attention_backend=built.model.attention_backend,
+               attention_block_kernel=built.model.attention_block_kernel, optimizer=built.optimizer.name)
+    log.info("%s: %s params, seq %d, %s on %s (%s, %s attention, %s blocks), %d process(es)", model.name,
+             f"{built.model.params:,}", seq, workload.method.name, started.hw.name, row["dtype"],
+             built.model.attention_backend, built.model.attention_block_kernel, info.world_size)
+
+    this_ranks_tokens = rank_tokens(policy.layers.sequence_layout)
+    speaks, log_records = info.rank == 0, StepLog(job.writer)
+    plan = PlanRuntime(built.model.module, run.plan, run.planner, untimed_steps(train, built.start_step),
+                       device_type, started.arena, layers=runtime)
+    if started.arena is not None:
+        started.arena.phase = plan.phase
+    step = TrainingStep(built.optimizer, device_type, lambda mb: runtime.token_order(this_ranks_tokens(mb)),
+                        built.model.step_end)
+    with step_progress(train.steps - built.start_step, show_bar=speaks) as progress:
+        hooks = [
+            throughput,
+            MemoryReadings(started.memory),
+            ActivationAccounting(runtime, job.writer),
+            Validation(train.eval_interval, train.steps, validation_pass(
+                built.optimizer.model, source, seq, train, torch.device(device_type), this_ranks_tokens, eod),
+                row, speaks),
+            log_records,
+            Checkpointing(train.save_interval, train.steps, started.save_dir, built.model.module, built.optimizer,
+                          started.facts, built.consumed, built.start_step, global_batch, row),
+            Progress(progress, job.stop_if_signalled, train.steps, speaks),
+        ]
+        run_steps(step, batches, train, hooks, plan.step, built.start_step)
+    row.update(plan.finish())
+    return log_records.records
+
+
+def _summarize(run: Run, started: Started, records: list[dict], info: distributed.ProcessInfo, row: dict) -> None:
+    """The row's figures of the whole run: memory (the largest over the ranks), the allocator's,
+    and the timed steps' mean time, TGS and MFU."""
+    row.update(_max_over_ranks(started.memory.read(), run.device_type))
+    if run.device_type == "cuda":
+        row.update(measured_allocator_row(row, started.arena is not None))
     times = [r["iter_time_s"] for r in records if r["timed"]]
     iter_time = statistics.fmean(times)
+    peak, world = started.hw.peak_flops, info.world_size
     row.update(
         steps_timed=len(times),
         iter_time_s=iter_time,
         iter_time_s_median=statistics.median(times),
-        tgs=tgs(global_batch * seq, iter_time, info.world_size),
-        mfu=mfu(flops_per_iter, iter_time, info.world_size, hw.peak_flops),
+        tgs=tgs(row["tokens_per_iter"], iter_time, world),
+        mfu=mfu(row["flops_per_iter"], iter_time, world, peak),
         mfu_documents=(mfu(statistics.fmean(r["flops_documents"] for r in records if r["timed"]), iter_time,
-                           info.world_size, hw.peak_flops) if train.document_mask else None),
+                           world, peak) if run.train.document_mask else None),
         loss_first=records[0]["loss"],
         loss_last=records[-1]["loss"],
     )

@@ -19,7 +19,7 @@ from memo.execute.optimizer_offload import (
     offloaded,
     pinned_block_bytes,
 )
-from memo.execute.train import run_steps
+from memo.execute.train import TrainingStep, run_steps
 from memo.policy import build_model
 
 from conftest import compose_config, resolve_config
@@ -49,7 +49,7 @@ def _losses(optimizer, train, run) -> list[tuple[float, float]]:
     tokens = SyntheticTokens(run.workload.model.vocab_size, 0)
     (batch,) = next(micro_batches(tokens, run.workload.seq, 1, 1, 0, 1, torch.device("cpu")))
     records = []
-    run_steps(optimizer, itertools.repeat([batch]), train, "cpu", records.append)
+    run_steps(TrainingStep(optimizer, "cpu"), itertools.repeat([batch]), train, [records.append])
     return [(r["loss"], r["grad_norm"]) for r in records]
 
 

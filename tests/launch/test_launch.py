@@ -102,13 +102,12 @@ def test_a_run_stopped_by_the_scheduler_keeps_its_steps_and_an_interrupted_row(t
     ``interrupted`` and the requeued attempt sets it aside and runs again."""
     real_run_steps = memo.modes.train.run_steps
 
-    def stopped_after_two_steps(optimizer, batches, train, device_type, on_step, *args, **kwargs):
-        def record(step):
-            on_step(step)
-            if step["step"] == 2:
+    def stopped_after_two_steps(step, batches, train, hooks, *args, **kwargs):
+        def stop(record):
+            if record["step"] == 2:
                 raise SystemExit(-1)
 
-        real_run_steps(optimizer, batches, train, device_type, record, *args, **kwargs)
+        real_run_steps(step, batches, train, [*hooks, stop], *args, **kwargs)
 
     monkeypatch.setattr(memo.modes.train, "run_steps", stopped_after_two_steps)
     with pytest.raises(SystemExit):
