@@ -175,117 +175,144 @@ class _Search:
             raise _Stop
         if not self.nodes & 255 and time.perf_counter() > self.deadline:
             raise _Stop
-        floor_of, size, rank, twin = self.floor_of, self.size, self.rank, self.twin
+        floor_of = self.floor_of
         unplaced = [k for k in unplaced if floor_of[k] != _INF]
         if not unplaced:
             return True
+        # the node's fullest section's unplaced bytes, then its hot sections once a candidate needs them
+        hot = [max(self.total[a:b])]
+        for j in self._candidates(unplaced, level, last_rank):
+            o = floor_of[j]
+            if not self._fits_above(j, o, a, b, hot):
+                continue
+            raised, below, saved, ok = self._place(j, o)
+            found = ok and self._descend(j, unplaced, a, b, o)
+            self._unplace(j, o, raised, below, saved)
+            if found:
+                self.solution[j] = o
+                return True
+            if not raised and not any(floor_of[k] != _INF for k in self.nbrs[j]):
+                break  # hatless
+        return False
+
+    def _candidates(self, unplaced: list[int], level: int, last_rank: int) -> list[int]:
+        """The buffers that may come next in canonical order, each at its floor, lowest first:
+        not above the lowest top any of them would have (dominance), after the last placed
+        buffer's rank at its level, and after their twin."""
+        floor_of, size, rank, twin = self.floor_of, self.size, self.rank, self.twin
         lowest_top = min([floor_of[k] + size[k] for k in unplaced])
         candidates = [
             k for k in unplaced
             if level <= floor_of[k] < lowest_top and (floor_of[k] > level or rank[k] > last_rank)
             and (twin[k] < 0 or floor_of[twin[k]] == _INF)
         ]
-        if not candidates:
-            return False
         width = self.n + 1
         candidates.sort(key=lambda k: floor_of[k] * width + rank[k])
-        nbrs, lo, hi, total, members, where, cuts = (
-            self.nbrs, self.lo, self.hi, self.total, self.members, self.where, self.cuts)
-        span_lo, span_hi, holder, mark, n = self.span_lo, self.span_hi, self.holder, self.mark, self.n
-        floor_at = floor_of.__getitem__
-        capacity = self.capacity
-        most = max(total[a:b])
-        hot = None
-        for j in candidates:
-            o = floor_of[j]
-            first, end = lo[j], hi[j]
-            sz = size[j]
-            # Every section's unplaced bytes, less j's own, must fit above o: the sections too
-            # full for that (hot) must all be j's.
-            room = capacity - o
-            if most > room:
-                if hot is None:  # the first and last hot section, for every room, by bisection
-                    order = sorted(range(a, b), key=total.__getitem__, reverse=True)
-                    hot = ([-total[s] for s in order], list(accumulate(order, min)),
-                           list(accumulate(order, max)))
-                c = bisect_left(hot[0], -room) - 1
-                if hot[1][c] < first or hot[2][c] >= end or most - sz > room:
-                    continue
-            top = o + sz
-            floor_of[j] = _INF  # placed
-            raised = [k for k in nbrs[j] if floor_of[k] < top]  # placed ones are at infinity
-            below = [floor_of[k] for k in raised]
-            self.stamp = stamp = self.stamp + 1
-            mark[j] = mark[n] = stamp
-            for k in raised:
-                floor_of[k] = top
-                mark[k] = stamp
-            # Take j out of its sections' member lists: swap the last member into its place.
-            wj = where[j]
-            for s in range(first, end):
-                total[s] -= sz
-                row = members[s]
-                last = row.pop()
-                if last != j:
-                    i = wj[s - first]
-                    row[i] = last
-                    where[last][s - lo[last]] = i
-            # A section's lowest floor moves only where the buffer holding it rose or left (or
-            # where nothing holds it: see below).
-            changed = [s for s in range(span_lo[j], span_hi[j]) if mark[holder[s]] == stamp]
-            saved = []
-            ok = True
-            for s in changed:
-                t = total[s]
-                if not t:
-                    continue
-                if top + t <= capacity and not first <= s < end:
-                    # The floor is at most top, where everything fits: leave it unknown until
-                    # a placement with a higher top touches the section.
-                    if holder[s] != n:
-                        saved.append((s, holder[s]))
-                        holder[s] = n
-                    continue
-                saved.append((s, holder[s]))
-                k = holder[s] = min(members[s], key=floor_at)
-                if floor_of[k] + t > capacity:
-                    ok = False
-                    break
-            found = False
-            if ok:
-                cut = []
-                for s in range(first, end - 1):
-                    cuts[s] -= 1
-                    if not cuts[s]:
-                        cut.append(s + 1)
-                if cut:
-                    found = self._split(unplaced, a, b, cut)
-                else:
-                    found = self._dfs(unplaced, a, b, o, rank[j])
-                for s in range(first, end - 1):
-                    cuts[s] += 1
-            for s, k in saved:
-                holder[s] = k
-            for s in range(end - 1, first - 1, -1):
-                total[s] += sz
-                row = members[s]
+        return candidates
+
+    def _fits_above(self, j: int, o: int, a: int, b: int, hot: list) -> bool:
+        """Whether every section's unplaced bytes of ``[a, b)``, less ``j``'s own, fit above ``o``:
+        the sections too full for that (hot) must all be ``j``'s. ``hot`` holds, per node, the
+        most unplaced bytes of a section, then (made once needed) the sections from the fullest
+        down and their running first and last, for the first and last hot section of any room
+        (by bisection)."""
+        most, room = hot[0], self.capacity - o
+        if most <= room:
+            return True
+        if len(hot) == 1:
+            total = self.total
+            order = sorted(range(a, b), key=total.__getitem__, reverse=True)
+            hot += [-total[s] for s in order], list(accumulate(order, min)), list(accumulate(order, max))
+        c = bisect_left(hot[1], -room) - 1
+        return not (hot[2][c] < self.lo[j] or hot[3][c] >= self.hi[j] or most - self.size[j] > room)
+
+    def _place(self, j: int, o: int) -> tuple[list[int], list[int], list, bool]:
+        """Place ``j`` at ``o``: raise the floors of the buffers alive with it, take it out of its
+        sections, and bring the sections' lowest floors up to date. Returns what
+        :meth:`_unplace` needs (the raised buffers, their floors before, the holders replaced)
+        and whether every section still fits."""
+        floor_of, size, nbrs, lo, hi = self.floor_of, self.size, self.nbrs, self.lo, self.hi
+        total, members, where, holder, mark, n = self.total, self.members, self.where, self.holder, self.mark, self.n
+        first, end, sz = lo[j], hi[j], size[j]
+        top = o + sz
+        floor_of[j] = _INF  # placed
+        raised = [k for k in nbrs[j] if floor_of[k] < top]  # placed ones are at infinity
+        below = [floor_of[k] for k in raised]
+        self.stamp = stamp = self.stamp + 1
+        mark[j] = mark[n] = stamp
+        for k in raised:
+            floor_of[k] = top
+            mark[k] = stamp
+        # Take j out of its sections' member lists: swap the last member into its place.
+        wj = where[j]
+        for s in range(first, end):
+            total[s] -= sz
+            row = members[s]
+            last = row.pop()
+            if last != j:
                 i = wj[s - first]
-                if i < len(row):
-                    last = row[i]
-                    where[last][s - lo[last]] = len(row)
-                    row.append(last)
-                    row[i] = j
-                else:
-                    row.append(j)
-            for k, f in zip(raised, below):
-                floor_of[k] = f
-            floor_of[j] = o
-            if found:
-                self.solution[j] = o
-                return True
-            if not raised and not any(floor_of[k] != _INF for k in nbrs[j]):
-                break  # hatless
-        return False
+                row[i] = last
+                where[last][s - lo[last]] = i
+        # A section's lowest floor moves only where the buffer holding it rose or left (or
+        # where nothing holds it: see below).
+        changed = [s for s in range(self.span_lo[j], self.span_hi[j]) if mark[holder[s]] == stamp]
+        saved = []
+        capacity = self.capacity
+        floor_at = floor_of.__getitem__
+        for s in changed:
+            t = total[s]
+            if not t:
+                continue
+            if top + t <= capacity and not first <= s < end:
+                # The floor is at most top, where everything fits: leave it unknown until
+                # a placement with a higher top touches the section.
+                if holder[s] != n:
+                    saved.append((s, holder[s]))
+                    holder[s] = n
+                continue
+            saved.append((s, holder[s]))
+            k = holder[s] = min(members[s], key=floor_at)
+            if floor_of[k] + t > capacity:
+                return raised, below, saved, False
+        return raised, below, saved, True
+
+    def _descend(self, j: int, unplaced: list[int], a: int, b: int, o: int) -> bool:
+        """The search below ``j``'s placement at ``o``: each side on its own where ``j`` was the
+        last buffer to span a boundary between sections, else on from ``j``."""
+        cuts = self.cuts
+        first, end = self.lo[j], self.hi[j]
+        cut = []
+        for s in range(first, end - 1):
+            cuts[s] -= 1
+            if not cuts[s]:
+                cut.append(s + 1)
+        try:
+            return self._split(unplaced, a, b, cut) if cut else self._dfs(unplaced, a, b, o, self.rank[j])
+        finally:
+            for s in range(first, end - 1):
+                cuts[s] += 1
+
+    def _unplace(self, j: int, o: int, raised: list[int], below: list[int], saved: list) -> None:
+        """Undo :meth:`_place`: ``j`` back in its sections at ``o``, the floors it raised back down."""
+        floor_of, lo, members, where, holder, total = self.floor_of, self.lo, self.members, self.where, self.holder, self.total
+        first, end, sz = lo[j], self.hi[j], self.size[j]
+        for s, k in saved:
+            holder[s] = k
+        wj = where[j]
+        for s in range(end - 1, first - 1, -1):
+            total[s] += sz
+            row = members[s]
+            i = wj[s - first]
+            if i < len(row):
+                last = row[i]
+                where[last][s - lo[last]] = len(row)
+                row.append(last)
+                row[i] = j
+            else:
+                row.append(j)
+        for k, f in zip(raised, below):
+            floor_of[k] = f
+        floor_of[j] = o
 
 
 def fits(buffers: Sequence[Buffer], capacity: int, time_limit_s: float = 60.0) -> SearchResult:

@@ -21,7 +21,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from memo.plan.bilevel import MemoryPlan, Placement, planned_requests
+from memo.plan.bilevel import MemoryPlan, PlacedRequest, planned_requests
 from memo.profile.trace import Event
 
 log = logging.getLogger("memo")
@@ -92,7 +92,7 @@ class PlanServer:
     def __init__(self, memory_plan: MemoryPlan, served: Callable[[str], bool] = every_phase):
         self.alignment = int(memory_plan.meta.get("alignment", 1))
         # Zero-byte requests never reach an allocator (PyTorch hands out a null pointer).
-        self._planned: dict[str, list[Placement]] = {
+        self._planned: dict[str, list[PlacedRequest]] = {
             phase: [p for p in placements if p.size > 0]
             for phase, placements in planned_requests(memory_plan).items() if served(phase)
         }

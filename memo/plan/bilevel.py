@@ -37,7 +37,7 @@ _NUMBERED = re.compile(r"\.(t|b|db)\d+")
 
 
 @dataclass(frozen=True)
-class Placement:
+class PlacedRequest:
     """Where one request goes: the ``rank``-th malloc of ``phase`` (``size`` bytes) at ``offset``."""
 
     phase: str
@@ -50,7 +50,7 @@ class Placement:
 class LevelPlan:
     """A solved DSA instance: offsets relative to its arena, and how good they are."""
 
-    placements: list[Placement]
+    placements: list[PlacedRequest]
     peak: int  # bytes
     lower_bound: int  # bytes
     solver: str
@@ -89,7 +89,7 @@ def _solve(buffers: list[Buffer], keys: list[tuple[str, int, int]], time_limit_s
     units = [Buffer(b.id, b.lower, b.upper, -(-b.size // alignment)) for b in buffers]
     result: DsaPlan = plan(units, time_limit_s, mip)
     validate(units, result.offsets)  # independent check: a wrong plan must never leave here
-    placements = [Placement(phase, rank, unit.size * alignment, offset * alignment)
+    placements = [PlacedRequest(phase, rank, unit.size * alignment, offset * alignment)
                   for (phase, rank, _), unit, offset in zip(keys, units, result.offsets, strict=True)]
     return LevelPlan(placements, result.peak * alignment, result.lower_bound * alignment, result.solver,
                      time.perf_counter() - start, result.mip_message)
@@ -156,27 +156,37 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
     layers_checked = check_identical_layers(trace, requests) if identical_layers else []
     layers = phase_layers(trace.phases)
     reference = (layers_checked or layers[1:2] or layers or [0])[0]
-    rank = trace.malloc_ranks()
-    home = _folded(trace)
-    by_id = {r.id: r for r in requests}
-
     # Level 1 has a quarter of the time, shared among the blocks to solve as they come (the
     # attention blocks' kinds first, then the other phases'); level 2 has the rest, and what
     # level 1 leaves.
-    level_one_end = time.perf_counter() + time_limit_s / 4
+    levels = _Levels(trace, requests, mip, alignment, time.perf_counter() + time_limit_s / 4)
+    ordered = sorted(trace.phases, key=lambda p: not p.startswith(f"layer.{reference}."))
+    levels.plan_attention_blocks(ordered)
+    levels.plan_phases(ordered)
+    iteration = levels.plan_iteration(deadline)
+    meta = {**trace.meta, "format": PLAN_FORMAT, "alignment": alignment}
+    flat = max_load([Buffer(str(r.id), r.lower, r.upper, r.size) for r in requests])
+    return MemoryPlan(levels.blocks, levels.phase_blocks, iteration, flat, layers_checked, meta, levels.loops)
 
-    # Level 0: each attention block's requests (all of them: a block is closed).
-    block_events: dict[str, list] = {}
-    for event in trace.events:
-        if attention_block(event.phase):
-            block_events.setdefault(event.phase, []).append(event)
-    blocks: dict[str, LevelPlan] = {}
-    phase_blocks: dict[str, str] = {}
 
-    def plan_alike(signatures: dict[str, tuple]) -> None:
+class _Levels:
+    """The three levels of one bi-level plan (see :func:`plan_iteration`): the blocks of tiles'
+    attention, then every phase's transient requests (level 1), then the iteration (level 2)."""
+
+    def __init__(self, trace: Trace, requests, mip: str, alignment: int, level_one_end: float):
+        self.trace, self.requests, self.mip, self.alignment = trace, requests, mip, alignment
+        self.level_one_end = level_one_end
+        self.rank = trace.malloc_ranks()
+        self.by_id = {r.id: r for r in requests}
+        self.blocks: dict[str, LevelPlan] = {}
+        self.phase_blocks: dict[str, str] = {}
+        self.loops: dict[str, int] = {}  # attention block phase -> which loop of its tile it is in
+        self.spans: dict[str, list[int]] = {}  # a phase's first and past-last event, blocks folded in
+
+    def plan_alike(self, signatures: dict[str, tuple]) -> None:
         """Name and plan the level-1 blocks of ``signatures`` (phase -> its transients' signature,
-        ``(rank, lower, upper, bytes)`` each, in the order of ``ordered``): phases of one kind
-        alike share a block, named in the order their variants first occur, which no later
+        ``(rank, lower, upper, bytes)`` each, in the order the phases are planned): phases of one
+        kind alike share a block, named in the order their variants first occur, which no later
         layer or tile changes."""
         variants: dict[tuple, list[str]] = {}
         for phase, signature in signatures.items():
@@ -187,77 +197,82 @@ def plan_iteration(trace: Trace, time_limit_s: float = 60.0, mip: str = "gurobi"
             name = kind if not number else f"{kind}#{number}"
             buffers = [Buffer(str(i), lower, upper, size) for i, (_, lower, upper, size) in enumerate(signature)]
             keys = [(name, r, size) for r, _, _, size in signature]
-            share = (level_one_end - time.perf_counter()) / (left + 1)  # what is left over goes on
-            blocks[name] = _solve(buffers, keys, max(share, 0.0), mip, alignment)
-            phase_blocks.update(dict.fromkeys(phases, name))
+            share = (self.level_one_end - time.perf_counter()) / (left + 1)  # what is left over goes on
+            self.blocks[name] = _solve(buffers, keys, max(share, 0.0), self.mip, self.alignment)
+            self.phase_blocks.update(dict.fromkeys(phases, name))
 
-    def transient_items(events: list, phase: str) -> tuple:
+    def transient_items(self, events: list, phase: str) -> tuple:
         """The signature of the requests made and freed within ``phase`` among ``events``
         ((position, event) pairs): ``(rank, lower, upper, bytes)`` each."""
         at: dict[int, list[int]] = {}
         for position, e in events:
-            r = by_id[e.id]
+            r = self.by_id[e.id]
             if r.malloc_phase == r.free_phase == phase:
                 at.setdefault(e.id, []).append(position)
         ids = sorted(at, key=lambda i: at[i][0])
-        return tuple((rank[i], at[i][0], at[i][1], by_id[i].size) for i in ids)
+        return tuple((self.rank[i], at[i][0], at[i][1], self.by_id[i].size) for i in ids)
 
-    ordered = sorted(trace.phases, key=lambda p: not p.startswith(f"layer.{reference}."))
-    plan_alike({phase: transient_items(list(enumerate(block_events[phase])), phase)
-                for phase in ordered if phase in block_events})
-    # a loop's pseudo request: the largest block of its kind
-    loop_bytes: dict[str, int] = {}
-    for phase, name in phase_blocks.items():
-        kind = phase_kind(phase)
-        loop_bytes[kind] = max(loop_bytes.get(kind, 0), blocks[name].peak)
+    def plan_attention_blocks(self, ordered: list[str]) -> None:
+        """Level 0: each block of a tile's attention, all its requests (a block is closed)."""
+        block_events: dict[str, list] = {}
+        for event in self.trace.events:
+            if attention_block(event.phase):
+                block_events.setdefault(event.phase, []).append(event)
+        self.block_events = block_events
+        self.plan_alike({phase: self.transient_items(list(enumerate(block_events[phase])), phase)
+                         for phase in ordered if phase in block_events})
 
-    # Level 1: every other phase's transient requests, each loop of its blocks one pseudo request.
-    loops: dict[str, int] = {}  # attention block phase -> which loop of its tile it is in
-    spans: dict[str, list[int]] = {}
-    own_events: dict[str, list] = {}
-    for position, event in enumerate(trace.events):
-        owner = home[event.phase]
-        span = spans.setdefault(owner, [position, position + 1])
-        span[1] = position + 1
-        own_events.setdefault(owner, []).append(event)
-    signatures = {}
-    # (a tile whose events are all its blocks' has no phase of its own in the trace)
-    for phase in [p for p in ordered if p not in block_events] + [p for p in spans if p not in home]:
-        # the phase's own events and one place per loop of its attention blocks
-        events, loop_kinds, previous = [], [], None
-        for e in own_events.get(phase, []):
-            if e.phase == phase:
-                events.append((len(events) + len(loop_kinds), e))
-                previous = None
-                continue
-            kind = phase_kind(e.phase)
-            if kind != previous:
-                loop_kinds.append((len(events) + len(loop_kinds), kind))
-                previous = kind
-            if loops.setdefault(e.phase, len(loop_kinds) - 1) != len(loop_kinds) - 1:
-                raise ValueError(f"{e.phase} runs in two loops of attention blocks; name each loop's blocks apart")
-        loops_of_phase = tuple((-1 - k, at, at + 1, loop_bytes[kind]) for k, (at, kind) in enumerate(loop_kinds))
-        signatures[phase] = transient_items(events, phase) + loops_of_phase
-    plan_alike(signatures)
+    def plan_phases(self, ordered: list[str]) -> None:
+        """Level 1: every other phase's transient requests, each loop of its attention blocks one
+        pseudo request as large as the largest block of its kind anywhere."""
+        loop_bytes: dict[str, int] = {}
+        for phase, name in self.phase_blocks.items():
+            kind = phase_kind(phase)
+            loop_bytes[kind] = max(loop_bytes.get(kind, 0), self.blocks[name].peak)
+        home = _folded(self.trace)
+        own_events: dict[str, list] = {}
+        for position, event in enumerate(self.trace.events):
+            owner = home[event.phase]
+            span = self.spans.setdefault(owner, [position, position + 1])
+            span[1] = position + 1
+            own_events.setdefault(owner, []).append(event)
+        signatures = {}
+        # (a tile whose events are all its blocks' has no phase of its own in the trace)
+        for phase in [p for p in ordered if p not in self.block_events] + [p for p in self.spans if p not in home]:
+            # the phase's own events and one place per loop of its attention blocks
+            events, loop_kinds, previous = [], [], None
+            for e in own_events.get(phase, []):
+                if e.phase == phase:
+                    events.append((len(events) + len(loop_kinds), e))
+                    previous = None
+                    continue
+                kind = phase_kind(e.phase)
+                if kind != previous:
+                    loop_kinds.append((len(events) + len(loop_kinds), kind))
+                    previous = kind
+                if self.loops.setdefault(e.phase, len(loop_kinds) - 1) != len(loop_kinds) - 1:
+                    raise ValueError(f"{e.phase} runs in two loops of attention blocks; name each loop's blocks apart")
+            loops_of_phase = tuple((-1 - k, at, at + 1, loop_bytes[kind]) for k, (at, kind) in enumerate(loop_kinds))
+            signatures[phase] = self.transient_items(events, phase) + loops_of_phase
+        self.plan_alike(signatures)
 
-    # Level 2: the requests that cross phases, and a pseudo request per phase (a tile's blocks in it).
-    buffers, keys = [], []
-    for r in requests:
-        if r.free_phase != r.malloc_phase:
-            buffers.append(Buffer(str(r.id), r.lower, r.upper, r.size))
-            keys.append((r.malloc_phase, rank[r.id], r.size))
-    for phase, (lower, upper) in spans.items():
-        peak = blocks[phase_blocks[phase]].peak
-        if peak > 0:
-            buffers.append(Buffer(f"pseudo:{phase}", lower, upper, peak))
-            keys.append((phase, -1, peak))
-    iteration = _solve(buffers, keys, max(deadline - time.perf_counter(), 0.0), mip, alignment)
-    meta = {**trace.meta, "format": PLAN_FORMAT, "alignment": alignment}
-    flat = max_load([Buffer(str(r.id), r.lower, r.upper, r.size) for r in requests])
-    return MemoryPlan(blocks, phase_blocks, iteration, flat, layers_checked, meta, loops)
+    def plan_iteration(self, deadline: float) -> LevelPlan:
+        """Level 2: the requests that cross phases, and a pseudo request per phase (a tile's
+        blocks in it) of its level-1 block's peak."""
+        buffers, keys = [], []
+        for r in self.requests:
+            if r.free_phase != r.malloc_phase:
+                buffers.append(Buffer(str(r.id), r.lower, r.upper, r.size))
+                keys.append((r.malloc_phase, self.rank[r.id], r.size))
+        for phase, (lower, upper) in self.spans.items():
+            peak = self.blocks[self.phase_blocks[phase]].peak
+            if peak > 0:
+                buffers.append(Buffer(f"pseudo:{phase}", lower, upper, peak))
+                keys.append((phase, -1, peak))
+        return _solve(buffers, keys, max(deadline - time.perf_counter(), 0.0), self.mip, self.alignment)
 
 
-def planned_requests(memory_plan: MemoryPlan) -> dict[str, list[Placement]]:
+def planned_requests(memory_plan: MemoryPlan) -> dict[str, list[PlacedRequest]]:
     """Every phase's requests in malloc order, each with its arena offset (bytes): a crossing
     request's level-2 offset, or a transient one's level-1 offset above its phase's pseudo request
     (a tile's attention block: above its loop's pseudo request in the tile's block).
@@ -265,7 +280,7 @@ def planned_requests(memory_plan: MemoryPlan) -> dict[str, list[Placement]]:
     Raises:
         ValueError: if a phase's ranks are not 0, 1, 2, ... (the plan is not of one trace).
     """
-    crossing: dict[str, dict[int, Placement]] = {}
+    crossing: dict[str, dict[int, PlacedRequest]] = {}
     pseudo: dict[str, int] = {}
     for p in memory_plan.iteration.placements:
         if p.rank < 0:
@@ -286,7 +301,7 @@ def planned_requests(memory_plan: MemoryPlan) -> dict[str, list[Placement]]:
                 continue
             if p.rank in ranks:
                 raise ValueError(f"malloc number {p.rank} of phase {phase!r} is placed twice")
-            ranks[p.rank] = Placement(phase, p.rank, p.size, base + p.offset)
+            ranks[p.rank] = PlacedRequest(phase, p.rank, p.size, base + p.offset)
         if sorted(ranks) != list(range(len(ranks))):
             missing = sorted(set(range(max(ranks, default=-1) + 1)) - set(ranks))
             raise ValueError(f"phase {phase!r} has no place for malloc number {missing[0]}")
@@ -320,7 +335,7 @@ def _level_dict(level: LevelPlan) -> dict:
 
 
 def _level(data: dict) -> LevelPlan:
-    return LevelPlan([Placement(*row) for row in data["placements"]], data["peak"], data["lower_bound"],
+    return LevelPlan([PlacedRequest(*row) for row in data["placements"]], data["peak"], data["lower_bound"],
                      data["solver"], data["seconds"], data.get("mip_message", ""))
 
 

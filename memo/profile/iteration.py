@@ -20,7 +20,7 @@ CPU back-ends); any other request alive at the end persists from one iteration t
 
 import contextlib
 import dataclasses
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -121,58 +121,22 @@ def trace_iteration(workload: Workload, traced: Traced, backend: str = "fake", s
     Raises:
         ConfigError: for a back-end or method that cannot be traced here.
     """
-    if backend not in BACKENDS:
-        raise ConfigError(f"profile.backend={backend} is not a back-end; "
-                          f"choose one of: {', '.join(BACKENDS)}")
-    if backend == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("profile.backend=cuda needs a GPU and none is visible here; "
-                          "use profile.backend=fake")
-    parallel, seq = workload.parallel, workload.seq
-    micro_batch_size, dtype = workload.micro_batch_size, torch_dtype(workload)
-    traced.check_trace()
-    if parallel.pp > 1:
-        raise ConfigError(f"parallel.pp={parallel.pp}: traces cover one pipeline stage only; "
-                          "use parallel.pp=1")
-    if parallel.cp > 1:
-        raise ConfigError(f"parallel.cp={parallel.cp}: a trace follows one process and context "
-                          "parallelism exchanges keys and values with the others; use parallel.cp=1 "
-                          "(mode=fit adds the exchange's buffers to one rank's tokens)")
+    _check_traceable(workload, traced, backend)
     device = "cuda" if backend == "cuda" else "cpu"
     config = transformer_config(workload, device)
     grouped = config.num_query_groups not in (None, config.num_attention_heads)
     # a real probe, outside fake mode
-    attention = select_backend(device, dtype, config.kv_channels, "auto", grouped)
+    attention = select_backend(device, torch_dtype(workload), config.kv_channels, "auto", grouped)
     mode = contextlib.nullcontext()
     if backend == "fake":
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     figures, gradients, buffers = {}, None, None
-    with process_group(parallel, backend), mode:
+    with process_group(workload.parallel, backend), mode:
         torch.manual_seed(seed)
         gpt = build_gpt(workload, device, attention, layers=traced.layers).module
-        # One implementation on every back-end (the CUDA default, foreach, allocates otherwise).
-        optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-4, foreach=False)
-        for p in gpt.parameters():  # states exist before the traced step, as after step 1
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens = torch.zeros(micro_batch_size, seq, dtype=torch.long, device=device)
-        positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, seq)
-
-        runtime = traced.trace_runtime(gpt, workload, torch.device(device))
-
-        def run(marker: PhaseMarker) -> None:
-            runtime.name_phases(marker.enter_layer)
-            with unchecked_rng_forks():
-                per_token = gpt(tokens, positions, None, labels=tokens)
-                loss = per_token.float().mean()
-                marker.backward()
-                loss.backward()
-                del per_token, loss
-                marker.optimizer()
-                optimizer.step()
-
+        run, runtime = _iteration(gpt, workload, traced, device)
         if backend == "cuda":
             from memo.profile.cuda import record_cuda_iteration
 
@@ -195,11 +159,11 @@ def trace_iteration(workload: Workload, traced: Traced, backend: str = "fake", s
         "model": _plain(workload.model),
         "method": workload.method.name,
         "loss": workload.loss,
-        "parallel": _plain(parallel),
-        "seq": seq,
+        "parallel": _plain(workload.parallel),
+        "seq": workload.seq,
         "tile_tokens": workload.layer_tile_tokens,
-        "micro_batch_size": micro_batch_size,
-        "dtype": dtype_label(dtype),
+        "micro_batch_size": workload.micro_batch_size,
+        "dtype": dtype_label(torch_dtype(workload)),
         "attention": attention,
         "gradient_requests": gradients,
         # a walk in tiles that swaps: the requests of its tile buffers, and one tile's skeletal
@@ -209,3 +173,53 @@ def trace_iteration(workload: Workload, traced: Traced, backend: str = "fake", s
         **{f"cuda.{k}": v for k, v in figures.items()},
     }
     return Trace(events, meta)
+
+
+def _check_traceable(workload: Workload, traced: Traced, backend: str) -> None:
+    """Refuse, in one line, a trace this function cannot make."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"profile.backend={backend} is not a back-end; "
+                          f"choose one of: {', '.join(BACKENDS)}")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("profile.backend=cuda needs a GPU and none is visible here; "
+                          "use profile.backend=fake")
+    traced.check_trace()
+    parallel = workload.parallel
+    if parallel.pp > 1:
+        raise ConfigError(f"parallel.pp={parallel.pp}: traces cover one pipeline stage only; "
+                          "use parallel.pp=1")
+    if parallel.cp > 1:
+        raise ConfigError(f"parallel.cp={parallel.cp}: a trace follows one process and context "
+                          "parallelism exchanges keys and values with the others; use parallel.cp=1 "
+                          "(mode=fit adds the exchange's buffers to one rank's tokens)")
+
+
+def _iteration(gpt, workload: Workload, traced: Traced, device: str) -> tuple[Callable, LayerRuntime]:
+    """The traced iteration of ``gpt``, and the runtime of its layers (``traced``'s): Adam's states
+    made first, as after the first step; then forward, loss, backward and the optimizer's step,
+    each phase told to the marker the recorder gives it."""
+    # One implementation on every back-end (the CUDA default, foreach, allocates otherwise).
+    optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-4, foreach=False)
+    for p in gpt.parameters():  # states exist before the traced step, as after step 1
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    b, seq = workload.micro_batch_size, workload.seq
+    tokens = torch.zeros(b, seq, dtype=torch.long, device=device)
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand(b, seq)
+    runtime = traced.trace_runtime(gpt, workload, torch.device(device))
+
+    def run(marker: PhaseMarker) -> None:
+        runtime.name_phases(marker.enter_layer)
+        with unchecked_rng_forks():
+            per_token = gpt(tokens, positions, None, labels=tokens)
+            loss = per_token.float().mean()
+            marker.backward()
+            loss.backward()
+            del per_token, loss
+            marker.optimizer()
+            optimizer.step()
+
+    return run, runtime
+
+
