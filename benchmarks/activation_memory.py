@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from memo.config import parse_seq, register_configs, resolve  # noqa: E402
 from memo.execute import distributed  # noqa: E402
-from memo.execute.data import SyntheticTokens, micro_batches  # noqa: E402
+from memo.data.batches import SyntheticTokens, micro_batches  # noqa: E402
 from memo.execute.distributed import ProcessInfo  # noqa: E402
 from memo.fit.memory import split_peak  # noqa: E402
 from memo.model import build_gpt  # noqa: E402

@@ -7,7 +7,7 @@ alone); it raises at the first difference."""
 import torch
 
 from memo.execute import distributed
-from memo.execute.data import SyntheticTokens, micro_batches
+from memo.data.batches import SyntheticTokens, micro_batches
 from memo.policy import build_model
 
 from conftest import compose_config, resolve_config

@@ -19,7 +19,7 @@ def require(missing: Optional[str]) -> None:
 
 
 def c_compiler_missing() -> Optional[str]:
-    """Why the plan's native allocator (memo/execute/plan_allocator.c) cannot be built here, or None."""
+    """Why the plan's native allocator (memo/plan/plan_allocator.c) cannot be built here, or None."""
     if shutil.which(os.environ.get("CC", "cc")) is None:
         return "no C compiler (cc) to build the plan's allocator library: install gcc, or set CC"
     return None

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from memo.execute.data import SyntheticTokens, micro_batches
+from memo.data.batches import SyntheticTokens, micro_batches
 from memo.execute.optimizer import HostOptimizer
 from memo.model.placement import NullRuntime
 from memo.policy import build_model, policy_of

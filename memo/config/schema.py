@@ -283,7 +283,7 @@ class RunConfig:
     # (the rest are recomputed), a number in [0, 1], or "auto" to solve MEMO's α problem.
     alpha: str = "auto"
     # Serve the layers' tensors at the offsets of a bi-level memory plan of the run's last
-    # warm-up step, in one arena, instead of the caching allocator (memo.execute.plan_runtime;
+    # warm-up step, in one arena, instead of the caching allocator (memo.plan.runtime;
     # mode=fit predicts both).
     plan: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -1,2 +1,4 @@
-"""Training data in Megatron's format: documents tokenized once into an indexed ``.bin``/``.idx``
-pair (:mod:`memo.data.prepare`), which megatron-core's dataset builders read."""
+"""Training data: the micro-batches a step trains on (``batches``: synthetic tokens, a text file's
+bytes, or Megatron's indexed data), and data in Megatron's format, documents tokenized once into
+an indexed ``.bin``/``.idx`` pair (``prepare``) that megatron-core's dataset builders read
+(``corpus``)."""

@@ -1,1 +1,2 @@
-"""Running a job: distributed start-up, data, optimizer and the training loop."""
+"""Running a job: distributed start-up, the optimizer, the training loop and its step hooks,
+validation, checkpoints."""

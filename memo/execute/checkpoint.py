@@ -7,7 +7,7 @@ the steps done, the samples consumed and the layout it was saved at, and what fi
 after it (:class:`RunFacts`), once; and each rank's random-number generators, restored only at
 the same layout. The learning rate is a function of
 the step (:mod:`memo.execute.schedule`) and sample ``i`` a function of the seed and ``i``
-(:mod:`memo.execute.data`), so the step and the samples consumed are the whole position of the
+(:mod:`memo.data.batches`), so the step and the samples consumed are the whole position of the
 run. MEMO's runtime (α, the buffers, a memory plan) is rebuilt by the run that loads, never saved.
 
 Every rank writes into ``.step_<n>.partial/``; once all have, global rank 0 renames it to

@@ -3,7 +3,7 @@
 Every ``train.eval_interval`` steps (and after the last) the model runs forward, without
 gradients, on the same ``train.eval_iters`` global batches of validation samples: Megatron's
 valid split for ``train.data=megatron:...``, other samples of the source otherwise
-(:meth:`memo.execute.data.SyntheticTokens.valid_sample`). Each token's loss is counted in the
+(:meth:`memo.data.batches.SyntheticTokens.valid_sample`). Each token's loss is counted in the
 bucket of its position, ``train.eval_buckets`` equal spans of the sequence, so that a long
 context's use shows: a model that uses it predicts late tokens better than early ones.
 
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from memo.execute.data import micro_batches
+from memo.data.batches import micro_batches
 from memo.execute.train import token_losses
 
 
 class ValidationSamples:
-    """A source's validation samples, as :func:`memo.execute.data.micro_batches` draws samples."""
+    """A source's validation samples, as :func:`memo.data.batches.micro_batches` draws samples."""
 
     def __init__(self, source):
         self.source = source

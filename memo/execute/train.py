@@ -43,7 +43,7 @@ def rank_tokens(layout: str) -> Callable[[dict], dict]:
 
 def token_losses(model: torch.nn.Module, micro_batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The model's loss of every token of ``micro_batch`` (``[b, s]``, nats), and which tokens
-    count (``None``: all): documents kept apart (:func:`memo.execute.data.micro_batches`'
+    count (``None``: all): documents kept apart (:func:`memo.data.batches.micro_batches`'
     ``documents``) do not count a token whose label begins the next document."""
     documents = micro_batch.get("documents")
     per_token = model(micro_batch["tokens"], micro_batch["position_ids"], None, labels=micro_batch["labels"],

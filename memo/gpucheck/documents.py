@@ -23,7 +23,7 @@ import torch
 
 from memo.config import resolve
 from memo.execute import distributed
-from memo.execute.data import SyntheticTokens
+from memo.data.batches import SyntheticTokens
 from memo.execute.distributed import ProcessInfo
 from memo.gpucheck.common import arguments, compose, placed_model, step_device, write_rows
 from memo.gpucheck.numerics import LLAMA_GPU, judged, kernels, relative_errors, say

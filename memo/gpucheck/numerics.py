@@ -18,7 +18,7 @@ import torch
 
 from memo.config import resolve
 from memo.execute import distributed
-from memo.execute.data import SyntheticTokens, micro_batches
+from memo.data.batches import SyntheticTokens, micro_batches
 from memo.execute.distributed import ProcessInfo
 from memo.gpucheck.common import (arguments, compose, placed_model, run_job, runs_dir, step_device,
                                   write_rows)

@@ -75,7 +75,7 @@ def _profiled_steps(overrides: tuple[str, ...]):
     from memo.gpucheck.common import compose
     from memo.execute import distributed
     from memo.execute.distributed import ProcessInfo
-    from memo.execute.data import SyntheticTokens, micro_batches
+    from memo.data.batches import SyntheticTokens, micro_batches
 
     device = torch.device("cuda", 0)
     run = resolve(compose("model=1.3b", "method=memo", "train.dtype=bf16", "train.loss=tiled", *overrides),

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     if args.cpu:
         # the rehearsal runs the step's own machinery once; the CPU paths of these are the suite's
         for name, why in [("plan=true", "the suite trains with the plan on the CPU "
-                                        "(tests/execute/test_plan_runtime.py)"),
+                                        "(tests/plan/test_plan_runtime.py)"),
                           ("profile.backend=cuda", "needs a GPU: the CUDA caching allocator's trace")]:
             rows.append({"check": name, "status": "skipped", "detail": why})
     else:

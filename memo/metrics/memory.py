@@ -21,7 +21,7 @@ def _vm_hwm_bytes() -> int:
 
 class PeakMemory:
     """Peak memory since the last :meth:`reset`, for ``device_type`` "cuda" or "cpu"; on a GPU
-    whose allocator is the plan's (``arena``, a :class:`memo.execute.cuda_arena.ArenaAllocator`),
+    whose allocator is the plan's (``arena``, a :class:`memo.plan.cuda_arena.ArenaAllocator`),
     that allocator's figures."""
 
     def __init__(self, device_type: str, arena=None):

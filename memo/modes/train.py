@@ -20,12 +20,12 @@ from omegaconf import DictConfig
 from memo import hardware
 from memo.config import ConfigError, Run, resolve
 from memo.execute import checkpoint, distributed
-from memo.execute.data import micro_batches, token_source
+from memo.data.batches import micro_batches, token_source
 from memo.execute.hooks import (ActivationAccounting, Checkpointing, MemoryReadings, Progress, StepLog,
                                  Throughput, Validation, validation_pass)
 from memo.execute.optimizer import StepOptimizer, build_optimizer, checkpoint_format
-from memo.execute.plan_runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
-from memo.execute.plan_server import ServingStats
+from memo.plan.runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
+from memo.plan.server import ServingStats
 from memo.execute.progress import step_progress
 from memo.execute.schedule import schedule_settings
 from memo.execute.train import TrainingStep, rank_tokens, run_steps, untimed_steps
@@ -153,7 +153,7 @@ class Started:
     dtype: torch.dtype
     device: torch.device  # this rank's
     host_budget: float  # bytes of host memory this rank's activations may fill, before Adam's share
-    arena: Optional[object]  # the plan's CUDA arena (memo.execute.cuda_arena), where installed
+    arena: Optional[object]  # the plan's CUDA arena (memo.plan.cuda_arena), where installed
     save_dir: Path
     resume_from: Optional[checkpoint.Checkpoint]
     saved: Optional[dict]  # the facts of the checkpoint to go on from
@@ -169,7 +169,7 @@ def _start(run: Run, policy: ActivationPolicy, info: distributed.ProcessInfo, jo
     row["train.loss"] = workload.loss
     arena = None
     if run.plan and device_type == "cuda":
-        from memo.execute import cuda_arena
+        from memo.plan import cuda_arena
 
         # before this process's first CUDA tensor, and before anything (reading the GPU's name
         # for hardware=auto, say) initialises CUDA

@@ -1,2 +1,4 @@
-"""MEMO's memory plan before training: the bi-level plan of one iteration (``bilevel``), solved
-with :mod:`memo.dsa`. (α, the fraction of tokens swapped, is :mod:`memo.swap.alpha`.)"""
+"""MEMO's memory plan: the bi-level plan of one iteration (``bilevel``), solved with
+:mod:`memo.dsa`, and its run-time half: one step recorded and the later ones served from the plan
+(``runtime``), on the CPU by replaying the requests through the plan (``server``), on a GPU from
+one arena (``cuda_arena`` and its native allocator, ``plan_allocator.c``)."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import resolve_config, run_in_process
-from memo.execute.data import SyntheticTokens, micro_batches
+from memo.data.batches import SyntheticTokens, micro_batches
 from memo.execute.evaluate import ValidationSamples, bucket_bounds, validation_loss
 from memo.policy import build_model
 

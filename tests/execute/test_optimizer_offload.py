@@ -11,7 +11,7 @@ import torch
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from memo.config import ConfigError, resolve, validate
-from memo.execute.data import SyntheticTokens, micro_batches
+from memo.data.batches import SyntheticTokens, micro_batches
 from memo.execute.optimizer import MegatronStepOptimizer, build_optimizer
 from memo.execute.optimizer_offload import (
     hybrid_optimizers,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from megatron.core import tensor_parallel
 
-from memo.execute.data import SyntheticTokens, micro_batches
+from memo.data.batches import SyntheticTokens, micro_batches
 from memo.policy import build_model
 
 from conftest import PYTHON, REPO, free_port, resolve_config, run_in_process

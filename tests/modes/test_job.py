@@ -112,7 +112,7 @@ def test_plan_true_installs_its_allocator_before_anything_reads_the_gpu(tmp_path
     # hardware=auto on a GPU machine: reading the GPU's name initialises CUDA, after which the
     # plan's allocator can no longer be installed
     from memo import hardware
-    from memo.execute import cuda_arena
+    from memo.plan import cuda_arena
 
     order = []
 

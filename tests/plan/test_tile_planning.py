@@ -10,7 +10,7 @@ from conftest import REPO, run_in_process, trace_of
 
 from memo.config import Method, ModelConfig, ParallelConfig, Workload
 from memo.dsa.buffers import read_buffers, validate
-from memo.execute.plan_runtime import CPU_SERVING
+from memo.plan.runtime import CPU_SERVING
 from memo.plan.bilevel import addresses, phase_kind, plan_iteration, read_plan
 from memo.policy import policy_of
 from memo.profile.template import iteration_template

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memo.config import ConfigError
-from memo.execute.data import SyntheticTokens, micro_batches
+from memo.data.batches import SyntheticTokens, micro_batches
 from memo.swap import SwapRuntime, prepare_swapped_layers
 from memo.swap.capture import Forward
 from memo.swap.streams import CudaStreams, DeferredStreams, InlineStreams, OrderingError

@@ -12,7 +12,7 @@ pool (kept cached: its release threshold is raised to the maximum).
 It must be installed before this process makes its first CUDA tensor, and stays for the
 process's life: run ``plan=true`` jobs each in their own process (every launcher but the basic
 one does). The native side is ``plan_allocator.c``, built once per version with the system C
-compiler into ``~/.cache/memo``; the matching is :class:`memo.execute.plan_server.PlanServer`.
+compiler into ``~/.cache/memo``; the matching is :class:`memo.plan.server.PlanServer`.
 """
 
 import ctypes
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from memo.config import ConfigError
-from memo.execute.plan_server import PlanServer
+from memo.plan.server import PlanServer
 from memo.profile.trace import Event
 
 SOURCE = Path(__file__).with_name("plan_allocator.c")

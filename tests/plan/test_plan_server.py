@@ -8,7 +8,7 @@ import random
 import pytest
 
 from memo.config import Method, ModelConfig, ParallelConfig, Workload
-from memo.execute.plan_server import PlanServer, is_layer_region, serve_events
+from memo.plan.server import PlanServer, is_layer_region, serve_events
 from memo.plan.bilevel import addresses, plan_iteration
 from memo.dsa.buffers import Buffer, validate
 from memo.profile.trace import Event, Trace

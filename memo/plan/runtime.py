@@ -7,7 +7,7 @@ recorded as it really allocates. With ``plan=true`` the step is then planned (bi
 512-byte grid PyTorch aligns tensors to) and every later step is served from it:
 
 * on a GPU, the planned requests (the whole iteration, as level 2 plans it) are placed in one
-  arena by :mod:`memo.execute.cuda_arena`; what departs from the plan goes to CUDA's
+  arena by :mod:`memo.plan.cuda_arena`; what departs from the plan goes to CUDA's
   stream-ordered pool;
 * on the CPU, tensors are not placed (the CPU allocator is not replaceable): each step's
   requests are recorded and replayed through the same :class:`PlanServer`, which validates the
@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from memo.config import PlannerConfig
-from memo.execute.plan_server import PlanServer, serve_events
+from memo.plan.server import PlanServer, serve_events
 from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.dsa.caching_allocator import simulate
 from memo.model.placement import LayerRuntime, NullRuntime
@@ -50,7 +50,7 @@ class PlanRuntime:
 
     Wrap each step in :meth:`step`; the marker it yields (None when the step is neither recorded
     nor served) must be told of the backward pass and the optimizer step. ``arena`` is the
-    installed :class:`memo.execute.cuda_arena.ArenaAllocator` on a GPU with ``plan``, else None.
+    installed :class:`memo.plan.cuda_arena.ArenaAllocator` on a GPU with ``plan``, else None.
     ``layers`` is what runs the model's layers: the marker names the parts of their passes it
     reports (a walk in tiles: each tile's phases and its attention blocks') as they go.
     """
@@ -168,7 +168,7 @@ class PlanRuntime:
                  "peak %.1f MiB), planned in %.1f s", self.record_at + 1, self.row["plan.recorded_requests"],
                  self.server.arena_bytes / 2**20, memory_plan.arena_bytes / 2**20, seconds)
         if self.arena is not None:
-            from memo.execute.cuda_arena import allocate_arena
+            from memo.plan.cuda_arena import allocate_arena
 
             allocate_arena(self.arena, self.server.arena_bytes)
             self.arena.server = self.server

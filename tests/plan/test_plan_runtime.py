@@ -11,9 +11,9 @@ from conftest import compose_config, run_in_process, trace_of
 from requirements import c_compiler_missing, require
 
 from memo.config import ConfigError, Method, ModelConfig, ParallelConfig, PlannerConfig, validate, Workload
-from memo.execute.cuda_arena import ArenaAllocator, build_library
-from memo.execute.plan_runtime import CPU_SERVING, PlanRuntime, measured_allocator_row
-from memo.execute.plan_server import PlanServer
+from memo.plan.cuda_arena import ArenaAllocator, build_library
+from memo.plan.runtime import CPU_SERVING, PlanRuntime, measured_allocator_row
+from memo.plan.server import PlanServer
 from memo.plan.bilevel import addresses, plan_iteration
 from memo.profile.trace import Event, Trace
 
@@ -240,7 +240,7 @@ class _HostCudart:
 
 
 def test_unplanned_requests_still_reach_cudas_allocator_once_the_arena_is_set(library):
-    from memo.execute.cuda_arena import allocate_arena
+    from memo.plan.cuda_arena import allocate_arena
 
     cudart = _HostCudart(arena_bytes=4096)
     allocator = ArenaAllocator(library, lambda: "setup")

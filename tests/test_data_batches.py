@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from memo.config import ConfigError, TrainConfig
-from memo.execute.data import ByteTokens, SyntheticTokens, micro_batches, token_source
+from memo.data.batches import ByteTokens, SyntheticTokens, micro_batches, token_source
 
 
 def test_synthetic_samples_are_deterministic_pairs():

@@ -11,7 +11,7 @@ phase in this iteration go to the ordinary allocator (``None``), and the diverge
 kept for a one-time warning. The live-range check makes the arena safe whatever the run does:
 a request is never handed bytes that another live request holds.
 
-This is the whole serving logic; :mod:`memo.execute.cuda_arena` asks it for every request of a
+This is the whole serving logic; :mod:`memo.plan.cuda_arena` asks it for every request of a
 served region on a GPU, and on the CPU :func:`serve_events` replays a recorded step through it to
 validate the plan against what the run really asked for.
 """

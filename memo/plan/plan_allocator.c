@@ -1,7 +1,7 @@
 /* The allocator entry points PyTorch's CUDAPluggableAllocator calls for every tensor request
- * (memo/execute/cuda_arena.py builds, loads and configures this file).
+ * (memo/plan/cuda_arena.py builds, loads and configures this file).
  *
- * While serving is on, a request asks the plan server (a Python callback, memo.execute.plan_server)
+ * While serving is on, a request asks the plan server (a Python callback, memo.plan.server)
  * for an arena offset; -1 means "not planned" and the request goes to the fallback allocator. A free
  * inside the arena goes back to the server; any other free to the fallback. While recording is on,
  * fallback requests and frees are also reported, so that one step's requests can be traced. The
