@@ -21,7 +21,11 @@ Every other layer:
   the last tensor the layer saves: FC2, its reduce-scatter and the residual are not run again.
 
 The layer's layout in the buffer (:mod:`memo.swap.layout`) is found once, before training; what
-happens while a layer runs is the capture of its pass (:mod:`memo.swap.capture`).
+happens while a layer runs is the capture of its pass (:mod:`memo.swap.capture`). The runtime is
+split by pass: its forward (:mod:`memo.swap.unit_forward`) and its backward
+(:mod:`memo.swap.unit_backward`); here are its set-up, its buffers' views and the contracts it
+keeps with the layers (:class:`memo.model.placement.Placement`) and the training loop
+(:class:`memo.model.placement.LayerRuntime`).
 
 The same rules hold for *units* smaller than a layer: a walk in sequence tiles
 (:mod:`memo.swap.tiled_layer`) makes each tile of each layer a unit, ``u = i·T + t``, with ``R``
@@ -43,31 +47,17 @@ taken per load-balanced chunk. Attention is not run again in recomputation (its 
 whole), so no context-parallel exchange is replayed.
 """
 
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from memo.model.placement import Accounting, Placed, RuntimeReport, check_layer_arguments
-from memo.swap.alpha import HostMemoryError
-from memo.swap.capture import Capture, Discover, Forward, Replay
-from memo.swap.layout import (ALIAS, BYTELESS, EXTERNAL, INPUT, TOKENS, LayerLayout, Slot, address, empty_in_layout,
-                              same_layout, tail_rows)
+from memo.model.placement import Accounting, Placed, RuntimeReport
+from memo.swap.capture import Capture, Discover
+from memo.swap.host_memory import host_memory, register, unregister
+from memo.swap.layout import ALIAS, EXTERNAL, INPUT, TOKENS, LayerLayout, Slot, address, empty_in_layout, same_layout
 from memo.swap.streams import Streams
-
-
-@dataclass
-class UnitState:
-    """One unit's swap (a layer, or a tile of one) in one forward/backward pass."""
-
-    index: int  # the unit: a layer, or i·T + t
-    layer: object  # the layer it runs
-    keep: int  # k: tokens of each segment of each chunk swapped; the others are recomputed
-    kwargs: dict  # the forward's arguments but ``hidden_states``, for recomputation
-    # an EXTERNAL input: the unit's input rows, where its caller keeps them for the backward pass
-    external_input: Optional[Callable[[], torch.Tensor]] = None
-    prefetched: object = None  # event: H2D of this unit finished
-    ready: bool = False  # prefetched and recomputed: its backward may read the buffer
+from memo.swap.unit_backward import UnitBackward
+from memo.swap.unit_forward import UnitForward, UnitState
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -84,11 +74,7 @@ class _BackwardStart(torch.autograd.Function):
         return grad, None, None
 
 
-class _ReplayDone(Exception):
-    """Raised inside a replay once every tensor the backward needs has been recomputed."""
-
-
-class SwapRuntime:
+class SwapRuntime(UnitForward, UnitBackward):
     """Token-wise swapping and recomputation for the layers of one model replica: the
     :class:`memo.model.placement.Placement` of every module of its layers, and (whole layers) their
     :class:`memo.model.placement.LayerRuntime`.
@@ -305,46 +291,7 @@ class SwapRuntime:
             return compute()
         return self._capture.attention(q, k, v, compute)
 
-    # ---------------------------------------------------------------- forward
-
-    def resident(self, index: int) -> bool:
-        """Whether unit ``index`` is one of the last ``R``: kept whole in its rounding buffer, never
-        sent to the host, brought back or recomputed (its backward follows right after)."""
-        return index >= self.swapped_units
-
-    def buffer_of(self, state: UnitState) -> int:
-        """The rounding buffer unit ``state`` uses: ``u mod R``."""
-        return state.index % self.buffer_count
-
-    def forward_unit(self, index: int, layer, kwargs: dict,
-                     external_input: Optional[Callable[[], torch.Tensor]] = None):
-        """Run unit ``index``'s forward pass (``layer`` on Megatron's keyword arguments, the unit's
-        tokens) with its saved tensors in its rounding buffer, and send its swapped part to the
-        host. ``external_input``: where the caller keeps the input rows for the backward pass,
-        when the layout's input is EXTERNAL."""
-        if self.layout is None:
-            raise RuntimeError("SwapRuntime.allocate must run before training")
-        self.ready_buffers()
-        hidden = kwargs["hidden_states"]
-        check_layer_arguments(kwargs, "memo's swapping")
-        state = UnitState(index, layer, self.keeps[index], {k: v for k, v in kwargs.items() if k != "hidden_states"},
-                          external_input)
-        b = self.buffer_of(state)
-        # The D2H copy of the buffer's previous unit must be done before it is overwritten.
-        self.streams.wait(self.streams.compute, self._buffer_free[b])
-        self._buffer_owner[b] = state
-        capture = Forward(self, state, hidden.shape[0], hidden, self._params(layer))
-        result = self._run_captured(layer, kwargs, capture)
-        if capture.cursor != len(self.layout.slots):
-            raise RuntimeError(
-                f"unit {index} saved {capture.cursor} tensors, its layout has {len(self.layout.slots)}"
-            )
-        if self.resident(index):
-            self.account(index, "device", self.layout.bytes_kept)
-        else:
-            self._offload(state)
-        self._states[index] = state
-        return result
+    # ---------------------------------------------------------------- the capture
 
     @staticmethod
     def _params(layer) -> set:
@@ -363,113 +310,6 @@ class SwapRuntime:
 
     def _pack(self, t: torch.Tensor):
         return self._capture.pack(t)
-
-    def _offload(self, state: UnitState) -> None:
-        s = self.streams
-        b = self.buffer_of(state)
-        s.wait(s.d2h, s.record(s.compute))
-        for j, slot in enumerate(self.layout.slots):
-            if slot.kind not in BYTELESS:
-                _copy_blocks(s, s.d2h, self._host_view(state.index, slot), self.swapped_part(state, j))
-        self._buffer_free[b] = s.record(s.d2h)
-        self.account(state.index, "host", self.layout.host_bytes(state.keep))
-
-    def saved(self, handle) -> torch.Tensor:
-        """The tensor a forward's pack handle ``(state, slot)`` stands for, for the backward pass."""
-        if isinstance(handle, torch.Tensor):
-            return handle
-        state, j = handle
-        if not state.ready or self._buffer_owner[self.buffer_of(state)] is not state:
-            raise RuntimeError(
-                f"unit {state.index}'s activations were read before they were reloaded"
-            )
-        if self.layout.slots[j].kind == EXTERNAL:
-            return state.external_input()
-        return self._saved_tensor(self.buffer_of(state), j)
-
-    # ---------------------------------------------------------------- backward
-
-    def backward_started(self, index: int) -> None:
-        """Called as unit ``index``'s backward pass begins (unit ``index + 1``'s is done, and its
-        buffer free: unit ``index − R + 1``'s prefetch goes into it)."""
-        s = self.streams
-        released = s.record(s.compute)
-        ahead = index - (self.buffer_count - 1)
-        if 0 <= ahead < self.swapped_units and ahead != index:
-            self._prefetch(self._states[ahead], released)
-        state = self._states.pop(index)
-        if not self.resident(index):
-            if state.prefetched is None:
-                self._prefetch(state, released)
-            s.wait(s.compute, state.prefetched)
-            if state.keep < self.layout.segment_tokens:
-                self._recompute(state)
-        state.ready = True
-
-    def _prefetch(self, state: UnitState, released: object) -> None:
-        s = self.streams
-        b = self.buffer_of(state)
-        # The buffer's previous unit finished its backward. This unit's own D2H needs no wait:
-        # unit u + R waited for it before writing the same buffer, and compute, which ``released``
-        # follows, waited for unit u + R (every swapped unit has one: the last R are resident).
-        s.wait(s.h2d, released)
-        self._buffer_owner[b] = state
-        for j, slot in enumerate(self.layout.slots):
-            if slot.kind not in BYTELESS:
-                _copy_blocks(s, s.h2d, self.swapped_part(state, j), self._host_view(state.index, slot))
-        state.prefetched = s.record(s.h2d)
-
-    def input_of(self, state: UnitState) -> torch.Tensor:
-        """Unit ``state``'s input, as its backward pass reads it: its buffer's or its caller's."""
-        j = next(j for j, slot in enumerate(self.layout.slots) if slot.kind in (INPUT, EXTERNAL))
-        if self.layout.slots[j].kind == EXTERNAL:
-            return state.external_input()
-        return self.slot_tensor(self.buffer_of(state), j)
-
-    def _recompute(self, state: UnitState) -> None:
-        layout, k = self.layout, state.keep
-        hidden = tail_rows(self.input_of(state), self.segments, k).detach().requires_grad_(True)
-        kwargs = dict(state.kwargs, hidden_states=hidden)
-        rope = kwargs.get("rotary_pos_emb")
-        if rope is not None:
-            kwargs["rotary_pos_emb"] = tail_rows(rope, self.sequence_chunks * self.segments, k)
-        layer = state.layer
-        outer = [j for j, s in enumerate(layout.slots) if s.role is None]
-        capture = Replay(self, state, layout.tokens, hidden, self._params(layer), outer)
-
-        def last_saved(_module, inputs) -> None:
-            # The backward needs what the layer saves, the last of which is FC2's input: the
-            # replay ends there, without FC2's GEMM, its reduce-scatter and the residual.
-            if capture.last_saved(inputs[0]):
-                raise _ReplayDone
-
-        stop = layer.mlp.linear_fc2.register_forward_pre_hook(last_saved)
-        try:
-            with torch.enable_grad():
-                self._run_captured(layer, kwargs, capture)
-        except _ReplayDone:
-            pass
-        finally:
-            stop.remove()
-        if capture.cursor != len(outer):
-            raise RuntimeError(f"recomputing unit {state.index} saved {capture.cursor} of {len(outer)} tensors")
-
-    def fill(self, state: UnitState, j: int, t: torch.Tensor) -> None:
-        """Write unit ``state``'s recomputed tokens ``t`` into the dropped rows of slot ``j``."""
-        slot = self.layout.slots[j]
-        if slot.kind in (INPUT, ALIAS, EXTERNAL):
-            return  # kept whole on the host or by the caller, nothing to recompute
-        token_major = t.movedim(slot.token_dim, 0)
-        dropped = slot.chunks * self.segments * (self.layout.segment_tokens - state.keep)
-        rest = slot.shape[1:]
-        if tuple(token_major.shape) != (dropped, *rest) or token_major.dtype != slot.dtype:
-            raise RuntimeError(
-                f"recomputing unit {state.index} gave {tuple(token_major.shape)} for slot {j}, "
-                f"expected {(dropped, *rest)}"
-            )
-        _, tail = self.split(self.slot_tensor(self.buffer_of(state), j), slot, state.keep)
-        tail.copy_(token_major.reshape(tail.shape))
-        self.account(state.index, "recomputed", token_major.numel() * token_major.element_size())
 
     # ---------------------------------------------------------------- views
 
@@ -535,52 +375,3 @@ class SwapRuntime:
         if slot.kind == TOKENS:
             return raw.view(slot.dtype).view(slot.chunks * self.segments, k, *slot.shape[1:])
         return raw.view(slot.dtype).view(slot.shape)
-
-
-def _copy_blocks(streams: Streams, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into ``dst`` on ``stream`` as contiguous blocks: whole if both are contiguous,
-    else one copy per index of the first dimension (a chunk's token prefix). A non-contiguous
-    copy between device and host would stage through a temporary on the device."""
-    if dst.is_contiguous() and src.is_contiguous():
-        streams.copy(stream, dst, src)
-        return
-    for d, s in zip(dst, src, strict=True):
-        if not (d.is_contiguous() and s.is_contiguous()):
-            raise RuntimeError(f"a swap copy of shape {tuple(s.shape)} is not contiguous per chunk")
-        streams.copy(stream, d, s)
-
-
-def unregister(slab: torch.Tensor) -> None:
-    """Undo :func:`register`: the memory can then be registered again, or freed."""
-    torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
-
-
-PAGE = 4096  # bytes
-
-
-def host_memory(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """``numel`` elements of host memory; to be page-locked (``pin``), on whole pages of their
-    own: two registrations must never share a page (CUDA refuses the second), which two small
-    allocations from the C heap may."""
-    if not pin:
-        return torch.empty(numel, dtype=dtype)
-    nbytes = numel * dtype.itemsize
-    raw = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % PAGE
-    return raw[start:start + nbytes].view(dtype)
-
-
-def register(slab: torch.Tensor) -> None:
-    """Page-lock ``slab`` in place: one registration of its exact size in bytes, where the pinned
-    allocator would round a request up to a power of two. (A slab registered in part makes a
-    copy that spans both parts fail with CUDA's "invalid argument".)"""
-    nbytes = slab.numel() * slab.element_size()
-    cudart = torch.cuda.cudart()
-    error = cudart.cudaHostRegister(slab.data_ptr(), nbytes, 0)
-    if int(error) != 0:
-        if hasattr(cudart, "cudaGetLastError"):  # not bound by every PyTorch build
-            cudart.cudaGetLastError()  # the failure must not surface at the next CUDA call
-        raise HostMemoryError(
-            f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (error {int(error)}): "
-            "raise the locked-memory limit (ulimit -l) or lower hardware.host_memory_gib"
-        )

@@ -170,3 +170,16 @@ class DeferredStreams:
 def streams_for(device: torch.device) -> Streams:
     """Real streams on a GPU, inline copies on the CPU."""
     return CudaStreams(device) if device.type == "cuda" else InlineStreams()
+
+
+def copy_blocks(streams: Streams, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` on ``stream`` as contiguous blocks: whole if both are contiguous,
+    else one copy per index of the first dimension (a chunk's token prefix). A non-contiguous
+    copy between device and host would stage through a temporary on the device."""
+    if dst.is_contiguous() and src.is_contiguous():
+        streams.copy(stream, dst, src)
+        return
+    for d, s in zip(dst, src, strict=True):
+        if not (d.is_contiguous() and s.is_contiguous()):
+            raise RuntimeError(f"a swap copy of shape {tuple(s.shape)} is not contiguous per chunk")
+        streams.copy(stream, d, s)

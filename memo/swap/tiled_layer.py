@@ -43,91 +43,45 @@ its output freed when the layer's backward returns.
 
 **Swapping** (``memo``, ``full_swap``; :class:`memo.swap.runtime.SwapRuntime` given as ``swap``):
 every tile of every layer is a unit of the runtime (``u = i·T + t``). A tile's forward runs with a
-graph, begun by :class:`_TileStart` (which holds nothing of the layer input) and ended by
-:class:`_TileEnd` (an empty tensor, so the tile's output is not held): its saved tensors live in
-the runtime's tile buffers and go to the host as its α says, attention's output and log-sum-exp
-whole. The inputs of the checkpoint layers (every ``checkpoint_every``-th) go to the host
-(:class:`LayerInputs`); a layer whose every unit stays in the buffers keeps its input on the device.
+graph, begun by :class:`memo.swap.tiled_forward._TileStart` (which holds nothing of the layer
+input) and ended by :class:`memo.swap.tiled_forward._TileEnd` (an empty tensor, so the tile's
+output is not held): its saved tensors live in the runtime's tile buffers and go to the host as its
+α says, attention's output and log-sum-exp whole. The inputs of the checkpoint layers (every
+``checkpoint_every``-th) go to the host (:class:`memo.swap.layer_inputs.LayerInputs`); a layer whose
+every unit stays in the buffers keeps its input on the device.
 A layer's backward brings its input back into the input store, or makes it there from the
 checkpoint below (:meth:`TiledLayers._chain`: the layers between run tile by tile with their kept
 attention outputs), makes the keys and values again, then for each tile from the last lets the
 runtime bring the tile's buffer back and recompute its dropped tokens, and runs the tile's kept
 graph backward.
+
+The walk is split by pass: its forward (:mod:`memo.swap.tiled_forward`), its backward
+(:mod:`memo.swap.tiled_backward`) and its core attention (:mod:`memo.swap.tile_attention`), over
+what they share (:mod:`memo.swap.tile_state`); here are its set-up, its tiles and the contracts it
+keeps with the layers and the training loop.
 """
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from memo.model import attention_blocks as blocks
-from memo.model.tiled_attention import block, tile_backward, tile_forward
-from memo.model.documents import Documents, block_kernel, documents_of
+from memo.model.documents import Documents, documents_of
 from memo.model.placement import Accounting, RuntimeReport, check_layer_arguments
 from memo.model.tiles import batch_in_tile_order, rank_tile_blocks
-from memo.swap.runtime import SwapRuntime, host_memory, register, unregister
-from memo.swap.streams import Streams
-
-# the walk's modes, named as its phases are: a tile's forward, the keys and values made again
-# before the backward tiles, a tile's forward again with a graph for its backward, and (context
-# parallelism) a tile run again up to its keys and values, for their gradients
-FORWARD, REBUILD, BACKWARD, KEYS = "fwd", "rebuild", "bwd", "bwd.kv"
-# under swapping with checkpoint layers: a layer's input made again from the checkpoint below,
-# through the layers between, each tile's attention output taken from what its forward kept
-CHAIN = "chain"
-WHOLE_LAYER_MODES = (REBUILD, CHAIN)  # named once per layer, not per tile
-# a tile's attention blocks, named within the tile's phase: those of its forward kernels and of
-# its backward kernels (a tile's backward phase runs both: its forward again, then its gradients)
-FORWARD_BLOCK, BACKWARD_BLOCK = "b", "db"
-
-
-@dataclass
-class TileStores:
-    """The layer-wide stores every layer's walk shares: ``[tokens, b, groups, dim]`` each."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_grads: torch.Tensor  # float32 (or wider)
-    value_grads: torch.Tensor
-
-    @classmethod
-    def empty(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> "TileStores":
-        """Stores of keys and values ``shape`` (``[tokens, b, groups, dim]``) in ``dtype``."""
-        wide = blocks.wide(dtype)
-        return cls(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(2)),
-                   *(torch.empty(shape, dtype=wide, device=device) for _ in range(2)))
-
-
-
-@dataclass
-class _Tile:
-    """The tile a layer's attention is run for, and how."""
-
-    mode: str  # FORWARD, REBUILD, BACKWARD, KEYS or CHAIN
-    layer: int
-    index: int  # t, of this rank's tiles
-    block: int  # where the tile's tokens are in the store (t without context parallelism)
+from memo.swap.layer_inputs import LayerInputs
+from memo.swap.runtime import SwapRuntime
+from memo.swap.tile_attention import TileAttention
+from memo.swap.tile_state import FORWARD, FORWARD_BLOCK, WHOLE_LAYER_MODES, Tile, TileStores
+from memo.swap.tiled_backward import TileBackward
+from memo.swap.tiled_forward import TileForward
 
 
 def _unnamed(layer: int, part: str) -> None:
     """Where the walk's phases go when nobody names them."""
 
 
-class _Rebuilt(Exception):
-    """Raised by core attention in a rebuild, once the tile's keys and values are in the store."""
-
-
-class _KeysMade(Exception):
-    """Raised by core attention in a KEYS pass with the tile's keys and values (in the graph)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.keys, self.values = keys, values
-
-
-class TiledLayers:
+class TiledLayers(TileForward, TileBackward, TileAttention):
     """The per-tile walk of every layer of one model replica (see the module docstring): the
     :class:`memo.model.placement.Placement` of its layers and their core attention, and their
     :class:`memo.model.placement.LayerRuntime`.
@@ -161,7 +115,7 @@ class TiledLayers:
         self.cp, self.cp_rank = 1, 0  # its size and this rank's place in it
         self.layers: list = []
         self._index: dict[int, int] = {}
-        self._tile: Optional[_Tile] = None
+        self._tile: Optional[Tile] = None
         # the documents kept apart of the micro-batch being walked (its DocumentParams'), if any
         self.documents: Optional[Documents] = None
         # called with (layer, part of its pass) as the walk goes: "fwd.t<t>", "rebuild" (before
@@ -245,7 +199,7 @@ class TiledLayers:
         rows = slice(0, self.tile_rows)
         tile_x = x[rows].detach().requires_grad_(True)
         tiled = self._tile_kwargs(kwargs, tile_x, 0)
-        self._tile, self.documents = _Tile(FORWARD, 0, 0, 0), documents_of(kwargs)
+        self._tile, self.documents = Tile(FORWARD, 0, 0, 0), documents_of(kwargs)
         try:
             with torch.enable_grad():
                 return self.swap.discover(layer, tiled, external_input=True)
@@ -258,7 +212,7 @@ class TiledLayers:
         x = kwargs["hidden_states"]
         _, rows, j = self._tiles(x.shape[0])[t]
         self._allocate(layer, x)
-        self._tile, self.documents = _Tile(FORWARD, 0, t, j), documents_of(kwargs)
+        self._tile, self.documents = Tile(FORWARD, 0, t, j), documents_of(kwargs)
         try:
             with torch.enable_grad():
                 layer.run(**self._tile_kwargs(kwargs, x[rows].detach().requires_grad_(True), t))
@@ -321,42 +275,6 @@ class TiledLayers:
         layer input of ``rows`` rows."""
         return [j for _, _, j in self._tiles(rows)]
 
-    def _make_keys(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> None:
-        """Every tile's keys and values into the store, without a graph, then (under context
-        parallelism) the other ranks' from them."""
-        with torch.no_grad():
-            for t, rows, j in self._tiles(x.shape[0]):
-                try:
-                    self._run(layer, kwargs, x[rows], _Tile(REBUILD, index, t, j))
-                except _Rebuilt:
-                    pass
-        if self.cp > 1:
-            for store in (self.stores.keys, self.stores.values):
-                self._gather(store)
-
-    def _halves(self, store: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``store``'s first and second halves as ``[cp, chunk, ...]``: rank ``r``'s chunks are the
-        first's ``r`` and the second's ``cp − 1 − r``."""
-        front, back = store.unflatten(0, (2, self.cp, -1)).unbind(0)
-        return front, back
-
-    def _gather(self, store: torch.Tensor) -> None:
-        """The other ranks' chunks of ``store`` (``[s, ...]``, sequence order) from them: each
-        half in place, in rank order; the second half's chunks then put back in sequence order.
-        Besides the store, one chunk exists at a time."""
-        cp, rank = self.cp, self.cp_rank
-        front, back = self._halves(store)
-        for half, own in ((front, rank), (back, cp - 1 - rank)):
-            mine = half[own].clone()
-            dist.all_gather_into_tensor(half.flatten(0, 1), mine, group=self.cp_group)
-            del mine
-        _reverse_chunks(back)
-
-    def _sum_gradients(self) -> None:
-        """The key and value gradients of every rank's queries, summed over the ranks."""
-        for grads in (self.stores.key_grads, self.stores.value_grads):
-            dist.all_reduce(grads, group=self.cp_group)
-
     def block_phases(self, layer: int, part: str, kind: str = FORWARD_BLOCK) -> Callable[[Optional[int]], None]:
         """What tells :attr:`on_phase` of the attention blocks of ``layer``'s ``part`` (a tile's
         phase, ``fwd.t<t>`` or ``bwd.t<t>``): block ``j``'s phase is ``<part>.<kind><j>``, and
@@ -370,7 +288,7 @@ class TiledLayers:
         return dict(kwargs, hidden_states=hidden,
                     rotary_pos_emb=None if rope is None else rope[index * c:(index + 1) * c])
 
-    def _run(self, layer, kwargs: dict, hidden: torch.Tensor, tile: "_Tile", rows: Optional[slice] = None):
+    def _run(self, layer, kwargs: dict, hidden: torch.Tensor, tile: "Tile", rows: Optional[slice] = None):
         """The layer on one tile; with ``rows`` (the tile's rows of the layer input), as a unit of
         the swap runtime, whose backward reads those rows of the input store."""
         tiled = self._tile_kwargs(kwargs, hidden, tile.index)
@@ -395,263 +313,10 @@ class TiledLayers:
             self.stores = None  # the old ones go first
             self.stores = TileStores.empty(shape, x.dtype, x.device)
 
-    def run_forward(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """The layer's output, tile by tile, without a graph."""
-        self._allocate(layer, x)
-        if self.cp > 1:
-            self._make_keys(layer, index, x, kwargs)
-        out = torch.empty_like(x)
-        for t, rows, j in self._tiles(x.shape[0]):
-            out[rows] = self._run(layer, kwargs, x[rows], _Tile(FORWARD, index, t, j))
-        self.on_phase(index, FORWARD)
-        return out
-
-    def run_forward_swapped(self, layer, index: int, x: torch.Tensor, kwargs: dict
-                            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The layer's output, tile by tile, each tile's graph kept with its saved tensors in the
-        tile buffers (the swap runtime sends their host part out); the layer input goes to the
-        host. Returns the output and each tile's end of graph, for the backward pass."""
-        self._allocate(layer, x)
-        self.inputs.ready_store(x)
-        self.swap.ready_buffers()
-        if self.cp > 1:  # every rank's keys and values, before any tile attends over them
-            self._make_keys(layer, index, x, kwargs)
-        if self._resident_layer(index):
-            self.inputs.kept[index] = x
-        elif index % self.checkpoint_every == 0:
-            self.inputs.offload(index // self.checkpoint_every, x, self.swap.streams)
-            self.swap.account(index * self._count, "host", x.numel() * x.element_size())
-        out = torch.empty_like(x)
-        ends = []
-        for t, rows, j in self._tiles(x.shape[0]):
-            with torch.enable_grad():
-                start = _TileStart.apply(x[rows].detach(), self._anchor, self)  # not x's graph
-                y = self._run(layer, kwargs, start, _Tile(FORWARD, index, t, j), rows)
-                ends.append(_TileEnd.apply(y, self))
-            out[rows] = y.detach()
-            del y, start
-        self.inputs.sent(self.swap.streams)  # long done by now: the layer's compute outlasts it
-        self.on_phase(index, FORWARD)
-        return out, ends
-
-    def run_backward_swapped(self, layer, index: int, kwargs: dict, grad: torch.Tensor,
-                             ends: list[torch.Tensor]) -> torch.Tensor:
-        """The gradient of the layer's input from that of its output: the input back from the
-        host, the keys and values made again, then the tiles in reverse, each brought back (its
-        dropped tokens recomputed) by the swap runtime and taken back through its kept graph."""
-        grad_x = torch.empty_like(grad)  # the gradient stream below this layer
-        if index in self.inputs.kept:
-            x = self.inputs.current = self.inputs.kept.pop(index)
-        else:
-            x = self.inputs.reload(index // self.checkpoint_every, self.swap.streams)
-            self._chain(index, x, kwargs)
-        self._make_keys(layer, index, x, kwargs)
-        self.stores.key_grads.zero_()
-        self.stores.value_grads.zero_()
-        try:
-            for t, rows, j in reversed(self._tiles(x.shape[0])):
-                self.on_phase(index, f"{BACKWARD}.t{t}")
-                self._tile = _Tile(BACKWARD, index, t, j)
-                self.swap.backward_started(index * self._count + t)
-                self._input_grad, self._output_grad = grad_x[rows], grad[rows]
-                ends[t].backward(torch.empty(0, dtype=x.dtype, device=x.device))
-                ends[t] = None  # the tile's graph, before the next one's
-        finally:
-            self._tile = self._input_grad = self._output_grad = None
-        if self.cp > 1:
-            self._key_gradients(layer, index, x, kwargs, grad_x)
-        self.on_phase(index, BACKWARD)
-        return grad_x
-
-    def _chain(self, index: int, x: torch.Tensor, kwargs: dict) -> None:
-        """Layer ``index``'s input made in ``x`` (the input store, holding the input of the
-        checkpoint layer below) by running the layers between on it, tile by tile, in place,
-        without a graph: with attention's output known (kept by each tile's forward), a layer
-        is token-local."""
-        first = index - index % self.checkpoint_every
-        if first == index:
-            return
-        staging = self.inputs.ready_staging(self.swap)
-        with torch.no_grad():
-            for j in range(first, index):
-                for t, rows, block_index in self._tiles(x.shape[0]):
-                    kept = self.swap.kept_output(j * self._count + t, staging)
-                    self._chain_output = kept.movedim(0, 2)  # [b, heads, c, d], as attention returns it
-                    try:
-                        x[rows] = self._run(self.layers[j], kwargs, x[rows], _Tile(CHAIN, index, t, block_index))
-                    finally:
-                        self._chain_output = None
-
     @property
     def _count(self) -> int:
         """``T``: tiles of one layer on this rank."""
         return self.swap.units_per_layer
-
-    def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient of the layer's input ``x`` from that of its output, adding the layer's
-        weight gradients tile by tile."""
-        grad_x = torch.empty_like(x)  # the gradient stream below this layer
-        self._make_keys(layer, index, x, kwargs)
-        self.stores.key_grads.zero_()
-        self.stores.value_grads.zero_()
-        for t, rows, j in reversed(self._tiles(x.shape[0])):
-            tile_x = x[rows].detach().requires_grad_(True)
-            with torch.enable_grad():
-                y = self._run(layer, kwargs, tile_x, _Tile(BACKWARD, index, t, j))
-            torch.autograd.backward(y, grad[rows])
-            grad_x[rows] = tile_x.grad
-            del y, tile_x  # the tile's graph, before the next one's
-        if self.cp > 1:
-            self._key_gradients(layer, index, x, kwargs, grad_x)
-        self.on_phase(index, BACKWARD)
-        return grad_x
-
-    def _key_gradients(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad_x: torch.Tensor) -> None:
-        """Under context parallelism, once every tile's queries have added their key and value
-        gradients: those summed over the ranks, each tile run again from its input ``x[rows]``
-        up to its keys and values, and their gradients taken back into ``grad_x``."""
-        self._sum_gradients()
-        for t, rows, j in self._tiles(x.shape[0]):
-            tile_x = x[rows].detach().requires_grad_(True)
-            try:
-                with torch.enable_grad():
-                    self._run(layer, kwargs, tile_x, _Tile(KEYS, index, t, j))
-            except _KeysMade as made:
-                c = self.tile_tokens
-                grads = [block(g, j, c).to(made.keys.dtype) for g in (self.stores.key_grads,
-                                                                        self.stores.value_grads)]
-                torch.autograd.backward([made.keys, made.values], grads)
-                del made, grads
-            grad_x[rows] += tile_x.grad
-            del tile_x
-
-    # ---------------------------------------------------------- core attention
-
-    def output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """New memory: a tile's tensors are the tile's own (the walk places none of them)."""
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute, scale: float, backend: str):
-        """Core attention of the tile being walked: ``q, k, v`` as the kernels take them
-        (``[b, heads, c, dim]``); ``compute`` (whole attention of the tile alone) is not used."""
-        tile = self._tile
-        if tile is None:  # the layer run whole, without a graph (evaluation)
-            return compute()
-        if tile.mode == CHAIN:
-            return self._chain_output
-        if self.swap is not None and self.swap.capturing:
-            # a tile's forward, discovery or recomputation under the swap runtime: its capture
-            # keeps (or, recomputing, gives back) the output and log-sum-exp in the tile's buffer
-            kernel = block_kernel(backend, q, self.documents)
-            return self.swap.attention(q, k, v, lambda: _SwappedTileAttention.apply(q, k, v, self, tile, kernel,
-                                                                                      scale))
-        if q.shape[2] != self.tile_tokens:
-            raise RuntimeError(f"a tile's attention got {q.shape[2]} tokens, not {self.tile_tokens}")
-        kernel, c = block_kernel(backend, q, self.documents), self.tile_tokens
-        if tile.mode == KEYS:
-            raise _KeysMade(k, v)
-        if tile.mode == REBUILD or (tile.mode == FORWARD and self.cp == 1):
-            block(self.stores.keys, tile.block, c).copy_(k)
-            block(self.stores.values, tile.block, c).copy_(v)
-        if tile.mode == REBUILD:
-            raise _Rebuilt
-        if tile.mode == FORWARD:
-            return tile_forward(kernel, q, self.stores.keys, self.stores.values, tile.block, scale,
-                                self.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"), self.documents)[0]
-        return _TileAttention.apply(q, k, v, self, tile, kernel, scale)
-
-
-class _TileAttention(torch.autograd.Function):
-    """A tile's core attention in the backward walk without swapping: its output from the store;
-    its backward runs the tile's blocks and returns the tile's query gradient and its
-    own block's (then final) key and value gradients; under context parallelism the query
-    gradient alone (the key and value gradients are final once summed over the ranks)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, walk: TiledLayers, tile: _Tile, kernel: str, scale: float):
-        out, lse = tile_forward(kernel, q, walk.stores.keys, walk.stores.values, tile.block, scale,
-                                walk.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"), walk.documents)
-        ctx.walk, ctx.tile, ctx.kernel, ctx.scale, ctx.documents = walk, tile, kernel, scale, walk.documents
-        ctx.q, ctx.out, ctx.lse = q, out, lse
-        ctx.kv_dtype = k.dtype
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, dout):
-        walk, j, c = ctx.walk, ctx.tile.block, ctx.q.shape[2]
-        stores = walk.stores
-        dq = tile_backward(ctx.kernel, dout, ctx.q, stores.keys, stores.values, ctx.out, ctx.lse, j, ctx.scale,
-                           stores.key_grads, stores.value_grads,
-                           walk.block_phases(ctx.tile.layer, f"{BACKWARD}.t{ctx.tile.index}", BACKWARD_BLOCK),
-                           ctx.documents)
-        ctx.q = ctx.out = ctx.lse = None  # attributes, which autograd does not free with the node
-        if walk.cp > 1:
-            return dq, None, None, None, None, None, None
-        dk, dv = (block(g, j, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
-        return dq, dk, dv, None, None, None, None
-
-
-class _SwappedTileAttention(torch.autograd.Function):
-    """A tile's core attention in its forward under swapping: the tile's keys and values into the
-    store, its queries over the store's blocks; saves the queries, output and log-sum-exp (into
-    the tile's buffer, through the swap runtime's hooks). Its backward runs the tile's blocks
-    against the store as it is then (made again), like :class:`_TileAttention`'s."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, walk: TiledLayers, tile: _Tile, kernel: str, scale: float):
-        c, stores = q.shape[2], walk.stores
-        if walk.cp == 1:  # (under context parallelism the store was made, and gathered, first)
-            block(stores.keys, tile.block, c).copy_(k)
-            block(stores.values, tile.block, c).copy_(v)
-        out, lse = tile_forward(kernel, q, stores.keys, stores.values, tile.block, scale,
-                                walk.block_phases(tile.layer, f"{tile.mode}.t{tile.index}"), walk.documents)
-        ctx.save_for_backward(q, out, lse)
-        ctx.walk, ctx.block, ctx.kernel, ctx.scale, ctx.kv_dtype = walk, tile.block, kernel, scale, k.dtype
-        ctx.documents = walk.documents
-        ctx.layer, ctx.index = tile.layer, tile.index
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, out, lse = ctx.saved_tensors
-        stores, j, c = ctx.walk.stores, ctx.block, q.shape[2]
-        dq = tile_backward(ctx.kernel, dout, q, stores.keys, stores.values, out, lse, j, ctx.scale,
-                           stores.key_grads, stores.value_grads,
-                           ctx.walk.block_phases(ctx.layer, f"{BACKWARD}.t{ctx.index}", BACKWARD_BLOCK),
-                           ctx.documents)
-        if ctx.walk.cp > 1:  # final once summed over the ranks (:meth:`TiledLayers._key_gradients`)
-            return dq, None, None, None, None, None, None
-        dk, dv = (block(g, j, c).to(ctx.kv_dtype) for g in (stores.key_grads, stores.value_grads))
-        return dq, dk, dv, None, None, None, None
-
-
-class _TileStart(torch.autograd.Function):
-    """A tile's rows of the layer input as the tile's graph begins: its backward writes the
-    tile's input gradient where the walk says. The graph holds nothing of the layer input."""
-
-    @staticmethod
-    def forward(ctx, rows, anchor, walk: TiledLayers):
-        ctx.walk = walk
-        return rows.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.walk._input_grad.copy_(grad)
-        return None, None, None
-
-
-class _TileEnd(torch.autograd.Function):
-    """The end of a tile's graph, kept from its forward to its backward without the tile's
-    output (an empty tensor): its backward hands the graph the gradient the walk gives it."""
-
-    @staticmethod
-    def forward(ctx, y, walk: TiledLayers):
-        ctx.walk = walk
-        return y.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _nothing):
-        return ctx.walk._output_grad, None
 
 
 class _TiledLayer(torch.autograd.Function):
@@ -675,79 +340,3 @@ class _TiledLayer(torch.autograd.Function):
             return grad_x, None, None, None, None
         (hidden,) = ctx.saved_tensors
         return ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous()), None, None, None, None
-
-
-@dataclass
-class LayerInputs:
-    """Under swapping, the checkpoint layers' inputs on the host (``[layers, rows, b, hidden]``,
-    pinned on a GPU) and one device store into which a layer's input comes back for its backward
-    pass."""
-
-    host: torch.Tensor
-    pinned: bool = False
-    store: Optional[torch.Tensor] = None  # made at the first forward pass (:meth:`ready_store`)
-    kept: dict = dataclasses.field(default_factory=dict)  # inputs of the resident layers, on the device
-    current: Optional[torch.Tensor] = None  # the input of the layer whose backward runs
-    staging: Optional[torch.Tensor] = None  # a tile's kept attention output on its way to a chain
-    # the input being sent to the host, and the end of its copy: held until compute has waited for
-    # that end (at the end of the layer's forward), since an allocator that ignores record_stream
-    # (the plan's arena) would hand its memory to compute as soon as the caller frees it
-    sending: Optional[tuple[torch.Tensor, object]] = None
-
-    @classmethod
-    def empty(cls, layers: int, x: torch.Tensor, pin: bool) -> "LayerInputs":
-        host = host_memory(layers * x.numel(), x.dtype, pin).view(layers, *x.shape)
-        if pin and host.numel():
-            register(host)
-        return cls(host, pin and bool(host.numel()))
-
-    def ready_store(self, x: torch.Tensor) -> None:
-        """The device's input store, shaped as layer input ``x``, unless it is (idempotent)."""
-        if self.store is None:
-            self.store = torch.empty_like(x)
-
-    def ready_staging(self, runtime: SwapRuntime) -> torch.Tensor:
-        """Device memory for one tile's kept attention output, made at the first chain."""
-        if self.staging is None:
-            self.staging = runtime.empty_like_slot("out")
-        return self.staging
-
-    def offload(self, index: int, x: torch.Tensor, streams: Streams) -> None:
-        """Send checkpoint ``index``'s input ``x`` to the host once compute has made it; ``x`` is
-        held until :meth:`sent`, which the layer's forward calls at its end."""
-        streams.wait(streams.d2h, streams.record(streams.compute))
-        streams.copy(streams.d2h, self.host[index], x)
-        self.sending = (x, streams.record(streams.d2h))
-
-    def sent(self, streams: Streams) -> None:
-        """Let compute wait for the last input sent to the host, then let that input go."""
-        if self.sending is not None:
-            streams.wait(streams.compute, self.sending[1])
-            self.sending = None
-
-    def reload(self, index: int, streams: Streams) -> torch.Tensor:
-        """Checkpoint ``index``'s input in the store, for compute, once the store's previous
-        layer's backward is done. Its copy to the host needs no wait: the layer's first tile
-        swaps (else the input would have stayed on the device), and the tile that reused that
-        tile's buffer waited for its copy out, which the D2H stream ran after the input's."""
-        streams.wait(streams.h2d, streams.record(streams.compute))
-        streams.copy(streams.h2d, self.store, self.host[index])
-        streams.wait(streams.compute, streams.record(streams.h2d))
-        self.current = self.store
-        return self.store
-
-    def release(self) -> None:
-        self.kept.clear()
-        self.current = self.sending = None
-        if self.pinned:
-            unregister(self.host)
-            self.pinned = False
-
-
-def _reverse_chunks(chunks: torch.Tensor) -> None:
-    """Reverse the order of ``chunks`` (``[n, ...]``) in place, one chunk of scratch at a time."""
-    n = chunks.shape[0]
-    for i in range(n // 2):
-        first = chunks[i].clone()
-        chunks[i].copy_(chunks[n - 1 - i])
-        chunks[n - 1 - i].copy_(first)

@@ -335,7 +335,7 @@ class _RecordingStreams(DeferredStreams):
 
 
 def test_copies_to_and_from_the_host_are_contiguous_blocks():
-    from memo.swap.runtime import _copy_blocks
+    from memo.swap.streams import copy_blocks as _copy_blocks
 
     streams = _RecordingStreams()
     buffer = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)  # two chunks of 8 tokens
@@ -489,7 +489,7 @@ def test_a_refused_registration_is_out_of_host_memory_and_clears_cudas_error(par
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
 def test_a_registration_page_locks_every_byte_of_the_slab(monkeypatch, dtype):
     """A layer-input slab is bf16: registering its element count would lock half of it."""
-    from memo.swap.runtime import host_memory, register
+    from memo.swap.host_memory import host_memory, register
 
     cudart = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)

@@ -8,7 +8,7 @@ import torch
 
 from memo.swap.layout import ATTENTION, TOKENS
 from memo.swap.streams import DeferredStreams
-from memo.swap.tiled_layer import LayerInputs
+from memo.swap.layer_inputs import LayerInputs
 
 from swap_training import train_gradients
 from test_swap_runtime import RUNTIME_WAITS, missing_wait_shows
