@@ -16,7 +16,7 @@ import torch
 from memo.execute import distributed
 
 from conftest import compose_config
-from swap_training import train_gradients
+from swap_training import STEPS, train_gradients
 
 # layout -> (its overrides, the loss it is checked with)
 LAYOUTS = {
@@ -58,4 +58,4 @@ def check_layout(info: distributed.ProcessInfo, out, layout: str, model: str = "
     finally:
         distributed.shutdown()
     shown = "" if model == "tiny" else f"{model}, "
-    return f"{len(variants)} methods match over 3 steps with {loss} ({shown}{layout})"
+    return f"{len(variants)} methods match over {STEPS} steps with {loss} ({shown}{layout})"

@@ -1,7 +1,7 @@
 """Under torchrun: layers walked in tiles against keeping everything, with tensor parallelism
 (``tp2``), tensor and sequence parallelism (``tp2-sp``, the tokens in tile order) or context
 parallelism (``cp2``, tiles of each rank's two chunks), for both layer types, both tiled methods
-(memo's tiles swapped, with α per tile and checkpoint layers) and three tile sizes: losses and every gradient over three steps in
+(memo's tiles swapped, with α per tile and checkpoint layers) and three tile sizes: losses and every gradient over two steps in
 float64 (tests/swap/test_tiled_layer.py says why). Under sequence parallelism a rank's tokens are
 others than keeping everything's, so the gradients of weights applied per token are compared summed
 over both ranks. A check of ``tests/checks_worker.py``."""
@@ -11,7 +11,7 @@ import torch
 from memo.execute import distributed
 
 from conftest import compose_config
-from swap_training import train_gradients
+from swap_training import STEPS, train_gradients
 
 SEQ = 256
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -54,4 +54,4 @@ def check_tiles(info: distributed.ProcessInfo, out, layout: str) -> str:
                                                msg=lambda m, n=name, s=step: f"{what} step {s + 1} {n}: {m}")
     finally:
         distributed.shutdown()
-    return f"{len(RUNS[layout])} tiled runs match over 3 steps ({layout})"
+    return f"{len(RUNS[layout])} tiled runs match over {STEPS} steps ({layout})"

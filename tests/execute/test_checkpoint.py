@@ -17,9 +17,10 @@ from megatron.core.dist_checkpointing import load_plain_tensors
 from conftest import PYTHON, REPO, free_port, one_process, resolve_config, run_in_process
 from memo.execute.checkpoint import checkpoints
 
-# a schedule that decays over the ten steps, so that a resumed run must know where it is in it
-TEN = ["model=tiny", "model.vocab_size=1000", "seq=128", "train.warmup_steps=1", "train.lr_schedule=cosine", "train.lr_decay_steps=10",
-       "train.lr_warmup_steps=2", "train.micro_batches=2", "train.save_interval=5"]
+# a schedule that warms up over the first step and decays over the other three, so that a resumed
+# run must know where it is in it
+FOUR = ["model=tiny", "model.vocab_size=1000", "seq=128", "train.warmup_steps=1", "train.lr_schedule=cosine",
+        "train.lr_decay_steps=4", "train.lr_warmup_steps=1", "train.micro_batches=2", "train.save_interval=2"]
 
 
 def _steps(run_dir) -> list[dict]:
@@ -40,24 +41,24 @@ def _weights(checkpoint) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", [["method=none"], ["method=memo", "alpha=0.5"]], ids=["none", "memo"])
-def test_five_steps_a_save_and_five_more_in_a_new_process_equal_ten(tmp_path, method):
-    whole = run_in_process(tmp_path / "whole", *TEN, *method, "train.steps=10")
+def test_two_steps_a_save_and_two_more_in_a_new_process_equal_four(tmp_path, method):
+    whole = run_in_process(tmp_path / "whole", *FOUR, *method, "train.steps=4")
     assert whole["status"] == "ok", whole["error"]
-    first = run_in_process(tmp_path / "first", *TEN, *method, "train.steps=5")
+    first = run_in_process(tmp_path / "first", *FOUR, *method, "train.steps=2")
     assert first["status"] == "ok" and first["resumed_from_step"] is None, first["error"]
-    saved = tmp_path / "first" / "checkpoints" / "step_0000005"
+    saved = tmp_path / "first" / "checkpoints" / "step_0000002"
     assert first["checkpoint_last"] == str(saved)
-    done = _run_py(*TEN, *method, "train.steps=10", f"train.load={saved}", f"hydra.run.dir={tmp_path / 'second'}",
+    done = _run_py(*FOUR, *method, "train.steps=4", f"train.load={saved}", f"hydra.run.dir={tmp_path / 'second'}",
                    cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     second = json.loads((tmp_path / "second" / "result.json").read_text())
-    assert second["status"] == "ok" and second["resumed_from_step"] == 5
+    assert second["status"] == "ok" and second["resumed_from_step"] == 2
     expected, got = _steps(tmp_path / "whole"), _steps(tmp_path / "first") + _steps(tmp_path / "second")
-    assert [s["step"] for s in got] == list(range(1, 11))
+    assert [s["step"] for s in got] == list(range(1, 5))
     for a, b in zip(got, expected, strict=True):
         assert (a["loss"], a["lr"], a["grad_norm"]) == (b["loss"], b["lr"], b["grad_norm"])
-    reference = _weights(tmp_path / "whole" / "checkpoints" / "step_0000010")
-    resumed = _weights(tmp_path / "second" / "checkpoints" / "step_0000010")
+    reference = _weights(tmp_path / "whole" / "checkpoints" / "step_0000004")
+    resumed = _weights(tmp_path / "second" / "checkpoints" / "step_0000004")
     # the weights and both of Adam's moments of every one
     assert reference.keys() == resumed.keys() and "embedding.word_embeddings.weight" in reference
     assert {"optimizer.state.exp_avg.embedding.word_embeddings.weight",
@@ -66,29 +67,29 @@ def test_five_steps_a_save_and_five_more_in_a_new_process_equal_ten(tmp_path, me
 
 
 @pytest.mark.slow
-def test_five_steps_at_tp1_and_five_more_at_tp2_equal_ten_at_tp1(tmp_path):
+def test_two_steps_at_tp1_and_two_more_at_tp2_equal_four_at_tp1(tmp_path):
     """The checkpoint is of the model's whole tensors: two processes splitting every layer over
     tensor parallelism load what one saved, and go on as the one would have (fp64, so that what
     is compared is the resharding, not the order of float32 sums)."""
-    common = [*TEN, "train.dtype=fp64", "train.lr_decay_steps=10"]
-    whole = run_in_process(tmp_path / "whole", *common, "train.steps=10")
-    first = run_in_process(tmp_path / "first", *common, "train.steps=5")
+    common = [*FOUR, "train.dtype=fp64"]
+    whole = run_in_process(tmp_path / "whole", *common, "train.steps=4")
+    first = run_in_process(tmp_path / "first", *common, "train.steps=2")
     assert whole["status"] == first["status"] == "ok", (whole["error"], first["error"])
     second = tmp_path / "second"
     launched = subprocess.run(
         [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "run.py"), *common, "train.steps=10", "parallel.tp=2",
+         str(REPO / "run.py"), *common, "train.steps=4", "parallel.tp=2",
          f"train.load={tmp_path / 'first' / 'checkpoints'}", f"hydra.run.dir={second}"],
         cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert launched.returncode == 0, launched.stderr[-3000:]
     row = json.loads((second / "result.json").read_text())
-    assert row["status"] == "ok" and row["resumed_from_step"] == 5 and row["world_size"] == 2
-    expected, got = _steps(tmp_path / "whole")[5:], _steps(second)
-    assert [s["step"] for s in got] == list(range(6, 11))
+    assert row["status"] == "ok" and row["resumed_from_step"] == 2 and row["world_size"] == 2
+    expected, got = _steps(tmp_path / "whole")[2:], _steps(second)
+    assert [s["step"] for s in got] == list(range(3, 5))
     for a, b in zip(got, expected, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["lr"] == b["lr"]
-    reference, resumed = _weights(tmp_path / "whole" / "checkpoints" / "step_0000010"), \
-        _weights(second / "checkpoints" / "step_0000010")
+    reference, resumed = _weights(tmp_path / "whole" / "checkpoints" / "step_0000004"), \
+        _weights(second / "checkpoints" / "step_0000004")
     assert reference.keys() == resumed.keys() and "embedding.word_embeddings.weight" in reference
     for key in reference:
         torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=1e-6, msg=key)
@@ -117,7 +118,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.mark.slow
 def test_a_process_killed_during_a_save_leaves_the_earlier_checkpoint_to_go_on_from(tmp_path):
-    common = [*TEN[:-1], "train.save_interval=2", "train.steps=6"]
+    common = [*FOUR, "train.steps=4"]
     log = tmp_path / "killed.log"
     with open(log, "w") as output:
         # a session of its own: megatron-core's writer leaves a helper process behind, which a
@@ -135,7 +136,7 @@ def test_a_process_killed_during_a_save_leaves_the_earlier_checkpoint_to_go_on_f
     # a new run directory, saving where the killed run saved: it goes on from step 2
     again = run_in_process(tmp_path / "again", *common, f"train.save_dir={save_dir}")
     assert again["status"] == "ok" and again["resumed_from_step"] == 2, again["error"]
-    assert [c.step for c in checkpoints(save_dir)] == [2, 4, 6]
+    assert [c.step for c in checkpoints(save_dir)] == [2, 4]
     assert not (save_dir / ".step_0000004.partial").exists()
     whole = run_in_process(tmp_path / "whole", *common, "train.save_interval=null")
     assert [s["loss"] for s in _steps(tmp_path / "again")] == [s["loss"] for s in _steps(tmp_path / "whole")[2:]]
@@ -143,7 +144,7 @@ def test_a_process_killed_during_a_save_leaves_the_earlier_checkpoint_to_go_on_f
 
 def test_a_run_started_afresh_into_a_save_directory_with_checkpoints_is_refused(tmp_path):
     (tmp_path / "saved" / "step_0000003").mkdir(parents=True)
-    row = run_in_process(tmp_path / "run", *TEN[:-1], "train.steps=2", "train.save_interval=1",
+    row = run_in_process(tmp_path / "run", *FOUR[:-1], "train.steps=2", "train.save_interval=1",
                          f"train.save_dir={tmp_path / 'saved'}", "train.load=null")
     assert row["status"] == "error"
     assert row["error"] == (f"train.save_dir={tmp_path / 'saved'} holds step_0000003, which this run does not load; "
@@ -156,7 +157,7 @@ def test_a_run_started_afresh_into_a_save_directory_with_checkpoints_is_refused(
 ])
 def test_a_missing_or_damaged_checkpoint_is_one_line(tmp_path, make, message):
     make(tmp_path / "saved")
-    row = run_in_process(tmp_path / "run", *TEN[:-1], "train.steps=2", f"train.load={tmp_path / 'saved'}")
+    row = run_in_process(tmp_path / "run", *FOUR[:-1], "train.steps=2", f"train.load={tmp_path / 'saved'}")
     assert row["status"] == "error" and "\n" not in row["error"]
     assert re.search(message, row["error"]), row["error"]
 

@@ -32,7 +32,8 @@ def reference(parallel_state):
     return get
 
 
-def _assert_close(got, expected, steps: int):
+def _assert_close(got, expected, steps=None):
+    """Every gradient of the first ``steps`` steps (None: all) close to keeping everything's."""
     for step, (g, e) in enumerate(zip(got[:steps], expected[:steps], strict=True)):
         assert g.keys() == e.keys()
         for name in e:
@@ -43,7 +44,7 @@ def _assert_close(got, expected, steps: int):
 @pytest.mark.parametrize("model", list(SHAPES))
 @pytest.mark.parametrize("method", ["memo", "full_recompute"])
 @pytest.mark.parametrize("tile", [SEQ, SEQ // 4, SEQ // 8])
-def test_tiled_gradients_of_three_steps_equal_keeping_everything(reference, model, method, tile):
+def test_tiled_gradients_of_two_steps_equal_keeping_everything(reference, model, method, tile):
     # In float64: Adam's first step turns a gradient's float32 rounding into a step of up to lr
     # where the gradient is near its epsilon (1e-8), so the blocks' merge and the per-tile sums,
     # which round in another order than whole attention and one GEMM over all tokens, move the
@@ -54,7 +55,7 @@ def test_tiled_gradients_of_three_steps_equal_keeping_everything(reference, mode
     assert isinstance(walk, TiledLayers) and walk.tile_tokens == tile
     assert next(iter(grads[0].values())).dtype == torch.float64
     torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-6)
-    _assert_close(grads, expected, steps=3)
+    _assert_close(grads, expected)
 
 
 @pytest.mark.parametrize("model", list(SHAPES))
@@ -96,9 +97,9 @@ def test_tiled_gradients_match_keeping_everything_with_tensor_sequence_and_conte
     ranks' rows (the tokens in tile order); under context parallelism each rank's tiles attend over
     the store gathered from both, and their key and value gradients are summed over both."""
     split, sequence, context = torchrun_results
-    assert split.passed() == ("2 tiled runs match over 3 steps (tp2)",) * 2
-    assert sequence.passed() == ("3 tiled runs match over 3 steps (tp2-sp)",) * 2
-    assert context.passed() == ("3 tiled runs match over 3 steps (cp2)",) * 2
+    assert split.passed() == ("2 tiled runs match over 2 steps (tp2)",) * 2
+    assert sequence.passed() == ("3 tiled runs match over 2 steps (tp2-sp)",) * 2
+    assert context.passed() == ("3 tiled runs match over 2 steps (cp2)",) * 2
 
 
 def test_tile_order_gives_each_rank_its_rows_of_every_tile():
