@@ -10,7 +10,7 @@ from conftest import PYTHON
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from memo.data.prepare import PrepareError, prepare
+from memo.data.prepare import PrepareError, main, prepare
 
 DOCUMENTS = ["the cat sat on the mat", "a dog ran", "the dog and the cat sat"]
 
@@ -42,18 +42,17 @@ def test_documents_come_back_from_megatrons_reader_as_their_tokens_and_an_end_of
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["corpus.bin", "corpus.idx"]  # no leftovers
 
 
-def test_the_command_line_prepares_and_then_refuses_to_replace(tmp_path, tokenizer_file):
+def test_the_command_line_prepares_and_then_refuses_to_replace(tmp_path, tokenizer_file, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"body": DOCUMENTS[0]}) + "\n")
-    command = [PYTHON, "-m", "memo.data.prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_file),
-               "--output-prefix", str(tmp_path / "corpus"), "--json-key", "body"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    arguments = ["--input", str(corpus), "--tokenizer", str(tokenizer_file), "--output-prefix", str(tmp_path / "corpus"),
+                 "--json-key", "body"]
+    done = subprocess.run([PYTHON, "-m", "memo.data.prepare", *arguments], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("1 documents, 7 tokens (uint16")
     before = (tmp_path / "corpus.bin").read_bytes()
-    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and again.stderr.strip().endswith("corpus.bin exists and is kept; choose another "
-                                                                  "--output-prefix")
+    assert main(arguments) == 2  # (the command's own function, in this process)
+    assert capsys.readouterr().err.strip().endswith("corpus.bin exists and is kept; choose another --output-prefix")
     assert (tmp_path / "corpus.bin").read_bytes() == before
 
 
