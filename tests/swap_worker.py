@@ -32,7 +32,10 @@ VARIANTS = [("memo", 0.0), ("memo", 0.125), ("memo", 0.5), ("memo", 1.0), ("full
 # under context parallelism: nothing swapped or recomputed, both, and the two whole methods
 CP_VARIANTS = [("memo", 0.0), ("memo", 0.5), ("full_swap", None), ("full_recompute", None)]
 MODEL = ["model.num_layers=6", "model.vocab_size=1000"]
-MEGATRON_VARIANTS = [("megatron_selective", None), ("megatron_full_recompute", None)]
+# Llama's shape (its grouped heads split by the layout) under a partial α and both whole methods
+# (α's edges are the GPT's above), and under Megatron's own recomputations
+LLAMA_VARIANTS = [("memo", 0.5), ("full_swap", None), ("full_recompute", None), ("megatron_selective", None),
+                  ("megatron_full_recompute", None)]
 
 
 def check_layout(info: distributed.ProcessInfo, out, layout: str, model: str = "tiny") -> str:
@@ -40,9 +43,10 @@ def check_layout(info: distributed.ProcessInfo, out, layout: str, model: str = "
     difference. ``model``: tiny (the GPT) or tiny_llama (grouped keys and values, SwiGLU, RMSNorm,
     an untied output layer), which is also checked with Megatron's own recomputations."""
     overrides, loss = LAYOUTS[layout]
-    variants = CP_VARIANTS if "cp" in layout else VARIANTS
     if model != "tiny":
-        variants = [*variants, *MEGATRON_VARIANTS]
+        variants = LLAMA_VARIANTS
+    else:
+        variants = CP_VARIANTS if "cp" in layout else VARIANTS
     parallel = [*overrides, *MODEL, f"model={model}", f"train.loss={loss}"]
     distributed.initialize(compose_config(*parallel).parallel, "cpu", info)
     try:

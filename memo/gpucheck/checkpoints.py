@@ -8,8 +8,8 @@ last validation loss and its final weights and optimizer state are set beside th
 run's: the GPU's attention backward sums in a nondeterministic order, so they agree to rounding
 (``max_loss_diff``, ``valid_loss_diff``, ``max_tensor_diff``; a path whose losses differ by more
 than ``LOSS_TOLERANCE`` is ``diverged``), not bit for bit as on the CPU
-(``tests/execute/test_checkpoint.py``). ``--cpu`` rehearses it with the tiny model, the CPU's one
-optimizer path, at 256 tokens.
+(``tests/execute/test_checkpoint.py``). ``--cpu`` rehearses it with the tiny model
+(``common.CPU_TINY``), the CPU's one optimizer path, at 256 tokens.
 
     python -m memo.gpucheck.checkpoints --out DIR [--cpu]
 """
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from memo.gpucheck.common import arguments, run_job, runs_dir, write_rows
+from memo.gpucheck.common import CPU_TINY, arguments, run_job, runs_dir, write_rows
 
 # nondeterministic sums move a resumed run's losses by rounding (5e-5 on an H100); a wrong Adam
 # step or moment moves them by tenths
@@ -56,7 +56,7 @@ def _max_tensor_diff(a: Path, b: Path) -> float:
 def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
     if args.cpu:
-        common, paths = ["model=tiny", "seq=256"], {"host_cpu": []}
+        common, paths = [*CPU_TINY, "seq=256"], {"host_cpu": []}
     else:
         common, paths = ["model=tiny_llama", "seq=64k"], PATHS
     common += ["method=memo", "alpha=0.5", "train.warmup_steps=1", "train.save_interval=3",

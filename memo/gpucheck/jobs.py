@@ -13,7 +13,7 @@
 
 import sys
 
-from memo.gpucheck.common import arguments, row_figures, run_job, runs_dir, skip, write_rows
+from memo.gpucheck.common import CPU_TINY, arguments, row_figures, run_job, runs_dir, skip, write_rows
 
 METHODS = [["method=none"], ["method=megatron_selective"], ["method=megatron_full_recompute"],
            ["method=full_recompute"], ["method=memo"], ["method=memo", "plan=true"]]
@@ -22,7 +22,7 @@ METHODS = [["method=none"], ["method=megatron_selective"], ["method=megatron_ful
 def throughput(out, cpu: bool) -> list[dict]:
     methods = [METHODS[-1]] if cpu else METHODS
     if cpu:
-        common, lengths = ["model=tiny", "train.steps=3", "train.warmup_steps=1"], ["256"]
+        common, lengths = [*CPU_TINY, "train.steps=3", "train.warmup_steps=1"], ["256"]
     else:
         common = ["model=1.3b", "train.steps=5", "train.warmup_steps=2"]
         lengths = ["8k", "32k", "64k", "128k"]

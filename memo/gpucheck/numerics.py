@@ -20,7 +20,7 @@ from memo.config import resolve
 from memo.execute import distributed
 from memo.data.batches import SyntheticTokens, micro_batches
 from memo.execute.distributed import ProcessInfo
-from memo.gpucheck.common import (arguments, compose, placed_model, run_job, runs_dir, step_device,
+from memo.gpucheck.common import (CPU_TINY, arguments, compose, placed_model, run_job, runs_dir, step_device,
                                   write_rows)
 from memo.model import dtype_label, dtype_setting
 from memo.model.attention import select_backend
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     args = arguments(__doc__.splitlines()[0], argv)
     device, dtype = step_device(args.cpu)
     # one loss for all, so that only the activation methods differ
-    overrides = ["model=tiny", "model.num_layers=4", "train.loss=tiled"] if args.cpu else \
+    overrides = [*CPU_TINY, "model.num_layers=4", "train.loss=tiled"] if args.cpu else \
         ["model=125m", "model.num_layers=6", "train.loss=tiled"]
     seq = 256 if args.cpu else 8192
     if not args.cpu:
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         llama += LLAMA_GPU
     rows += compare_methods(llama, seq, device, dtype, methods=[METHODS[1]] if args.cpu else
                             [METHODS[1], METHODS[3], METHODS[4], METHODS[5], *both_tiled])
-    common = ["model=tiny", "seq=256", "train.steps=3", "train.warmup_steps=1", "method=memo", "alpha=0.5"]
+    common = [*CPU_TINY, "seq=256", "train.steps=3", "train.warmup_steps=1", "method=memo", "alpha=0.5"]
     if not args.cpu:
         common = ["model=125m", "seq=8k", "train.steps=4", "train.warmup_steps=1", "method=memo",
                   "alpha=0.5"]

@@ -24,7 +24,7 @@ import torch
 
 from memo import hardware
 from memo.gpucheck import one_rank
-from memo.gpucheck.common import arguments, run_job, runs_dir, step_device, write_rows
+from memo.gpucheck.common import CPU_TINY, arguments, run_job, runs_dir, step_device, write_rows
 from memo.gpucheck.cp_kernels import kernel_errors
 from memo.gpucheck.numerics import compare_methods, kernels
 from memo.model.attention import select_backend
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
         return ("failed" if bad else "ok"), detail
 
     _check(rows, "collectives over one rank", collectives)
-    small = ["model=tiny", "seq=256", "train.steps=3", "train.warmup_steps=1"]
+    tiny = CPU_TINY if args.cpu else ["model=tiny"]
+    small = [*tiny, "seq=256", "train.steps=3", "train.warmup_steps=1"]
     if args.cpu:
         rows.append({"check": "none three steps", "status": "skipped",
                      "detail": "the rehearsal runs the step's jobs with the two memo jobs below"})
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
         names = ["auto"] if args.cpu else [name for name in kernels(device, dtype, 64) if name != "math"]
         if not names:
             return "failed", "no fused attention kernel runs here, and memo refuses the math one"
-        found = compare_methods(["model=tiny", "model.num_layers=4", "train.loss=tiled"], 256, device,
+        found = compare_methods([*tiny, "model.num_layers=4", "train.loss=tiled"], 256, device,
                                 dtype, methods=[("memo", 0.5, None), ("memo", None, 64)],
                                 kernel_names=names)
         bad = [f"{r['kernel']}: {r['grad_error']:.1e}" for r in found if r["status"] != "ok"]

@@ -8,6 +8,7 @@ import torch
 
 from conftest import PYTHON, REPO, one_process, resolve_config, run_in_process
 from memo.execute.checkpoint import load_weights
+from memo.modes.export import main
 from memo.policy import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -20,13 +21,19 @@ def _trained(tmp_path, model: str):
     return tmp_path / "run" / "checkpoints" / "step_0000002"
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen"])
-def test_an_exported_checkpoint_gives_our_logits_in_transformers(tmp_path, model):
+@pytest.mark.parametrize("model, as_command", [("tiny_llama", True), ("tiny_qwen", False)])
+def test_an_exported_checkpoint_gives_our_logits_in_transformers(tmp_path, capsys, model, as_command):
     saved = _trained(tmp_path, model)
-    done = subprocess.run([PYTHON, "-m", "memo.modes.export", str(saved.parent), str(tmp_path / "hf")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == f"{saved} -> {tmp_path / 'hf'} (transformers' format)"
+    arguments = [str(saved.parent), str(tmp_path / "hf")]
+    if as_command:
+        done = subprocess.run([PYTHON, "-m", "memo.modes.export", *arguments], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        printed = done.stdout
+    else:  # the command's own function, in this process
+        assert main(arguments) == 0
+        printed = capsys.readouterr().out
+    assert printed.strip() == f"{saved} -> {tmp_path / 'hf'} (transformers' format)"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
     run = resolve_config(f"model={model}", "seq=64")
     ids = torch.randint(0, run.workload.model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
@@ -50,10 +57,9 @@ def _initial_embedding(model: str) -> torch.Tensor:
         return build_model(run.workload, "cpu").module.embedding.word_embeddings.weight.detach().clone()
 
 
-def test_a_model_transformers_has_no_format_for_is_one_line(tmp_path):
+def test_a_model_transformers_has_no_format_for_is_one_line(tmp_path, capsys):
     saved = _trained(tmp_path, "tiny")
-    done = subprocess.run([PYTHON, "-m", "memo.modes.export", str(saved), str(tmp_path / "hf")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and not (tmp_path / "hf").exists()
-    assert done.stderr.strip().splitlines()[-1] == ("error: model=tiny is not a Llama or Qwen2 shape (SwiGLU, RMSNorm, no linear "
-                                   "biases): transformers' format has no place for it")
+    assert main([str(saved), str(tmp_path / "hf")]) == 2 and not (tmp_path / "hf").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: model=tiny is not a Llama or Qwen2 shape (SwiGLU, RMSNorm, no linear biases): transformers' format "
+        "has no place for it")
