@@ -11,7 +11,7 @@ from memo.config import ConfigError
 
 from conftest import run_in_process
 
-SHORT = ["train.steps=2", "train.warmup_steps=1", "seq=128"]
+SHORT = ["train.steps=2", "train.warmup_steps=1", "seq=128", "model.vocab_size=1000"]
 
 
 def _raise(error):

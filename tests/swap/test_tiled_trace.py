@@ -4,6 +4,7 @@ a tile keeps nothing on the device from its forward to its backward whatever the
 depth, a tile's requests do not depend on the sequence's length, and at 7B and 1M tokens nothing
 else asks for half a store."""
 
+import functools
 import re
 from collections import defaultdict
 
@@ -25,8 +26,14 @@ COMMON = ("mode=profile", "method=memo", "train.dtype=bf16", "train.loss_tile_to
 
 def _trace(*overrides: str, seq: int):
     """The workload and the events of one fake-traced iteration of tiled memo in bf16, the loss's
-    tiles fixed."""
-    run = resolve_config(*COMMON, *overrides, f"seq={seq}")
+    tiles fixed (each setting's last value, as Hydra takes it: several tests read one trace)."""
+    settings = dict(override.split("=", 1) for override in (*COMMON, *overrides, f"seq={seq}"))
+    return _traced(tuple(f"{key}={value}" for key, value in settings.items()))
+
+
+@functools.cache
+def _traced(overrides: tuple[str, ...]):
+    run = resolve_config(*overrides)
     return run.workload, trace_iteration(run.workload, policy_of(run.workload), "fake").events
 
 
