@@ -36,7 +36,7 @@ def test_a_job_writes_its_row_and_step_log(tmp_path):
 @pytest.mark.slow
 def test_a_sweep_writes_one_row_per_combination(tmp_path):
     sweep = tmp_path / "sweep"
-    done = run("-m", "model=tiny", "seq=128,256", "method=none,megatron_full_recompute",
+    done = run("-m", "model=tiny", "model.vocab_size=1000", "seq=128,256", "method=none,megatron_full_recompute",
                *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
