@@ -18,10 +18,6 @@ from memo.plan.bilevel import addresses, plan_iteration
 from memo.profile.trace import Event, Trace
 
 
-# a vocabulary of 1000: GPT-2's output layer would be most of each step, and its requests are planned as any
-TINY = ["model=tiny", "model.vocab_size=1000"]
-
-
 @pytest.fixture
 def library(tmp_path):
     """The plan's native allocator, built into ``tmp_path`` (needs a C compiler)."""
@@ -32,8 +28,8 @@ def library(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["memo", "full_recompute"])
 def test_a_planned_cpu_run_matches_every_request_of_its_steps(tmp_path, method):
-    row = run_in_process(tmp_path / method, f"method={method}", "plan=true", *TINY, "seq=512", "train.steps=4",
-                         "train.warmup_steps=2")
+    row = run_in_process(tmp_path / method, f"method={method}", "plan=true", "model=tiny", "seq=512",
+                         "train.steps=4", "train.warmup_steps=2")
     assert row["status"] == "ok", row["error"]
     assert row["plan.serving"] == CPU_SERVING and row["plan.recorded_step"] == 2
     assert row["plan.iterations"] == 2 and row["plan.served"] > 0
@@ -48,7 +44,8 @@ def test_a_planned_cpu_run_matches_every_request_of_its_steps(tmp_path, method):
 
 @pytest.mark.slow
 def test_an_unplanned_cpu_run_reports_the_caching_allocators_figures(tmp_path):
-    row = run_in_process(tmp_path / "none", "method=full_recompute", *TINY, "seq=512", "train.steps=3")
+    row = run_in_process(tmp_path / "none", "method=full_recompute", "model=tiny", "model.vocab_size=1000",
+                         "seq=512", "train.steps=3")
     assert row["status"] == "ok", row["error"]
     assert row["allocator.source"] == "simulated caching allocator" and row["plan.serving"] is None
     assert row["allocator.peak_reserved_bytes"] >= row["allocator.peak_allocated_bytes"] > 0

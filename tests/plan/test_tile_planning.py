@@ -160,7 +160,7 @@ def test_plan_mode_plans_a_walk_in_tiles_and_its_files_place_every_request(tmp_p
 @pytest.mark.slow
 def test_a_planned_tiled_cpu_run_matches_every_request_of_its_steps(tmp_path):
     row = run_in_process(tmp_path / "memo", "method=memo", "method.tile_tokens=128", "plan=true", "model=tiny",
-                         "model.vocab_size=1000", "seq=512", "train.steps=4", "train.warmup_steps=2")
+                         "seq=512", "train.steps=4", "train.warmup_steps=2")
     assert row["status"] == "ok", row["error"]
     assert row["plan.serving"] == CPU_SERVING and row["plan.iterations"] == 2
     assert (row["plan.divergences"], row["plan.fallback"], row["plan.missing"]) == (0, 0, 0)
