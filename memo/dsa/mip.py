@@ -17,7 +17,8 @@ instances, which is detected up front, without building the model.
 Why a process per solve: solvers can crash or hang inside native code, HiGHS and OR-Tools cannot
 share a process, and a stuck solver must not take the planner with it. Each solve runs
 ``python -m memo.dsa.mip TASK RESULT`` in a new session, gets the time limit, and is killed a
-few seconds past it; a crash or kill becomes a message. This process never imports a solver.
+few seconds past it, counted from when it has imported its solver (a loaded machine's imports
+are not the solver's time); a crash or kill becomes a message. This process never imports a solver.
 """
 
 import importlib
@@ -25,6 +26,7 @@ import importlib.util
 import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -40,6 +42,7 @@ from memo.dsa.buffers import Buffer, PlanError, check_buffers, max_load, validat
 from memo.dsa.greedy import greedy_portfolio, lowest_fit
 
 GRACE_S = 5.0  # seconds a solver process may run past its time limit before it is killed
+START_S = 120.0  # seconds a solver process may take to import its solver before it is killed
 GUROBI_PIP_LIMIT = 2000  # variables, and separately rows, that the pip (size-limited) license allows
 _GUROBI_SIZE_LIMIT_ERROR = 10010
 _FULL_LICENSE_HINT = "planning with the open solvers (set GRB_LICENSE_FILE for a full license)"
@@ -220,14 +223,28 @@ def _probe_gurobi(limit: int) -> dict:
     return {"size_limit": None}
 
 
+def _started() -> None:
+    """Tell the parent (one line on stdout) that the solver is imported and its time begins; what
+    the solver prints after that goes nowhere."""
+    os.write(1, b"started\n")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+
+
 def _child(task_path: str, result_path: str) -> None:
     """Run the task's ``module:function`` on its arguments; write its value or error as JSON."""
     task = json.loads(Path(task_path).read_text())
+    function, out = None, {}
     try:
         module, name = task["target"].split(":")
-        out = {"value": getattr(importlib.import_module(module), name)(*task["args"])}
+        function = getattr(importlib.import_module(module), name)
     except Exception as error:  # the parent turns it into a message
         out = {"error": f"{type(error).__name__}: {error}"}
+    _started()
+    if function is not None:
+        try:
+            out = {"value": function(*task["args"])}
+        except Exception as error:
+            out = {"error": f"{type(error).__name__}: {error}"}
     tmp = Path(result_path + ".tmp")
     tmp.write_text(json.dumps(out))
     tmp.rename(result_path)  # the parent never reads half a result
@@ -243,7 +260,8 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 def _isolated(target: str, args: list, wall_s: float) -> tuple[Any, str]:
     """``(value, "")`` of ``target(*args)`` run in a new process (JSON in and out), or
-    ``(None, why)`` if it raised, crashed, or ran past ``wall_s`` seconds and was killed."""
+    ``(None, why)`` if it raised, crashed, or was killed: past ``START_S`` seconds before it had
+    imported ``target``, or ``wall_s`` seconds after."""
     with tempfile.TemporaryDirectory(prefix="memo-mip-") as tmp:
         task, result, log = Path(tmp, "task.json"), Path(tmp, "result.json"), Path(tmp, "stderr")
         task.write_text(json.dumps({"target": target, "args": args}))
@@ -252,19 +270,25 @@ def _isolated(target: str, args: list, wall_s: float) -> tuple[Any, str]:
             # A session of its own: a kill takes the solver's helper processes, if any, along.
             proc = subprocess.Popen(
                 [sys.executable, "-m", "memo.dsa.mip", str(task), str(result)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                 env=dict(os.environ, PYTHONPATH=path), start_new_session=True,
             )
+            code, late = None, f"the solver process did not start within {START_S:g} s and was killed"
             try:
-                code = proc.wait(timeout=wall_s)
+                # the time counts from the solver's start: a loaded machine's slow imports are not its time
+                if select.select([proc.stdout], [], [], START_S)[0]:
+                    proc.stdout.readline()  # "started", or nothing from a process that died first
+                    late = f"the solver process ran past {wall_s:g} s and was killed"
+                    code = proc.wait(timeout=wall_s)
             except subprocess.TimeoutExpired:
-                code = None
+                pass
             finally:
                 if proc.poll() is None:  # past its time, or this process is interrupted: no orphan
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+                proc.stdout.close()
         if code is None:
-            return None, f"the solver process ran past {wall_s:g} s and was killed"
+            return None, late
         if result.exists():  # even if the process died after writing it
             out = json.loads(result.read_text())
             return (out["value"], "") if "error" not in out else (None, _one_line(out["error"]))
@@ -322,7 +346,8 @@ def solve_mip(
     """Solve the pairwise big-M MIP for ``buffers`` with ``solver`` ("gurobi" or "highs").
 
     ``warm_start_offsets`` (bytes; the greedy plan if ``None``) must be a valid plan: its peak is
-    ``M``. The solver gets ``time_limit_s`` seconds and its process is killed ``GRACE_S`` later.
+    ``M``. The solver gets ``time_limit_s`` seconds and its process is killed ``GRACE_S`` later (both
+    counted from its import of the solver).
     Refusals, crashes, kills and invalid plans come back as a result with a one-line message.
 
     Raises:
