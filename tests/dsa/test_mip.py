@@ -92,8 +92,7 @@ def test_small_instances_reach_the_brute_force_optimum(solver, seed):
     if _solves(solver):
         assert result.message == f"{solver}: optimal"
         assert result.optimal and result.peak == result.lower_bound == optimum
-        assert validate(buffers, result.offsets) == optimum
-        assert result.seconds < 10
+        assert validate(buffers, result.offsets) == optimum  # within its time: "optimal", not killed
     else:
         assert result.offsets is None and result.peak is None and not result.optimal
 
@@ -127,14 +126,12 @@ def test_a_large_model_is_refused_up_front(monkeypatch):
         return isolated(target, *args, **kwargs)
 
     monkeypatch.setattr(mip, "_isolated", recording)
-    t = time.perf_counter()
     result = mip.solve_mip(buffers, None, time_limit_s=5, solver="gurobi")
-    seconds = time.perf_counter() - t
     found = mip.gurobi_license()
     if found.usable and found.size_limit is None:  # a full license: it solves, within the time
         assert "killed" not in result.message and validate(buffers, result.offsets) == result.peak
         return
-    assert seconds < 3 and result.offsets is None and result.lower_bound == max_load(buffers)
+    assert result.offsets is None and result.lower_bound == max_load(buffers)
     assert "\n" not in result.message and result.message.startswith("gurobi: ")
     assert set(started) <= {"memo.dsa.mip:_probe_gurobi"}  # the model was never built
     if found.usable:
