@@ -20,8 +20,8 @@ from memo.config import resolve
 from memo.execute import distributed
 from memo.data.batches import SyntheticTokens, micro_batches
 from memo.execute.distributed import ProcessInfo
-from memo.gpucheck.common import (CPU_TINY, arguments, compose, placed_model, run_job, runs_dir, step_device,
-                                  write_rows)
+from memo.gpucheck.common import (CPU_TINY, arguments, compose, placed_model, run_job, runs_dir,
+                                  step_device, write_rows)
 from memo.model import dtype_label, dtype_setting
 from memo.model.attention import select_backend
 

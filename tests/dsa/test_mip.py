@@ -267,7 +267,7 @@ def test_a_solver_process_that_does_not_start_in_time_is_killed(monkeypatch):
 
 def test_a_solvers_imports_are_not_its_time(monkeypatch, tmp_path):
     (tmp_path / "slow_solver.py").write_text("import time\ntime.sleep(3)\nfrom test_mip import _overlapping\n")
-    _inject(monkeypatch, "_overlapping")
+    _inject(monkeypatch, "_overlapping")  # this file on the child's path, for the module above to import
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
     monkeypatch.setitem(mip._TARGETS, "highs", "slow_solver:_overlapping")
     monkeypatch.setattr(mip, "GRACE_S", 1.0)
