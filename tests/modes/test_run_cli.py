@@ -4,6 +4,7 @@ import json
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -98,11 +99,19 @@ def _start(*args: str, cwd) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
 
 
-def test_two_runs_started_at_once_into_one_directory_one_runs_and_one_is_refused(tmp_path):
-    out = tmp_path / "job"
-    runs = [_start("seq=128", *FAST, f"train.seed={seed}", f"hydra.run.dir={out}", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def two_runs_at_once(tmp_path_factory) -> tuple[Path, list]:
+    """Two jobs started at once into one directory: that directory, and each job's process with
+    its output (one run ends there; the next test reruns into what it left)."""
+    tmp = tmp_path_factory.mktemp("two_runs")
+    out = tmp / "job"
+    runs = [_start("seq=128", *FAST, f"train.seed={seed}", f"hydra.run.dir={out}", cwd=tmp)
             for seed in (1, 2)]
-    done = [(p, *p.communicate(timeout=600)) for p in runs]
+    return out, [(p, *p.communicate(timeout=600)) for p in runs]
+
+
+def test_two_runs_started_at_once_into_one_directory_one_runs_and_one_is_refused(two_runs_at_once):
+    out, done = two_runs_at_once
     assert sorted(p.returncode for p, _, _ in done) == [0, 2], [err for _, _, err in done]
     refused = next(err for p, _, err in done if p.returncode == 2).strip().splitlines()
     assert len(refused) == 1 and refused[0].startswith(f"error: {out} holds another run"), refused
@@ -115,13 +124,13 @@ def test_two_runs_started_at_once_into_one_directory_one_runs_and_one_is_refused
     assert [s["step"] for s in steps] == [1, 2]
 
 
-def test_a_refused_rerun_leaves_every_byte_of_the_earlier_run(tmp_path):
-    out = tmp_path / "job"
-    assert run("seq=128", *FAST, f"hydra.run.dir={out}", cwd=tmp_path).returncode == 0
+def test_a_refused_rerun_leaves_every_byte_of_the_earlier_run(two_runs_at_once):
+    out, done = two_runs_at_once
+    assert 0 in [p.returncode for p, _, _ in done]
     before = file_hashes(out)
     assert {".memo-run", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "result.json",
             "metrics.jsonl", "run.log"} <= set(before)
-    again = run("seq=256", *FAST, f"hydra.run.dir={out}", cwd=tmp_path)
+    again = run("seq=256", *FAST, f"hydra.run.dir={out}", cwd=out.parent)
     assert again.returncode == 2 and "holds another run" in again.stderr
     assert file_hashes(out) == before
 
