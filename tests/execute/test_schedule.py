@@ -77,7 +77,7 @@ def test_a_schedule_that_cannot_run_is_refused_in_one_line(overrides, fragment):
 
 
 def test_a_run_trains_at_the_rates_of_its_schedule(tmp_path):
-    row = run_in_process(tmp_path / "run", "seq=128", "train.steps=5", "train.warmup_steps=1",
+    row = run_in_process(tmp_path / "run", "seq=128", "model.vocab_size=1000", "train.steps=5", "train.warmup_steps=1",
                          "train.lr_schedule=cosine", "train.lr_warmup_steps=1", "train.min_lr=0.0001")
     assert row["status"] == "ok", row["error"]
     logged = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

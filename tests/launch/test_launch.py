@@ -111,7 +111,7 @@ def test_a_run_stopped_by_the_scheduler_keeps_its_steps_and_an_interrupted_row(t
 
     monkeypatch.setattr(memo.modes.train, "run_steps", stopped_after_two_steps)
     with pytest.raises(SystemExit):
-        run_in_process(tmp_path, "train.steps=4", "train.warmup_steps=1", "seq=128")
+        run_in_process(tmp_path, "train.steps=4", "train.warmup_steps=1", "seq=128", "model.vocab_size=1000")
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "interrupted" and row["steps_done"] == 2
     assert row["error"] == "interrupted by the scheduler (timeout or preemption) after 2 step(s)"

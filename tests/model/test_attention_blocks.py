@@ -174,7 +174,7 @@ def test_every_aten_operator_the_project_calls_has_its_2_11_schema_in_the_fixtur
 def test_a_row_names_the_kernel_of_whole_attention_and_of_its_blocks(tmp_path):
     from conftest import run_in_process
 
-    row = run_in_process(tmp_path, "seq=128", "train.steps=2", "train.warmup_steps=1")
+    row = run_in_process(tmp_path, "seq=128", "model.vocab_size=1000", "train.steps=2", "train.warmup_steps=1")
     assert row["status"] == "ok", row["error"]
     # one rank holds the whole sequence: no blocks run (tests/execute/test_training.py: with cp = 2)
     assert (row["attention_backend"], row["attention_block_kernel"]) == ("flash", "none")

@@ -162,6 +162,6 @@ def test_bad_loss_settings_are_one_line_errors(override, fragment):
 
 def test_a_training_row_records_the_loss_used(tmp_path):
     row = run_in_process(tmp_path, "method=full_recompute", "seq=256", "train.steps=2",
-                         "train.warmup_steps=1", "train.loss_tile_tokens=100")
+                         "train.warmup_steps=1", "train.loss_tile_tokens=100", "model.vocab_size=1000")
     assert row["status"] == "ok", row["error"]
     assert row["train.loss"] == "tiled" and row["train.loss_tile_tokens"] == 100

@@ -8,7 +8,7 @@ import pytest
 from conftest import run_in_process
 from tiny_corpus import make_corpus
 
-SHORT = ["seq=256", "train.steps=2", "train.warmup_steps=1"]
+SHORT = ["seq=256", "train.steps=2", "train.warmup_steps=1", "model.vocab_size=1000"]  # (GPT-2's 50257: a step of its output layer)
 
 
 def test_a_row_of_memo_records_alpha_and_why(tmp_path):
