@@ -18,8 +18,10 @@ sweep leaves a row. ``hydra.launcher.dry_run=true`` prints the arrays and their 
 lines and submits nothing.
 """
 
+import functools
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +145,7 @@ class SlurmLauncher(BaseSubmititLauncher):
 
         Singleton.set_state(singleton_state)
         setup_globals()
+        forks_leave_requeueing_to_the_task()
         env = submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True  # every task sees its node's GPUs
         )
@@ -299,6 +302,19 @@ class SlurmLauncher(BaseSubmititLauncher):
                 except FileExistsError:
                     pass
             return JobReturn(overrides=overrides, cfg=cfg, status=JobStatus.FAILED, _return_value=error)
+
+
+@functools.cache  # once a process: a fork hook cannot be taken back
+def forks_leave_requeueing_to_the_task() -> None:
+    """SLURM sends a job's timeout or preemption signal (submitit's ``USR_SIG``) to every process
+    of its step, and a process the task forks (megatron-core's checkpoint writers, a data loader's
+    workers) inherits submitit's handler of it: each would save the job's submission and requeue
+    it, racing the task for submitit's files (``A temporary saved file already exists``, which
+    ended the task's run as an error). A forked process ignores the signal; the task acts on it."""
+    import submitit
+
+    signum = getattr(signal, f"SIG{submitit.JobEnvironment.USR_SIG}")
+    os.register_at_fork(after_in_child=lambda: signal.signal(signum, signal.SIG_IGN))
 
 
 def _config_problem(cfg: DictConfig) -> Optional[str]:

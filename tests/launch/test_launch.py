@@ -1,6 +1,7 @@
 """The SLURM launcher's pieces that need no cluster, and how a job behaves when it is stopped."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -13,7 +14,7 @@ from hydra_plugins.memo_launch.slurm_launcher import (
 from memo.config import ConfigError
 from memo.results import claim_run_dir, finished_row, set_aside_unfinished, write_json_atomic
 
-from conftest import compose_config, run_in_process
+from conftest import PYTHON, REPO, compose_config, run_in_process
 
 
 @pytest.mark.parametrize(
@@ -118,3 +119,27 @@ def test_a_run_stopped_by_the_scheduler_keeps_its_steps_and_an_interrupted_row(t
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert set_aside_unfinished(tmp_path) == tmp_path / "interrupted" / "1"
+
+
+# a process with submitit's handler of the requeue signal, as a job's task has it, that forks
+_FORKED = """
+import os, signal, submitit
+from hydra_plugins.memo_launch.slurm_launcher import forks_leave_requeueing_to_the_task
+signum = getattr(signal, "SIG" + submitit.JobEnvironment.USR_SIG)
+signal.signal(signum, lambda *_: None)
+forks_leave_requeueing_to_the_task()
+forks_leave_requeueing_to_the_task()
+read, write = os.pipe()
+if os.fork() == 0:
+    os.write(write, b"ignored" if signal.getsignal(signum) is signal.SIG_IGN else b"handled")
+    os._exit(0)
+os.wait()
+print(os.read(read, 16).decode(), "ignored" if signal.getsignal(signum) is signal.SIG_IGN else "handled")
+"""
+
+
+def test_a_process_a_task_forks_leaves_the_requeue_signal_to_the_task():
+    # (SLURM signals a checkpoint's writer processes too: with submitit's handler, each requeued the job)
+    done = subprocess.run([PYTHON, "-c", _FORKED], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ignored", "handled"]
