@@ -14,7 +14,7 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
 
-from conftest import PYTHON, REPO, free_port, one_process, resolve_config, run_in_process
+from conftest import PYTHON, REPO, one_process, resolve_config, run_in_process
 from memo.execute.checkpoint import checkpoints
 
 # a schedule that warms up over the first step and decays over the other three, so that a resumed
@@ -66,22 +66,21 @@ def test_two_steps_a_save_and_two_more_in_a_new_process_equal_four(tmp_path, met
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
 
 
+# (fp64, so that what is compared is the resharding, not the order of float32 sums)
+AT_TP2 = [*FOUR, "train.dtype=fp64", "train.steps=4"]
+
+
 @pytest.mark.slow
-def test_two_steps_at_tp1_and_two_more_at_tp2_equal_four_at_tp1(tmp_path):
+@pytest.mark.torchrun(2, " ".join(["training_worker.resume", "2", "parallel.tp=2", *AT_TP2]))
+def test_two_steps_at_tp1_and_two_more_at_tp2_equal_four_at_tp1(tmp_path, torchrun_results):
     """The checkpoint is of the model's whole tensors: two processes splitting every layer over
-    tensor parallelism load what one saved, and go on as the one would have (fp64, so that what
-    is compared is the resharding, not the order of float32 sums)."""
-    common = [*FOUR, "train.dtype=fp64"]
-    whole = run_in_process(tmp_path / "whole", *common, "train.steps=4")
-    first = run_in_process(tmp_path / "first", *common, "train.steps=2")
-    assert whole["status"] == first["status"] == "ok", (whole["error"], first["error"])
-    second = tmp_path / "second"
-    launched = subprocess.run(
-        [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "run.py"), *common, "train.steps=4", "parallel.tp=2",
-         f"train.load={tmp_path / 'first' / 'checkpoints'}", f"hydra.run.dir={second}"],
-        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert launched.returncode == 0, launched.stderr[-3000:]
+    tensor parallelism load what one saved (in the session's two-process launch), and go on as
+    the one would have."""
+    (result,) = torchrun_results
+    result.passed()
+    whole = run_in_process(tmp_path / "whole", *AT_TP2)
+    assert whole["status"] == "ok", whole["error"]
+    second = result.out_dir / "second"
     row = json.loads((second / "result.json").read_text())
     assert row["status"] == "ok" and row["resumed_from_step"] == 2 and row["world_size"] == 2
     expected, got = _steps(tmp_path / "whole")[2:], _steps(second)
