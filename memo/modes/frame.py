@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import traceback
+import weakref
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -92,6 +93,16 @@ def _is_oom(error: BaseException) -> bool:
         "can't allocate memory" in text or "CUDA error: out of memory" in text)
 
 
+def _in_finalizer(frame) -> bool:
+    """Whether ``frame`` runs in a weak reference's finalizer or a ``__del__`` (a rotary table's,
+    a storage's), where an exception raised is printed with its traceback and dropped."""
+    while frame is not None:
+        if frame.f_code is weakref.finalize.__call__.__code__ or frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextmanager
 def _stop_signals(received: list[int]) -> Iterator[None]:
     """While the job runs, SIGTERM raises :class:`Interrupted` and SIGINT ``KeyboardInterrupt`` in
@@ -104,6 +115,8 @@ def _stop_signals(received: list[int]) -> Iterator[None]:
 
     def interrupt(signum, frame):
         received.append(signum)
+        if _in_finalizer(frame):  # Python would print the interrupt and drop it: the step's end raises it
+            return
         raise Interrupted(signum) if signum != signal.SIGINT else KeyboardInterrupt()
 
     ours = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
