@@ -135,10 +135,11 @@ def signals_as_python_sets_them():
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_lost_in_a_finalizer_still_ends_the_job_at_its_next_step(tmp_path, monkeypatch, signum,
-                                                                                signals_as_python_sets_them):
+def test_a_stop_signal_in_a_finalizer_ends_the_job_at_its_next_step_and_prints_nothing(tmp_path, monkeypatch, signum,
+                                                                                       signals_as_python_sets_them):
     # Python prints and drops an exception raised inside a finalizer: a signal that lands there
-    # (RoPE's tables are dropped by weakref.finalize every step) must still stop the job
+    # (RoPE's tables are dropped by weakref.finalize every step) raises nothing there and still
+    # stops the job
     class Table:
         pass
 
@@ -148,8 +149,8 @@ def test_a_stop_signal_lost_in_a_finalizer_still_ends_the_job_at_its_next_step(t
         with job_frame(OmegaConf.create({"a": 1}), tmp_path / "job") as job:
             table = Table()
             weakref.finalize(table, os.kill, os.getpid(), signum)
-            del table  # the handler runs inside the finalizer; its interrupt is dropped there
-            assert job.signals == [signum] and len(dropped) == 1 and issubclass(dropped[0], KeyboardInterrupt)
+            del table  # the handler runs inside the finalizer and keeps its interrupt for the step's end
+            assert job.signals == [signum] and dropped == []
             job.stop_if_signalled()
     row = json.loads((tmp_path / "job" / "result.json").read_text())
     assert row["status"] == "interrupted"

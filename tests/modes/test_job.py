@@ -1,10 +1,7 @@
 """Every job leaves a row: out-of-memory and failures are results, and the next job still runs."""
 
 import json
-import os
-import signal
 import sys
-import weakref
 
 import pytest
 import torch
@@ -132,24 +129,3 @@ def test_plan_true_installs_its_allocator_before_anything_reads_the_gpu(tmp_path
     row = run_in_process(tmp_path, *SHORT, "plan=true")
     assert order == ["install"] and "_Stop" in row["error"]
 
-
-def test_a_stop_signal_in_a_finalizer_is_kept_for_the_steps_end_not_printed_and_dropped(monkeypatch):
-    from memo.modes.frame import _stop_signals
-
-    dropped = []
-    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
-
-    class Table:  # a weakly referenced table whose finalizer the signal interrupts
-        pass
-
-    def finalizer():
-        os.kill(os.getpid(), signal.SIGTERM)
-        sum(range(1000))  # (bytecode to run the handler in)
-
-    received = []
-    with _stop_signals(received):
-        table = Table()
-        weakref.finalize(table, finalizer)
-        del table
-        sum(range(1000))
-    assert received == [signal.SIGTERM] and dropped == []
