@@ -56,20 +56,19 @@ class AllocationRecorder(TorchDispatchMode):
         if self._recording:
             # Most outputs live on a storage already seen (views, in-place ops on what the
             # recording made): only the others are looked for among the inputs' storages.
-            unseen = [t for t in _tensors(out) if id(t.untyped_storage()) not in self._live]
+            unseen = [s for s in (t.untyped_storage() for t in _tensors(out)) if id(s) not in self._live]
             if unseen:
                 # An output on an input's storage (an in-place op, a view such as a weight's
                 # transpose) is no new request, even when that storage predates the recording. A
                 # lifted constant (torch.tensor(...) in the model's code) is: it was just made.
                 inputs = set() if func is torch.ops.aten.lift_fresh.default else {
                     id(t.untyped_storage()) for t in _tensors((args, kwargs))}
-                for tensor in unseen:
-                    if id(tensor.untyped_storage()) not in inputs:
-                        self._see(tensor)
+                for storage in unseen:
+                    if id(storage) not in inputs:
+                        self._see(storage)
         return out
 
-    def _see(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
+    def _see(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
         if key in self._live:
             return
