@@ -10,7 +10,12 @@ TORCH_INDEX ?=
 # Extras beyond `dev`; `make setup EXTRAS=dev,gpu` adds Transformer Engine and flash-attn.
 EXTRAS      ?= dev
 
+# pip byte-compiles what it installs one file at a time (about 70 s of a 110 s set-up on two
+# cores); compiling afterwards uses every core and leaves out the packages' own test suites, which
+# nothing imports. A file that does not compile (torch ships some Python 3.12 syntax) is left
+# to be compiled where imported, as pip leaves it.
 PIP       := $(VENV)/bin/python -m pip
+COMPILE   := $(VENV)/bin/python -c 'import compileall, re, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0, rx=re.compile(r"/tests?/"))'
 HAS_GPU   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 READY     := $(VENV)/.ready-$(EXTRAS)
 
@@ -21,10 +26,12 @@ setup: $(READY)
 $(READY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_GPU),yes)
-	$(PIP) install --quiet -e '.[$(EXTRAS)]'
+	$(PIP) install --quiet --no-compile -e '.[$(EXTRAS)]'
+	$(COMPILE)
 else
-	$(PIP) install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH_CPU)'
-	$(PIP) install --quiet -e '.[$(EXTRAS)]'
+	$(PIP) install --quiet --no-compile $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH_CPU)'
+	$(PIP) install --quiet --no-compile -e '.[$(EXTRAS)]'
+	$(COMPILE)
 	$(VENV)/bin/python -c 'import sys, torch; sys.exit(torch.version.cuda and "a CUDA build of torch was installed on a machine without an NVIDIA GPU; run make clean, then make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu")'
 endif
 	touch $@
