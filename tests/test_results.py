@@ -150,9 +150,38 @@ def test_a_stop_signal_in_a_finalizer_ends_the_job_at_its_next_step_and_prints_n
             table = Table()
             weakref.finalize(table, os.kill, os.getpid(), signum)
             del table  # the handler runs inside the finalizer and keeps its interrupt for the step's end
-            assert job.signals == [signum] and dropped == []
+            assert len(job.stops) == 1 and dropped == []
             job.stop_if_signalled()
     row = json.loads((tmp_path / "job" / "result.json").read_text())
     assert row["status"] == "interrupted"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_schedulers_exit_dropped_in_a_finalizer_makes_what_fails_after_it_an_interruption(tmp_path, monkeypatch):
+    # submitit's handler of SIGUSR2 requeues the job and raises SystemExit; raised inside a fork's
+    # callback (a checkpoint writer's) or a finalizer, Python drops it, the job goes on, and its save
+    # fails once the scheduler has ended the writer's helper: the row must still say interrupted,
+    # and the exit must still end the task (no result for submitit, so that the requeued attempt runs)
+    def requeue_and_exit(signum, frame):
+        raise SystemExit(-1)
+
+    class Table:
+        pass
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    before = signal.signal(signal.SIGUSR2, requeue_and_exit)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            with job_frame(OmegaConf.create({"a": 1}), tmp_path / "job"):
+                table = Table()
+                weakref.finalize(table, os.kill, os.getpid(), signal.SIGUSR2)
+                del table
+                raise BrokenPipeError(32, "Broken pipe")
+        assert stopped.value.code == -1
+        assert signal.getsignal(signal.SIGUSR2) is requeue_and_exit  # given back
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    row = json.loads((tmp_path / "job" / "result.json").read_text())
+    assert (row["status"], row["error"]) == ("interrupted", "interrupted by the scheduler (timeout or preemption) "
+                                                            "after 0 step(s)")

@@ -47,19 +47,21 @@ class Job:
 
     row: dict[str, Any]
     writer: ResultWriter
-    signals: list[int] = dataclasses.field(default_factory=list)  # stop signals received, in order
+    # what each stop signal raised where the job was, in order: Interrupted (SIGTERM),
+    # KeyboardInterrupt (SIGINT), a scheduler's exit (submitit's SystemExit once it has requeued)
+    stops: list[BaseException] = dataclasses.field(default_factory=list)
 
     def stop_if_signalled(self) -> None:
-        """Raise the interrupt of a stop signal already received. The handler raised it where the
-        job was, but Python drops an exception raised inside a finalizer or ``__del__`` (a weakly
-        referenced table's, say) after printing it; a mode calls this between steps so that such a
-        signal still ends the job.
+        """Raise again what the first stop signal raised. Python drops an exception raised inside
+        a finalizer, a ``__del__`` or a fork's callback (a weakly referenced table's, a checkpoint
+        writer's fork) after printing it; a mode calls this between steps so that such a signal
+        still ends the job.
 
         Raises:
-            KeyboardInterrupt: (:class:`Interrupted` for SIGTERM) if a stop signal came.
+            KeyboardInterrupt, SystemExit: if a stop signal came.
         """
-        if self.signals:
-            raise Interrupted(self.signals[0]) if self.signals[0] != signal.SIGINT else KeyboardInterrupt()
+        if self.stops:
+            raise self.stops[0]
 
 
 def provenance() -> dict[str, Any]:
@@ -103,31 +105,51 @@ def _in_finalizer(frame) -> bool:
     return False
 
 
+# A scheduler's wrapper stops a job for its timeout or preemption on one of these, with a handler
+# that requeues the job and exits (submitit: SIGUSR2, or SUBMITIT_PREEMPT_SIGNAL; Lightning: SIGUSR1).
+_SCHEDULER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
 @contextmanager
-def _stop_signals(received: list[int]) -> Iterator[None]:
+def _stop_signals(stops: list[BaseException]) -> Iterator[None]:
     """While the job runs, SIGTERM raises :class:`Interrupted` and SIGINT ``KeyboardInterrupt`` in
-    the main thread, each also appended to ``received`` (see :meth:`Job.stop_if_signalled`): each
-    where nobody else (a scheduler's wrapper, a shell that started the job in the background) has
-    claimed or ignored it."""
+    the main thread, each where nobody else (a scheduler's wrapper, a shell that started the job in
+    the background) has claimed or ignored it; a scheduler's handler of its own signal runs as
+    before. What each raises is also appended to ``stops`` (see :meth:`Job.stop_if_signalled`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum, frame):
-        received.append(signum)
+        stops.append(Interrupted(signum) if signum != signal.SIGINT else KeyboardInterrupt())
         if _in_finalizer(frame):  # Python would print the interrupt and drop it: the step's end raises it
             return
-        raise Interrupted(signum) if signum != signal.SIGINT else KeyboardInterrupt()
+        raise stops[-1]
 
-    ours = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
-    taken = {signum: default for signum, default in ours.items() if signal.getsignal(signum) is default}
-    for signum in taken:
-        signal.signal(signum, interrupt)
+    def kept_by_the_job(handler):
+        def stop(signum, frame):
+            try:
+                handler(signum, frame)
+            except BaseException as stopping:
+                stops.append(stopping)
+                raise
+        return stop
+
+    replaced = {}  # signal: (the handler before the job, the job's)
+    for signum, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler)):
+        if signal.getsignal(signum) is default:
+            replaced[signum] = (default, interrupt)
+    for signum in _SCHEDULER_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            replaced[signum] = (handler, kept_by_the_job(handler))
+    for signum, (_, handler) in replaced.items():
+        signal.signal(signum, handler)
     try:
         yield
     finally:
-        for signum, default in taken.items():
-            signal.signal(signum, default)
+        for signum, (handler, _) in replaced.items():
+            signal.signal(signum, handler)
 
 
 def _interrupt_name(error: BaseException) -> str:
@@ -136,6 +158,23 @@ def _interrupt_name(error: BaseException) -> str:
     if isinstance(error, KeyboardInterrupt):
         return "SIGINT (Ctrl-C)"
     return "the scheduler (timeout or preemption)"
+
+
+def _interrupted(row: dict[str, Any], stop: BaseException, steps: int) -> BaseException:
+    row["status"] = "interrupted"
+    row["error"] = f"interrupted by {_interrupt_name(stop)} after {steps} step(s)"
+    return stop
+
+
+def _failed(row: dict[str, Any], error: Exception) -> None:
+    if _is_oom(error):
+        row["status"] = "oom"
+        row["error"] = str(error).splitlines()[0]
+        log.warning("out of memory: %s", row["error"])
+    else:
+        row["status"] = "error"
+        row["error"] = f"{type(error).__name__}: {error}"
+        log.error("job failed:\n%s", traceback.format_exc())
 
 
 @contextmanager
@@ -179,29 +218,25 @@ def job_frame(
     stop: Optional[BaseException] = None
     job = Job(row, writer)
     try:
-        with _stop_signals(job.signals):
+        with _stop_signals(job.stops):
             yield job
         row["status"] = row["status"] or "ok"
+        stop = job.stops[0] if job.stops else None  # one that came after the last step's check
     except ConfigError as error:
         row["status"] = "error"
         row["error"] = str(error)
     except (KeyboardInterrupt, SystemExit) as error:
-        stop = error
-        row["status"] = "interrupted"
-        row["error"] = f"interrupted by {_interrupt_name(error)} after {writer.steps} step(s)"
+        stop = _interrupted(row, error, writer.steps)
     except HostMemoryError as error:
         row["status"] = "oohm"
         row["error"] = str(error)
         log.warning("%s", error)
     except Exception as error:  # noqa: BLE001 - every failure must leave its row
-        if _is_oom(error):
-            row["status"] = "oom"
-            row["error"] = str(error).splitlines()[0]
-            log.warning("out of memory: %s", row["error"])
+        if job.stops:  # what fails once the job is stopping is the stop's (a save whose helper the scheduler ended)
+            log.warning("after the stop: %s: %s", type(error).__name__, error)
+            stop = _interrupted(row, job.stops[0], writer.steps)
         else:
-            row["status"] = "error"
-            row["error"] = f"{type(error).__name__}: {error}"
-            log.error("job failed:\n%s", traceback.format_exc())
+            _failed(row, error)
     row["steps_done"] = writer.steps
     row["end_time"] = now()
     try:
