@@ -172,16 +172,15 @@ def test_a_schedulers_exit_dropped_in_a_finalizer_makes_what_fails_after_it_an_i
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
     before = signal.signal(signal.SIGUSR2, requeue_and_exit)
     try:
-        with pytest.raises(SystemExit) as stopped:
-            with job_frame(OmegaConf.create({"a": 1}), tmp_path / "job"):
-                table = Table()
-                weakref.finalize(table, os.kill, os.getpid(), signal.SIGUSR2)
-                del table
-                raise BrokenPipeError(32, "Broken pipe")
+        with pytest.raises(SystemExit) as stopped, job_frame(OmegaConf.create({"a": 1}), tmp_path / "job"):
+            table = Table()
+            weakref.finalize(table, os.kill, os.getpid(), signal.SIGUSR2)
+            del table
+            raise BrokenPipeError(32, "Broken pipe")
         assert stopped.value.code == -1
         assert signal.getsignal(signal.SIGUSR2) is requeue_and_exit  # given back
     finally:
         signal.signal(signal.SIGUSR2, before)
     row = json.loads((tmp_path / "job" / "result.json").read_text())
-    assert (row["status"], row["error"]) == ("interrupted", "interrupted by the scheduler (timeout or preemption) "
-                                                            "after 0 step(s)")
+    assert row["status"] == "interrupted"
+    assert row["error"] == "interrupted by the scheduler (timeout or preemption) after 0 step(s)"
