@@ -35,6 +35,7 @@ warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not ins
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
+from memo.collector import frozen_after  # noqa: E402
 from memo.config import ConfigError, register_configs, validate  # noqa: E402
 from memo.config.choices import check_group_choices  # noqa: E402
 from memo.results import claim_run_dir  # noqa: E402
@@ -53,12 +54,13 @@ def main(cfg: DictConfig) -> None:
         claimed = int(os.environ.get("RANK", "0")) == 0
         if claimed:  # before anything is written there, Hydra's .hydra/ included
             claim_run_dir(output_dir, _hydra_files(cfg, hydra_cfg))
-        if cfg.mode == "train":
-            from memo.modes.train import run_job as job
-        elif cfg.mode == "fit":
-            from memo.modes.fit import fit_job as job
-        else:
-            from memo.modes.profile import profile_and_plan as job
+        with frozen_after():  # torch's and megatron-core's objects: the collector walks them no more
+            if cfg.mode == "train":
+                from memo.modes.train import run_job as job
+            elif cfg.mode == "fit":
+                from memo.modes.fit import fit_job as job
+            else:
+                from memo.modes.profile import profile_and_plan as job
         row = job(cfg, output_dir, hydra_cfg.overrides.task, claimed=claimed)
     except ConfigError as error:
         _fail(str(error))

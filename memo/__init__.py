@@ -14,12 +14,6 @@ fit), each inside one frame.
 
 __version__ = "0.1.0"
 
-import atexit
-import gc
+from memo.collector import freeze_at_exit
 
-# A process that has imported megatron-core (and with it torch's compiler) holds millions of objects
-# that the cyclic collector walks again while the interpreter shuts down: about 1.4 s of CPU at every
-# exit (each run.py, torchrun rank, sweep job and pack step). The atexit callbacks registered after
-# this one run before it (logging's flush, weakref finalizers, megatron's and torch's own); then what
-# is left is the operating system's to free, cycles included, as Python leaves it at exit anyway.
-atexit.register(gc.freeze)
+freeze_at_exit()  # every process that imports memo: see memo.collector

@@ -22,6 +22,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # kernels), as torchrun's workers and SLURM's CPU tasks do, instead of each taking them all.
     os.environ["OMP_NUM_THREADS"] = "1"
 
+from memo.collector import frozen_after  # noqa: E402
 from memo.config import Run, register_configs, resolve  # noqa: E402
 from memo.execute import distributed  # noqa: E402
 from memo.execute.distributed import ProcessInfo  # noqa: E402
@@ -40,6 +41,14 @@ _GROUP = pytest.StashKey[str]()
 # the groups that take longest (minutes each on two cores), longest first
 _FIRST = ["slurm", "test_gpucheck", "torchrun2", "test_fit", "torchrun4", "test_training", "test_notebooks",
           "test_experiments"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """The test modules import torch and megatron-core: the collector walks their objects no more
+    (:mod:`memo.collector`)."""
+    with frozen_after():
+        yield
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
