@@ -15,7 +15,7 @@ EXTRAS      ?= dev
 # nothing imports. A file that does not compile (torch ships some Python 3.12 syntax) is left
 # to be compiled where imported, as pip leaves it.
 PIP       := $(VENV)/bin/python -m pip
-COMPILE   := $(VENV)/bin/python -c 'import compileall, re, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0, rx=re.compile(r"/tests?/"))'
+COMPILE   := $(VENV)/bin/python -c 'import compileall, re, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0, rx=re.compile(r"site-packages/(.+/)?tests?/"))'
 HAS_GPU   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 READY     := $(VENV)/.ready-$(EXTRAS)
 

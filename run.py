@@ -35,7 +35,7 @@ warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not ins
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
-from memo.collector import frozen_after  # noqa: E402
+from memo.collector import freeze_at_exit, frozen_after  # noqa: E402
 from memo.config import ConfigError, register_configs, validate  # noqa: E402
 from memo.config.choices import check_group_choices  # noqa: E402
 from memo.results import claim_run_dir  # noqa: E402
@@ -106,6 +106,7 @@ def _fail(message: str) -> None:
 
 
 if __name__ == "__main__":
+    freeze_at_exit()  # this process's files are closed by then: see memo.collector
     sys.argv += _secondary_rank_overrides()
     logging.getLogger("megatron").setLevel(logging.WARNING)
     # Let errors reach us as exceptions instead of Hydra's multi-line report.

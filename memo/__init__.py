@@ -13,7 +13,3 @@ fit), each inside one frame.
 """
 
 __version__ = "0.1.0"
-
-from memo.collector import freeze_at_exit
-
-freeze_at_exit()  # every process that imports memo: see memo.collector

@@ -158,6 +158,19 @@ def test_a_stop_signal_in_a_finalizer_ends_the_job_at_its_next_step_and_prints_n
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+
+def test_a_job_that_finishes_after_a_dropped_stop_keeps_its_ok_row(tmp_path, monkeypatch, signals_as_python_sets_them):
+    class Table:
+        pass
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    with job_frame(OmegaConf.create({"a": 1}), tmp_path / "job") as job:
+        table = Table()
+        weakref.finalize(table, os.kill, os.getpid(), signal.SIGTERM)
+        del table  # after the last step's check: nothing raises it
+        assert len(job.stops) == 1
+    assert json.loads((tmp_path / "job" / "result.json").read_text())["status"] == "ok"
+
 def test_a_schedulers_exit_dropped_in_a_finalizer_makes_what_fails_after_it_an_interruption(tmp_path, monkeypatch):
     # submitit's handler of SIGUSR2 requeues the job and raises SystemExit; raised inside a fork's
     # callback (a checkpoint writer's) or a finalizer, Python drops it, the job goes on, and its save

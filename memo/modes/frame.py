@@ -106,7 +106,8 @@ def _in_finalizer(frame) -> bool:
 
 
 # A scheduler's wrapper stops a job for its timeout or preemption on one of these, with a handler
-# that requeues the job and exits (submitit: SIGUSR2, or SUBMITIT_PREEMPT_SIGNAL; Lightning: SIGUSR1).
+# that requeues the job and exits (submitit: SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL names another;
+# Lightning: SIGUSR1). A handler of another signal runs unwrapped: its exit, if dropped, is lost.
 _SCHEDULER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -167,7 +168,14 @@ def _interrupted(row: dict[str, Any], stop: BaseException, steps: int) -> BaseEx
 
 
 def _failed(row: dict[str, Any], error: Exception) -> None:
-    if _is_oom(error):
+    if isinstance(error, ConfigError):
+        row["status"] = "error"
+        row["error"] = str(error)
+    elif isinstance(error, HostMemoryError):
+        row["status"] = "oohm"
+        row["error"] = str(error)
+        log.warning("%s", error)
+    elif _is_oom(error):
         row["status"] = "oom"
         row["error"] = str(error).splitlines()[0]
         log.warning("out of memory: %s", row["error"])
@@ -220,17 +228,9 @@ def job_frame(
     try:
         with _stop_signals(job.stops):
             yield job
-        row["status"] = row["status"] or "ok"
-        stop = job.stops[0] if job.stops else None  # one that came after the last step's check
-    except ConfigError as error:
-        row["status"] = "error"
-        row["error"] = str(error)
+        row["status"] = row["status"] or "ok"  # (also with a stop dropped after the last step's check)
     except (KeyboardInterrupt, SystemExit) as error:
         stop = _interrupted(row, error, writer.steps)
-    except HostMemoryError as error:
-        row["status"] = "oohm"
-        row["error"] = str(error)
-        log.warning("%s", error)
     except Exception as error:  # noqa: BLE001 - every failure must leave its row
         if job.stops:  # what fails once the job is stopping is the stop's (a save whose helper the scheduler ended)
             log.warning("after the stop: %s: %s", type(error).__name__, error)
