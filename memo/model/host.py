@@ -19,13 +19,14 @@ machine (the gloo tests, ``hardware=cpu``) needs them too, and a GPU job built a
 process gets Megatron's own functions back (:func:`run_megatron_on_device`).
 """
 
-import functools
-
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import random as megatron_random
 
 from memo.model.context_parallel import part_for_rank
+
+
+_ANGLES_KEPT = 32  # angle tensors a model keeps, as Megatron's cache of its forward
 
 
 class HostRotaryEmbedding(RotaryEmbedding):
@@ -34,6 +35,10 @@ class HostRotaryEmbedding(RotaryEmbedding):
     (:data:`memo.model.context_parallel.SEQUENCE_LAYOUTS`)."""
 
     sequence_layout = "load_balanced"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._angles: dict[tuple, torch.Tensor] = {}  # (length, offset, packed, group) -> angles
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         """RoPE angles ``[seq, 1, 1, dim]`` for positions ``offset .. offset + max_seq_len``."""
@@ -44,15 +49,21 @@ class HostRotaryEmbedding(RotaryEmbedding):
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, None, None, :]
 
-    @functools.lru_cache(maxsize=32)  # one angle tensor per length, as Megatron's forward keeps
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group=None) -> torch.Tensor:
-        """RoPE angles of this context-parallel rank's positions."""
-        emb = self.get_emb(max_seq_len, offset)
-        group = cp_group if cp_group is not None else self.cp_group
-        if group is not None and group.size() > 1 and not packed_seq:
-            emb = part_for_rank(emb, 0, group.rank(), group.size(), self.sequence_layout)
-        return emb
+        """RoPE angles of this context-parallel rank's positions, made once per length and kept
+        by this model (Megatron's ``lru_cache`` on the method is the class's: it kept the last 32
+        models of a process alive, their angles and process groups with them)."""
+        key, angles = (max_seq_len, offset, packed_seq, cp_group), self._angles
+        if key not in angles:
+            if len(angles) == _ANGLES_KEPT:
+                angles.pop(next(iter(angles)))
+            emb = self.get_emb(max_seq_len, offset)
+            group = cp_group if cp_group is not None else self.cp_group
+            if group is not None and group.size() > 1 and not packed_seq:
+                emb = part_for_rank(emb, 0, group.rank(), group.size(), self.sequence_layout)
+            angles[key] = emb
+        return angles[key]
 
 
 def _no_cuda_rng_state(*_args, **_kwargs) -> torch.Tensor:

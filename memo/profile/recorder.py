@@ -35,6 +35,12 @@ def _tensors(tree) -> list:
     return []
 
 
+def _released(recorder: "weakref.ref[AllocationRecorder]", key: int, request: int, size: int) -> None:
+    alive = recorder()
+    if alive is not None:
+        alive._free(key, request, size)
+
+
 class AllocationRecorder(TorchDispatchMode):
     """Appends an :class:`Event` to ``events`` for every storage created or freed while active.
 
@@ -78,8 +84,11 @@ class AllocationRecorder(TorchDispatchMode):
         size = storage.nbytes()
         self.events.append(Event("malloc", request, size, self._phase()))
         # The storage's Python object lives as long as the storage itself, so this runs at the
-        # moment the memory would go back to the allocator.
-        weakref.finalize(storage, self._free, key, request, size)
+        # moment the memory would go back to the allocator. The finalizer holds the recorder
+        # weakly: the registry of finalizers is a root, and a storage that outlives the recording
+        # (a weight's gradient, an optimizer's state) would otherwise keep the recorder, its phase
+        # callback and through it the model, its optimizer and its process groups for good.
+        weakref.finalize(storage, _released, weakref.ref(self), key, request, size)
 
     def _free(self, key: int, request: int, size: int) -> None:
         if self._live.get(key) == request:
