@@ -28,7 +28,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import save as save_distributed
 
 from memo.config import ConfigError, ModelConfig, TrainConfig
 from memo.execute.optimizer_offload import STATE_CLASSES
@@ -119,12 +126,19 @@ def check_save_dir(save_dir: Path, resumed: Optional[Checkpoint]) -> None:
 
 
 class HostTensorSaveStrategy(TorchDistSaveShardedStrategy):
-    """megatron-core's ``torch_dist`` format, written without staging: its staging copies device
-    tensors to the host and then synchronizes CUDA, which a CPU-only PyTorch refuses; tensors in
-    host memory need no copy, and the write is synchronous."""
+    """megatron-core's ``torch_dist`` format (PyTorch's distributed checkpoint, with megatron-core's
+    keys and planner), written by this process. megatron-core's writer stages device tensors to
+    the host and then synchronizes CUDA, which a CPU-only PyTorch refuses, and writes from forked
+    processes that report to a ``multiprocessing`` manager it spawns once per process (on the CPU
+    about 3 s, most of it the manager importing PyTorch to read their reports); tensors in host
+    memory need neither."""
 
     def save(self, sharded_state_dict: dict, checkpoint_dir) -> None:
-        self.async_save(sharded_state_dict, checkpoint_dir)._replace(preload_fn=None).execute_sync()
+        by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+        save_distributed(mcore_to_pyt_state_dict(by_key, False),
+                         storage_writer=FileSystemWriter(checkpoint_dir, thread_count=1),
+                         planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                                  flatten_state_dict=False))
 
 
 def _layout() -> dict:
