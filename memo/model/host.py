@@ -38,7 +38,7 @@ class HostRotaryEmbedding(RotaryEmbedding):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._angles: dict[tuple, torch.Tensor] = {}  # (length, offset, packed, group) -> angles
+        self._angles: dict[tuple, torch.Tensor] = {}  # a call's arguments -> its angles
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         """RoPE angles ``[seq, 1, 1, dim]`` for positions ``offset .. offset + max_seq_len``."""
@@ -49,21 +49,35 @@ class HostRotaryEmbedding(RotaryEmbedding):
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, None, None, :]
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group=None) -> torch.Tensor:
-        """RoPE angles of this context-parallel rank's positions, made once per length and kept
-        by this model (Megatron's ``lru_cache`` on the method is the class's: it kept the last 32
-        models of a process alive, their angles and process groups with them)."""
-        key, angles = (max_seq_len, offset, packed_seq, cp_group), self._angles
-        if key not in angles:
-            if len(angles) == _ANGLES_KEPT:
-                angles.pop(next(iter(angles)))
-            emb = self.get_emb(max_seq_len, offset)
-            group = cp_group if cp_group is not None else self.cp_group
-            if group is not None and group.size() > 1 and not packed_seq:
-                emb = part_for_rank(emb, 0, group.rank(), group.size(), self.sequence_layout)
-            angles[key] = emb
-        return angles[key]
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """RoPE angles of this context-parallel rank's positions (:meth:`angles`), made once per
+        call and kept by this model. Megatron's ``lru_cache`` on the method is the class's: it
+        kept the last 32 models of a process alive, their angles and process groups with them.
+        Calls are keyed as that cache keys them (a length passed by keyword is another entry, as
+        on a GPU), so a trace holds the angles the model's own call makes."""
+        key, kept = (args, tuple(kwargs.items())), self._angles
+        if key in kept:
+            kept[key] = kept.pop(key)  # the most recently used last
+        else:
+            if len(kept) == _ANGLES_KEPT:
+                kept.pop(next(iter(kept)))
+            kept[key] = self.angles(*args, **kwargs)
+        return kept[key]
+
+    def angles(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        """The angles ``[s, 1, 1, d]`` of this context-parallel rank's positions, made now."""
+        emb = self.get_emb(max_seq_len, offset)
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is not None and group.size() > 1 and not packed_seq:
+            emb = part_for_rank(emb, 0, group.rank(), group.size(), self.sequence_layout)
+        return emb
+
+
+def forget_rotary_angles() -> None:
+    """Drop the angles Megatron's ``RotaryEmbedding`` cached for the class (a GPU job's model
+    uses its own): the cache held the modules of the last 32 calls and their process groups, so a
+    sweep's next job in this process would keep the last one's tensors."""
+    RotaryEmbedding.forward.cache_clear()
 
 
 def _no_cuda_rng_state(*_args, **_kwargs) -> torch.Tensor:

@@ -45,8 +45,9 @@ def _weights(checkpoint) -> dict[str, torch.Tensor]:
 def test_two_steps_a_save_and_two_more_in_a_new_process_equal_four(tmp_path, method):
     whole = run_in_process(tmp_path / "whole", *FOUR, *method, "train.steps=4")
     assert whole["status"] == "ok", whole["error"]
-    # written by this process: no writer processes, no manager process left to report to
-    assert not multiprocessing.active_children()
+    if not torch.cuda.is_available():  # (a GPU's save is megatron-core's own)
+        # written by this process: no writer processes, no manager process left to report to
+        assert not multiprocessing.active_children()
     first = run_in_process(tmp_path / "first", *FOUR, *method, "train.steps=2")
     assert first["status"] == "ok" and first["resumed_from_step"] is None, first["error"]
     saved = tmp_path / "first" / "checkpoints" / "step_0000002"

@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -108,6 +109,48 @@ def test_a_job_leaves_nothing_alive_for_the_next_job_of_its_sweep(tmp_path):
     assert run_in_process(tmp_path / "second", *SHORT, "method=memo")["status"] == "ok"
     threads_after, models_after = _alive()
     assert threads_after <= threads and models_after <= models
+
+
+def test_a_job_leaves_megatrons_rotary_module_to_go(single_process):
+    """A GPU job's model takes its angles from Megatron's RoPE, whose cache is the class's: the
+    end of a job empties it (it held the modules of its last 32 calls)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from memo.model.host import forget_rotary_angles, run_megatron_on_host
+
+    run_megatron_on_host()  # (its angles on the host, as a CPU job's)
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    rope(16)
+    module, rope = weakref.ref(rope), None
+    gc.collect()
+    assert module() is not None  # kept by the class's cache
+    forget_rotary_angles()
+    gc.collect()
+    assert module() is None
+
+
+def test_our_rotary_module_keeps_the_angles_of_the_calls_megatrons_keeps(single_process):
+    """Per model what Megatron's RoPE keeps per class, call for call: a tiled walk's discovery
+    passes the length alone and the model passes its flags too, two tensors on a GPU and so two
+    in a trace."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from memo.model.host import HostRotaryEmbedding, forget_rotary_angles, run_megatron_on_host
+
+    run_megatron_on_host()
+    calls = [((16,), {}), ((16,), {}), ((16,), {"packed_seq": False, "cp_group": None}), ((32,), {}),
+             ((16,), {"packed_seq": False, "cp_group": None})]
+
+    def first_made(rope) -> list[int]:  # for each call, the first call that gave the same tensor
+        made = [rope(*args, **kwargs) for args, kwargs in calls]
+        return [next(i for i, earlier in enumerate(made) if earlier is angles) for angles in made]
+
+    try:
+        assert first_made(HostRotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)) \
+            == first_made(RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)) \
+            == [0, 0, 2, 3, 2]
+    finally:
+        forget_rotary_angles()
 
 
 def test_training_on_a_text_file(tmp_path):
