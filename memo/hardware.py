@@ -48,9 +48,12 @@ HARDWARE: dict[str, Hardware] = {
     # DGX A100: 1 TB host memory, PCIe 4.0 x16 per GPU, NVLink 3 600 GB/s, 8× HDR 200 Gb/s.
     "a100": Hardware("a100", "cuda", 312e12, 80 * GiB, 1024 * GiB, 8, 32e9, 600e9, 200e9),
     # DGX H100 (SXM5): 2 TB host memory, PCIe 5.0 x16 per GPU, NVLink 4 900 GB/s, 8× NDR 400 Gb/s.
-    "h100": Hardware("h100", "cuda", 989e12, 80 * GiB, 2048 * GiB, 8, 64e9, 900e9, 400e9),
-    # DGX H200: 141 GB HBM3e (about 140 GiB visible), otherwise as the H100 system.
-    "h200": Hardware("h200", "cuda", 989e12, 140 * GiB, 2048 * GiB, 8, 64e9, 900e9, 400e9),
+    # Device memory as the device reports it (torch.cuda.get_device_properties(0).total_memory in
+    # results/gpu/*-nvidia-h100-80gb-hbm3/), 79.18 GiB, not the "80 GB" of its name.
+    "h100": Hardware("h100", "cuda", 989e12, 85_017_493_504, 2048 * GiB, 8, 64e9, 900e9, 400e9),
+    # DGX H200: 141 GB HBM3e, of which the device reports 139.80 GiB (results/gpu/*-nvidia-h200/);
+    # otherwise as the H100 system.
+    "h200": Hardware("h200", "cuda", 989e12, 150_109_880_320, 2048 * GiB, 8, 64e9, 900e9, 400e9),
     # The host itself: memory detected, peak measured.
     "cpu": Hardware("cpu", "cpu", None, None, None, 1, None),
 }

@@ -80,6 +80,22 @@ def test_hardware_table_entries_and_overrides():
     assert (given.peak_flops, given.peak_flops_source) == (1e15, "config")
 
 
+def test_the_tables_gpu_memory_is_what_the_committed_gpu_rows_measured():
+    """A device's capacity is what it reported to the jobs that ran on it (``hardware=auto``
+    records it), not the figure in its name: an H100 "80 GB" reports 79.18 GiB."""
+    from conftest import REPO
+
+    reported: dict[str, set[int]] = {}
+    for row in (REPO / "results" / "gpu").glob("*/runs/*/*/result.json"):
+        record = json.loads(row.read_text())
+        name, memory = record.get("device_name"), record.get("hardware.device_memory_bytes")
+        if name and memory:
+            reported.setdefault(hardware.table_entry(name).name, set()).add(memory)
+    assert set(reported) >= {"h100", "h200"}
+    for entry, memory in reported.items():
+        assert memory == {hardware.HARDWARE[entry].device_memory_bytes}, entry
+
+
 def test_unknown_hardware_needs_all_figures():
     with pytest.raises(ConfigError, match=r"hardware.name=b200 .* hardware.peak_flops"):
         hardware.resolve(compose_config("hardware.name=b200").hardware)
