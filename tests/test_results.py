@@ -158,7 +158,6 @@ def test_a_stop_signal_in_a_finalizer_ends_the_job_at_its_next_step_and_prints_n
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-
 def test_a_job_that_finishes_after_a_dropped_stop_keeps_its_ok_row(tmp_path, monkeypatch, signals_as_python_sets_them):
     class Table:
         pass
@@ -170,6 +169,7 @@ def test_a_job_that_finishes_after_a_dropped_stop_keeps_its_ok_row(tmp_path, mon
         del table  # after the last step's check: nothing raises it
         assert len(job.stops) == 1
     assert json.loads((tmp_path / "job" / "result.json").read_text())["status"] == "ok"
+
 
 def test_a_schedulers_exit_dropped_in_a_finalizer_makes_what_fails_after_it_an_interruption(tmp_path, monkeypatch):
     # submitit's handler of SIGUSR2 requeues the job and raises SystemExit; raised inside a fork's

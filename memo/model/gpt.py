@@ -37,7 +37,7 @@ from memo.model.activation import Activation
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.deepspeed_attention import DeepSpeedUlyssesAttention
 from memo.model.documents import rotate_within_documents
-from memo.model.host import HostRotaryEmbedding, run_megatron_on_device, run_megatron_on_host
+from memo.model.host import HostRotaryEmbedding, forget_rotary_angles, run_megatron_on_device, run_megatron_on_host
 from memo.model.layer import MemoTransformerLayer
 from memo.model.linear import TiledColumnParallelLinear, TiledRowParallelLinear
 from memo.model.loss import TiledLossGPTModel
@@ -324,7 +324,9 @@ def uses_transformer_engine(device_type: str, attention_backend: str, layers: La
 def _prepare_megatron(device_type: str) -> None:
     """Megatron's device functions for a job on ``device_type``: the host adapters on the CPU
     (whether or not the machine has CUDA); on a GPU Megatron's own, with the CUDA generators its
-    weight initialisation draws from seeded from the torch seed, as every GPU entry point needs."""
+    weight initialisation draws from seeded from the torch seed, as every GPU entry point needs.
+    Megatron's RoPE cache lets go of the models built before."""
+    forget_rotary_angles()
     if device_type == "cpu":
         run_megatron_on_host()
         return

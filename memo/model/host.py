@@ -75,8 +75,8 @@ class HostRotaryEmbedding(RotaryEmbedding):
 
 def forget_rotary_angles() -> None:
     """Drop the angles Megatron's ``RotaryEmbedding`` cached for the class (a GPU job's model
-    uses its own): the cache held the modules of the last 32 calls and their process groups, so a
-    sweep's next job in this process would keep the last one's tensors."""
+    uses its own): the cache holds the modules of the last 32 calls and their process groups, so
+    each model built in this process would keep the earlier ones' tensors."""
     RotaryEmbedding.forward.cache_clear()
 
 

@@ -40,7 +40,6 @@ from memo.model import (
     torch_dtype,
     uses_transformer_engine,
 )
-from memo.model.host import forget_rotary_angles
 from memo.model.placement import LayerRuntime, NullRuntime
 from memo.modes.frame import Job, job_frame
 from memo.policy import ActivationPolicy, policy_of
@@ -121,7 +120,6 @@ def run_job(
             _train(resolve(cfg, gpu_visible=torch.cuda.is_available()), info, job)
         finally:
             distributed.shutdown()
-            forget_rotary_angles()
             # The failed job's model and optimizer are garbage now; give their memory back
             # before the next job of a sweep starts in this process.
             gc.collect()

@@ -113,7 +113,7 @@ def test_a_job_leaves_nothing_alive_for_the_next_job_of_its_sweep(tmp_path):
 
 def test_a_job_leaves_megatrons_rotary_module_to_go(single_process):
     """A GPU job's model takes its angles from Megatron's RoPE, whose cache is the class's: the
-    end of a job empties it (it held the modules of its last 32 calls)."""
+    next model's build empties it (it held the modules of its last 32 calls)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from memo.model.host import forget_rotary_angles, run_megatron_on_host
