@@ -96,6 +96,26 @@ def memlock_limit_bytes() -> Optional[int]:
     return None if limit == resource.RLIM_INFINITY else limit
 
 
+def available_now(hw: Hardware, cfg: HardwareConfig) -> Hardware:
+    """``hw`` with the memory a run on this machine can still fill, where ``hardware=auto`` and
+    no size is set: a GPU's free memory plus what this process's caching allocator holds (the
+    CUDA context, what other processes and libraries hold stay out), the host's memory that can
+    be page-locked now (:func:`pinnable_memory_bytes`); on a CPU, whose tensors are host memory,
+    that for both. Bytes."""
+    if cfg.name != "auto":
+        return hw
+    host = pinnable_memory_bytes()
+    device = host
+    if hw.device_type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        device = free + torch.cuda.memory_reserved()
+    return dataclasses.replace(
+        hw,
+        device_memory_bytes=hw.device_memory_bytes if cfg.device_memory_gib is not None else device,
+        host_memory_bytes=hw.host_memory_bytes if cfg.host_memory_gib is not None else host,
+    )
+
+
 def _this_host() -> Hardware:
     memory = host_memory_bytes()
     return dataclasses.replace(HARDWARE["cpu"], device_memory_bytes=memory, host_memory_bytes=memory)

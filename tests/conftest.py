@@ -79,11 +79,19 @@ DEFAULT_MODEL = "model=tiny"
 _NAMES_A_MODEL = ("model=", "+workload=", "+experiment=")
 
 
+# The layers' tiles where a test sets none: whole layers, as before runs chose their own (the
+# choice depends on this machine's free memory; tests of it set method.tile_tokens=auto).
+DEFAULT_TILES = "method.tile_tokens=whole"
+
+
 def compose_config(*overrides: str):
     """The configuration ``python run.py OVERRIDES`` would run, with ``model=tiny`` unless the
-    overrides name a model (or a workload or an experiment, which do)."""
+    overrides name a model (or a workload or an experiment, which do), and whole layers unless
+    they set ``method.tile_tokens``."""
     if not any(o.startswith(_NAMES_A_MODEL) for o in overrides):
         overrides = (DEFAULT_MODEL, *overrides)
+    if not any(o.startswith("method.tile_tokens=") for o in overrides):
+        overrides = (*overrides, DEFAULT_TILES)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 

@@ -1,8 +1,8 @@
 """Typed run configuration: the schema Hydra validates against, the checks it cannot express, and
 the resolved :class:`Run` (with its :class:`Workload` and :class:`Method`) that the modes pass on."""
 
-from memo.config.method import WHOLE_LAYERS, Method
-from memo.config.resolve import DTYPE_BYTES, Run, Workload, resolve, shards_optimizer
+from memo.config.method import AUTO, WHOLE_LAYERS, Method
+from memo.config.resolve import DTYPE_BYTES, Choices, Run, Workload, resolve, shards_optimizer
 from memo.config.schema import (
     ClusterConfig,
     FitConfig,
@@ -20,6 +20,8 @@ from memo.config.validate import SeqSearch, validate
 from memo.config.values import ConfigError, parse_alpha, parse_seq
 
 __all__ = [
+    "AUTO",
+    "Choices",
     "ClusterConfig",
     "ConfigError",
     "DTYPE_BYTES",

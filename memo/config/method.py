@@ -14,6 +14,7 @@ from typing import Optional
 from memo.config.values import ConfigError, choice, parse_alpha, parse_seq
 
 WHOLE_LAYERS = "whole"  # method.tile_tokens=whole: each layer runs on all its tokens at once
+AUTO = "auto"  # method.tile_tokens and train.optimizer_offload: the run chooses (memo.fit.choice)
 LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -81,10 +82,11 @@ def parse_layer_tiles(value: object, key: str = "method.tile_tokens") -> Optiona
     return None if text == WHOLE_LAYERS else parse_seq(text, key)
 
 
-def method_of(config, alpha_setting: object) -> tuple[Method, Optional[int]]:
+def method_of(config, alpha_setting: object) -> tuple[Method, Optional[int], bool]:
     """Check ``config`` (a composed :class:`memo.config.MethodConfig`) and the run's ``alpha``
-    setting against each other and parse them into a :class:`Method`, and the tokens of the
-    layers' tiles (``method.tile_tokens``; None: whole layers).
+    setting against each other and parse them into a :class:`Method`, the tokens of the layers'
+    tiles (``method.tile_tokens``; None: whole layers, or not chosen yet) and whether the run
+    chooses them (``auto``, for a method that walks tiles; for any other it means whole layers).
 
     Raises:
         ConfigError: on the first problem found, in one line naming the key.
@@ -105,12 +107,14 @@ def method_of(config, alpha_setting: object) -> tuple[Method, Optional[int]]:
         **lists,
     )
     _check_combination(method)
+    if str(config.tile_tokens).strip() == AUTO:
+        return dataclasses.replace(method, alpha=_alpha(method, config.alpha, alpha_setting)), None, method.walks_tiles
     tiles = parse_layer_tiles(config.tile_tokens)
     if tiles is not None and not method.walks_tiles:
         raise ConfigError(f"method.tile_tokens={config.tile_tokens} walks the layers of method=memo, full_swap "
                           f"or full_recompute, not method={method.name}; choose one of them or use "
                           f"method.tile_tokens={WHOLE_LAYERS}")
-    return dataclasses.replace(method, alpha=_alpha(method, config.alpha, alpha_setting)), tiles
+    return dataclasses.replace(method, alpha=_alpha(method, config.alpha, alpha_setting)), tiles, False
 
 
 def training_loss(config, train_loss: str) -> str:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from memo.config.method import Method, training_loss
+from memo.config.method import AUTO, Method, training_loss
 from memo.config.schema import (
     ClusterConfig,
     FitConfig,
@@ -63,6 +63,23 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Choices:
+    """The settings a run leaves to its own plan (``auto``), which :mod:`memo.fit.choice` makes
+    before the model is built; explicit settings are kept as written."""
+
+    layer_tiles: bool = False  # method.tile_tokens=auto, for a method that walks tiles
+    # train.optimizer_offload=auto where Adam can go to the host (a GPU, 16-bit weights, the
+    # distributed optimizer allowed); elsewhere auto is "none"
+    optimizer_offload: bool = False
+    loss_tile: bool = False  # train.loss_tile_tokens unset, under the tiled loss
+
+    @property
+    def any(self) -> bool:
+        """Whether the fit is asked: the loss's tile is chosen with the layers' tiles only."""
+        return self.layer_tiles or self.optimizer_offload
+
+
+@dataclass(frozen=True)
 class Run:
     """A composed :class:`memo.config.RunConfig`, resolved (see :func:`resolve`)."""
 
@@ -79,6 +96,7 @@ class Run:
     seq_search: Optional[SeqSearch] = None  # mode=fit seq=max only
     # mode=fit parallel=search: the layers' tiles tried (fit.tile_tokens, parsed; None: whole layers)
     fit_layer_tiles: tuple[Optional[int], ...] = ()
+    choices: Choices = Choices()
 
 
 def resolve(cfg, gpu_visible: bool) -> Run:
@@ -107,6 +125,13 @@ def resolve(cfg, gpu_visible: bool) -> Run:
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device_type == "cuda" else "fp32")
     if cfg.mode == "train":
         check_optimizer_offload(cfg.train.optimizer_offload, device_type, dtype)
+    train = OmegaConf.to_object(cfg.train)
+    offload_choice = train.optimizer_offload == AUTO
+    if offload_choice and not can_offload_optimizer(device_type, dtype, train.distributed_optimizer):
+        train, offload_choice = dataclasses.replace(train, optimizer_offload="none"), False
+    loss = training_loss(cfg.method, cfg.train.loss)
+    choices = Choices(layer_tiles=settings.chooses_layer_tiles, optimizer_offload=offload_choice,
+                      loss_tile=loss == "tiled" and train.loss_tile_tokens is None)
     workload = Workload(
         model=OmegaConf.to_object(cfg.model),
         method=settings.method,
@@ -114,7 +139,7 @@ def resolve(cfg, gpu_visible: bool) -> Run:
         seq=seq,
         micro_batch_size=cfg.train.micro_batch_size,
         dtype=dtype,
-        loss=training_loss(cfg.method, cfg.train.loss),
+        loss=loss,
         loss_tile_tokens=cfg.train.loss_tile_tokens,
         layer_tile_tokens=settings.layer_tile_tokens,
         document_mask=cfg.train.document_mask,
@@ -126,12 +151,13 @@ def resolve(cfg, gpu_visible: bool) -> Run:
         plan=cfg.plan,
         hardware=OmegaConf.to_object(cfg.hardware),
         cluster=OmegaConf.to_object(cfg.cluster),
-        train=OmegaConf.to_object(cfg.train),
+        train=train,
         profile_backend=backend,
         planner=OmegaConf.to_object(cfg.planner),
         fit=OmegaConf.to_object(cfg.fit),
         seq_search=settings.seq_search,
         fit_layer_tiles=settings.fit_layer_tiles,
+        choices=choices,
     )
 
 
@@ -162,6 +188,13 @@ def check_optimizer_offload(offload: str, device_type: str, dtype: str) -> None:
         raise ConfigError(f"train.optimizer_offload=host needs 16-bit weights (Megatron's offloaded "
                           f"optimizer cannot take the shards of {dtype} parameters); set train.dtype=bf16 "
                           "or train.optimizer_offload=none")
+
+
+def can_offload_optimizer(device_type: str, dtype: str, distributed_optimizer: Optional[bool]) -> bool:
+    """Whether Adam's states can live on the host (``train.optimizer_offload=host``): on a GPU, with
+    16-bit weights, inside the distributed optimizer (which ``train.distributed_optimizer=false``
+    forbids); see :func:`check_optimizer_offload`."""
+    return device_type == "cuda" and dtype in ("bf16", "fp16") and distributed_optimizer is not False
 
 
 def shards_optimizer(setting: Optional[bool], parallel: ParallelConfig) -> bool:

@@ -83,7 +83,8 @@ class MethodConfig:
     # sequence (4k, 16384; under sequence parallelism a tile is gathered over tp; under context
     # parallelism it divides each of a rank's two chunks), holding one tile's work and a few
     # whole-sequence stores (memo.swap.tiled_layer), memo's and full_swap's tiles swapped;
-    # "whole" runs each layer on all its tokens.
+    # "whole" runs each layer on all its tokens; "auto" (memo, full_swap and full_recompute's
+    # default) whole layers where the fit says they fit this machine, else its fastest tile.
     tile_tokens: str = "whole"
 
 
@@ -136,7 +137,9 @@ class TrainConfig:
     """The training loop."""
 
     steps: int = 10
-    warmup_steps: int = 2  # first steps left out of the timing metrics (allocator, autotuning)
+    # first steps left out of the timing metrics (allocator, autotuning); fewer in a run of fewer
+    # steps, whose last step is always timed
+    warmup_steps: int = 2
     micro_batch_size: int = 1  # sequences per micro-batch per data-parallel rank
     micro_batches: int = 1  # micro-batches accumulated per step
     lr: float = 1e-3
@@ -174,8 +177,9 @@ class TrainConfig:
     distributed_optimizer: Optional[bool] = None
     # "host": Adam's moments and the fp32 main weights live in host memory and Adam steps on the
     # CPU (Megatron-core's HybridDeviceOptimizer; turns the distributed optimizer on; GPU runs with
-    # bf16 or fp16 weights only); "none": they stay on the device. memo.execute.optimizer_offload.
-    optimizer_offload: str = "none"
+    # bf16 or fp16 weights only); "none": they stay on the device (memo.execute.optimizer_offload);
+    # "auto": on the device where the fit says they fit, else on the host (memo.fit.choice).
+    optimizer_offload: str = "auto"
     # With optimizer_offload=host: the share of this rank's parameters, in (0, 1], whose states go
     # to the host (the first ones in the optimizer's order); the rest stay on the device.
     optimizer_offload_fraction: float = 1.0
@@ -195,8 +199,9 @@ class TrainConfig:
     # Output layer and cross entropy: auto (the method's `loss`), tiled (logits made per tile of
     # tokens, never for the whole sequence; memo.model.loss) or megatron (Megatron-core's own).
     loss: str = "auto"
-    # tiled: tokens of this rank per tile; None: the largest power of two whose fp32 logits fit
-    # in 256 MiB.
+    # tiled: tokens of this rank per tile; None: chosen with the layers' tiles (memo.fit.choice):
+    # the largest power of two whose fp32 logits take at most 256 MiB and one FC1 output of a
+    # layer's tile (of the whole sequence in whole layers).
     loss_tile_tokens: Optional[int] = None
 
 
@@ -230,8 +235,12 @@ class FitConfig:
     # parallel=search: "runnable" (only layouts that training runs: no pipeline parallelism; the
     # others are listed in layouts.csv with the reason) or "all".
     layouts: str = "runnable"
-    # Memory the activations cannot use: CUDA context, NCCL and cuBLAS workspaces (per device).
+    # Memory the activations cannot use on a GPU: CUDA context, NCCL and cuBLAS workspaces (per
+    # device; a CPU has none of them).
     device_reserved_gib: float = 2.0
+    # Share of the device's memory a fitting configuration leaves free: the largest error of the
+    # fit's memory against the GPU rows measured with this code (results/gpu/), and at least 3%.
+    memory_margin: float = 0.03
     # Share of a node's host memory that can be pinned for swapped activations (the rest is the
     # OS, the data loader, checkpoints).
     host_usable_fraction: float = 0.9

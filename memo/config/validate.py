@@ -26,7 +26,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine", "wsd", "inverse_sqrt")
 DECAYING_SCHEDULES = ("linear", "cosine", "wsd")  # those that reach min_lr at lr_decay_steps
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")  # as Megatron-core names them
-OPTIMIZER_OFFLOADS = ("none", "host")  # train.optimizer_offload: where Adam's states live
+# train.optimizer_offload: where Adam's states live (auto: the run chooses, memo.fit.choice)
+OPTIMIZER_OFFLOADS = ("auto", "none", "host")
+OPTIMIZER_PLACEMENTS = OPTIMIZER_OFFLOADS[1:]  # fit.optimizer_offload: the placements a search tries
 ACTIVATIONS = ("gelu", "swiglu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 MEGATRON_DATA = "megatron:"  # train.data's prefix for Megatron's indexed datasets
@@ -48,7 +50,8 @@ class Settings:
 
     seq: Optional[int]  # tokens; None for seq=max, which mode=fit searches
     method: Method
-    layer_tile_tokens: Optional[int]  # method.tile_tokens; None: whole layers
+    layer_tile_tokens: Optional[int]  # method.tile_tokens; None: whole layers (or chosen: auto)
+    chooses_layer_tiles: bool  # method.tile_tokens=auto for a method that walks tiles
     seq_search: Optional[SeqSearch]  # mode=fit seq=max
     # mode=fit parallel=search: the layers' tiles tried (fit.tile_tokens; None: whole layers)
     fit_layer_tiles: tuple[Optional[int], ...]
@@ -77,7 +80,7 @@ def validate(cfg) -> Settings:
         )
 
     _check_model_shape(m)
-    method, tiles = method_of(cfg.method, cfg.alpha)
+    method, tiles, chooses_tiles = method_of(cfg.method, cfg.alpha)
     _check_hardware(cfg.hardware)
     _check_parallel(cfg.parallel, m, seq)
     _check_cp_attention(method, cfg.parallel)
@@ -85,18 +88,15 @@ def validate(cfg) -> Settings:
     _check_cluster(cfg)
     t = cfg.train
     if cfg.plan and cfg.mode == "train":
-        if t.warmup_steps < 1:
-            raise ConfigError("plan=true records and plans the last warm-up step, and "
-                              "train.warmup_steps=0; set train.warmup_steps=1 or more")
+        if min(t.warmup_steps, t.steps - 1) < 1:
+            raise ConfigError(f"plan=true records and plans the last warm-up step, and train.warmup_steps="
+                              f"{t.warmup_steps} with train.steps={t.steps} leaves none (the last step is timed); "
+                              "set train.warmup_steps=1 or more and train.steps=2 or more")
         if t.micro_batches != 1:
             raise ConfigError(f"plan=true plans one micro-batch per step, and train.micro_batches="
                               f"{t.micro_batches}; set train.micro_batches=1")
     at_least("train.steps", t.steps)
-    if not 0 <= t.warmup_steps < t.steps:
-        raise ConfigError(
-            f"train.warmup_steps={t.warmup_steps} must be at least 0 and below "
-            f"train.steps={t.steps} so that some steps are timed"
-        )
+    at_least("train.warmup_steps", t.warmup_steps, minimum=0)
     at_least("train.micro_batch_size", t.micro_batch_size)
     at_least("train.micro_batches", t.micro_batches)
     at_least("train.lr_warmup_steps", t.lr_warmup_steps, minimum=0)
@@ -123,10 +123,9 @@ def validate(cfg) -> Settings:
     choice("planner.mip", cfg.planner.mip, ("gurobi", "highs", "none"))
     if not cfg.planner.time_limit_s > 0:
         raise ConfigError(f"planner.time_limit_s={cfg.planner.time_limit_s} must be positive (seconds)")
-    search, tried = None, ()
-    if cfg.mode == "fit":
-        search, tried = _check_fit(cfg.fit)
-    return Settings(seq, method, tiles, search if seq is None else None, tried)
+    search, tried = _check_fit(cfg.fit)  # a training run that chooses its settings asks the fit too
+    return Settings(seq, method, tiles, chooses_tiles, search if seq is None else None,
+                    tried if cfg.mode == "fit" else ())
 
 
 def _check_optimizer_offload(t) -> None:
@@ -135,7 +134,7 @@ def _check_optimizer_offload(t) -> None:
     if not 0 < fraction <= 1:
         raise ConfigError(f"train.optimizer_offload_fraction={fraction} must be a fraction in (0, 1]: "
                           "the share of parameters whose Adam states live on the host")
-    if t.optimizer_offload == "none" and fraction != 1:
+    if t.optimizer_offload != "host" and fraction != 1:
         raise ConfigError(f"train.optimizer_offload_fraction={fraction} applies to "
                           "train.optimizer_offload=host only; drop it or set train.optimizer_offload=host")
     if t.optimizer_offload == "host" and t.distributed_optimizer is False:
@@ -216,6 +215,9 @@ def _check_fit(fit) -> tuple[SeqSearch, tuple[Optional[int], ...]]:
     choice("fit.layouts", fit.layouts, ("runnable", "all"))
     if fit.device_reserved_gib < 0:
         raise ConfigError(f"fit.device_reserved_gib={fit.device_reserved_gib} must be at least 0 (GiB)")
+    if not 0 <= fit.memory_margin < 0.5:
+        raise ConfigError(f"fit.memory_margin={fit.memory_margin} must be a fraction of the device's memory in "
+                          "[0, 0.5), e.g. 0.03")
     for key in ("host_usable_fraction", "gemm_efficiency", "attention_forward_efficiency",
                 "attention_backward_efficiency", "link_efficiency"):
         value = getattr(fit, key)
@@ -233,7 +235,7 @@ def _check_fit(fit) -> tuple[SeqSearch, tuple[Optional[int], ...]]:
     if not fit.optimizer_offload:
         raise ConfigError("fit.optimizer_offload is empty; list the placements parallel=search tries, e.g. [none,host]")
     for value in fit.optimizer_offload:
-        choice("fit.optimizer_offload", value, OPTIMIZER_OFFLOADS)
+        choice("fit.optimizer_offload", value, OPTIMIZER_PLACEMENTS)
     return search, tiles
 
 

@@ -105,6 +105,10 @@ class HostOptimizer:
             lr=train.lr,
             betas=(train.adam_beta1, train.adam_beta2),
             eps=1e-8,
+            # one kernel per tensor, in place: the single-tensor loop makes two temporaries the size
+            # of each parameter (the second moment's root, then its quotient), a step's peak on a
+            # CPU whose activations are small beside its vocabulary's weights
+            fused=True,
         )
 
     def zero_grad(self) -> None:
@@ -160,7 +164,8 @@ class HostOptimizer:
         local = torch.zeros((), dtype=torch.float64)
         for p in params:
             if param_is_not_tensor_parallel_duplicate(p):
-                local += p.grad.detach().double().pow(2).sum()
+                # accumulated in float64 inside the kernel: no float64 copy of the gradient
+                local += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) ** 2
         dist.all_reduce(local, group=parallel_state.get_model_parallel_group())
         return math.sqrt(local.item())
 

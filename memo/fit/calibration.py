@@ -64,7 +64,7 @@ def problem_of_row(row: Mapping) -> tuple[Problem, ParallelConfig, int]:
     train = _section(row, "train.", _Train)
     parallel, seq = _section(row, "parallel.", ParallelConfig), int(row["seq"])
     alpha = _value(row.get("alpha"))
-    method, tiles = method_of(config, "auto" if alpha is None else alpha)
+    method, tiles, _ = method_of(config, "auto" if alpha is None else alpha)  # rows record what was chosen
     workload = Workload(
         model=_section(row, "model.", ModelConfig),
         method=method,

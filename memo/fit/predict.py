@@ -48,9 +48,10 @@ class Prediction:
     acts: Optional[memory.Activations]
     rounding_buffers: int
     cp_buffers: int
-    reserved: int  # fit.device_reserved_gib
+    reserved: int  # fit.device_reserved_gib on a GPU: memory held outside PyTorch's tensors
     device_total: int  # what the verdict compares with the capacity (0 when oohm)
     device_capacity: int
+    margin: int  # bytes of the capacity kept free for the fit's error (fit.memory_margin)
     host_per_device: int
     host_per_node: int
     host_capacity_per_node: int
@@ -92,6 +93,7 @@ class Prediction:
             "predicted_reserved_bytes": self.reserved,
             "predicted_device_bytes": self.device_total,
             "predicted_device_capacity_bytes": self.device_capacity,
+            "margin_bytes": self.margin,
             "predicted_host_bytes_per_device": self.host_per_device,
             "predicted_host_bytes_per_node": self.host_per_node,
             "predicted_host_capacity_per_node_bytes": self.host_capacity_per_node,
@@ -171,10 +173,13 @@ class _Frame:
                             self.states.params, placed, self.states.offload.offloaded_params)
 
     def common(self) -> dict:
-        w, hw = self.workload, self.problem.hardware
+        w, hw, fit = self.workload, self.problem.hardware, self.problem.fit
+        # a CPU's "device" memory is its tensors': no driver context, library workspaces or NCCL
+        reserved = int(fit.device_reserved_gib * GiB) if hw.device_type == "cuda" else 0
         return dict(seq=w.seq, parallel=w.parallel, tile_tokens=w.layer_tile_tokens, states=self.states,
-                    cp_buffers=self.cp_buffers, reserved=int(self.problem.fit.device_reserved_gib * GiB),
-                    device_capacity=hw.device_memory_bytes, host_capacity_per_node=self.host_capacity)
+                    cp_buffers=self.cp_buffers, reserved=reserved, device_capacity=hw.device_memory_bytes,
+                    margin=math.ceil(fit.memory_margin * hw.device_memory_bytes),
+                    host_capacity_per_node=self.host_capacity)
 
     def out_of_host(self, short: OutOfHostMemory) -> Prediction:
         """Status ``oohm``: what the activations would take on the host beside Adam's states."""
@@ -189,26 +194,31 @@ class _Frame:
         problem, hw = self.problem, self.problem.hardware
         common = self.common()
         fixed_part = common["reserved"] + self.states.total + placed.rounding_buffers + self.cp_buffers
+        # what the run may fill: the capacity less the margin kept for the fit's own error
+        usable = hw.device_memory_bytes - common["margin"]
         # the allocator serves what offloaded tensors leave
-        room = hw.device_memory_bytes - fixed_part + placed.device_freed
-        acts = memory.activations(placed.trace, room, problem.plan, problem.plan_time_limit_s)
+        room = usable - fixed_part + placed.device_freed
+        # a CPU's tensors come from malloc, which caches nothing: they take what is alive
+        acts = memory.activations(placed.trace, room if hw.device_type == "cuda" else 0, problem.plan,
+                                  problem.plan_time_limit_s)
         if placed.device_freed:
             acts = memory.less_offloaded(acts, placed.device_freed)
         total = fixed_part + acts.held
         status, reason = "ok", ""
-        if acts.refused_bytes is not None and total <= hw.device_memory_bytes:
+        if acts.refused_bytes is not None and total <= usable:
             status = "oom"
             reason = (
                 f"the caching allocator cannot serve {acts.refused_bytes / GiB:.2f} GiB within "
                 f"{room / GiB:.1f} GiB (fragmentation) at the peak in {acts.peak_phase}"
             )
-        elif total > hw.device_memory_bytes:
+        elif total > usable:
             status = "oom"
             allocator = "the memory plan" if problem.plan else "the caching allocator"
             reason = (
-                f"needs {total / GiB:.1f} GiB of {hw.device_memory_bytes / GiB:.1f} GiB: model states and "
-                f"buffers {fixed_part / GiB:.1f} GiB, activations {acts.allocated_peak / GiB:.1f} GiB at "
-                f"their peak in {acts.peak_phase}, {allocator} {acts.overhead / GiB:.1f} GiB more"
+                f"needs {total / GiB:.2f} GiB of {hw.device_memory_bytes / GiB:.2f} GiB less a margin of "
+                f"{common['margin'] / GiB:.2f} GiB: model states and buffers {fixed_part / GiB:.2f} GiB, "
+                f"activations {acts.allocated_peak / GiB:.2f} GiB at their peak in {acts.peak_phase}, "
+                f"{allocator} {acts.overhead / GiB:.2f} GiB more"
             )
         host = self.optimizer_host + placed.host_bytes
         return Prediction(**common, status=status, reason=reason, acts=acts, rounding_buffers=placed.rounding_buffers,

@@ -22,9 +22,10 @@ import torch
 from omegaconf import DictConfig
 
 from memo import hardware
-from memo.config import WHOLE_LAYERS, ConfigError, Run, SeqSearch, resolve
-from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
-from memo.fit.search import Candidate, LayoutResult, candidate_label, layout_label, layouts, longest, seq_grid_step
+from memo.config import WHOLE_LAYERS, ConfigError, Run, resolve
+from memo.fit.choice import candidates, evaluate, problem_of
+from memo.fit.predict import Prediction, Problem, prediction_hardware
+from memo.fit.search import Candidate, LayoutResult, candidate_label, layout_label
 from memo.hardware import GiB
 from memo.model import dtype_label, torch_dtype
 from memo.model.gpt import parameter_count
@@ -53,87 +54,6 @@ def _hardware(run: Run) -> hardware.Hardware:
     return hw
 
 
-def problem_of(run: Run, hw: hardware.Hardware) -> Problem:
-    """The fixed part of ``run``'s prediction (workload, hardware, assumptions)."""
-    return Problem(
-        workload=run.workload,
-        hardware=hardware.with_measured_peak(hw, torch_dtype(run.workload)),
-        fit=run.fit,
-        micro_batches=run.train.micro_batches,
-        distributed_optimizer=run.train.distributed_optimizer,
-        plan=run.plan,
-        optimizer_offload=_offload_share(run, run.train.optimizer_offload),
-        plan_time_limit_s=run.planner.time_limit_s,
-    )
-
-
-def _offload_share(run: Run, placement: str) -> float:
-    """The share of the parameters whose Adam states live on the host for ``placement``
-    (``train.optimizer_offload``'s values)."""
-    return run.train.optimizer_offload_fraction if placement == "host" else 0.0
-
-
-def evaluate(problem: Problem, candidate: Candidate, seq: int, search: Optional[SeqSearch]) -> LayoutResult:
-    """One candidate at ``seq`` tokens, or at the longest length ``search`` allows (if given)."""
-    parallel = candidate.parallel
-    problem = dataclasses.replace(
-        problem, workload=problem.workload.in_layer_tiles(candidate.tile_tokens),
-        optimizer_offload=candidate.optimizer_offload)
-    if search is None:
-        prediction = predict(problem, parallel, seq)
-        found = (prediction, None) if prediction.fits else (None, prediction)
-        return LayoutResult(candidate, *found)
-    grid, limit = seq_grid_step(search.step, parallel, candidate.tile_tokens), search.limit
-    if grid > limit:
-        raise ConfigError(
-            f"fit.seq_limit={limit} is below the first length this layout can split ({grid}); "
-            "raise fit.seq_limit"
-        )
-    best, failed = longest(lambda s: predict(problem, parallel, s), grid, limit)
-    return LayoutResult(candidate, best, failed)
-
-
-def _candidates(run: Run, problem: Problem) -> list[Candidate]:
-    """The candidates to predict, each with why training cannot run it: the run's own, or under
-    ``parallel=search`` every layout with every tile (for a method that walks tiles) and every
-    placement of Adam's states of ``fit.tile_tokens`` and ``fit.optimizer_offload``, the run's
-    own ``method.tile_tokens`` and ``train.optimizer_offload`` among them, each layout as the
-    candidate's activation policy tries it (:meth:`memo.policy.ActivationPolicy.candidate_layout`)."""
-    workload, parallel = run.workload, run.workload.parallel
-    policy = policy_of(workload)
-    if not parallel.search:
-        return [Candidate(parallel, policy.training_refusal(parallel)
-                          or _unrunnable(run, problem.optimizer_offload),
-                          workload.layer_tile_tokens, problem.optimizer_offload)]
-    tiles = policy.layer_tiles_tried(run.fit_layer_tiles, workload.layer_tile_tokens)
-    shares = list(dict.fromkeys([*(_offload_share(run, placement) for placement in run.fit.optimizer_offload),
-                                 problem.optimizer_offload]))
-    fixed_seq = None if run.seq_search is not None else workload.seq
-    found = []
-    for p in layouts(workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
-                     parallel.sequence_parallel, policy.exchanges):
-        for tile in tiles:
-            tiled = workload.in_layer_tiles(tile)
-            candidate = policy_of(tiled)
-            layout = candidate.candidate_layout(tiled, p, fixed_seq)
-            if layout is None:
-                continue
-            found += [Candidate(layout, candidate.training_refusal(layout) or _unrunnable(run, share), tile, share)
-                      for share in shares]
-    if not found:
-        raise ConfigError(
-            f"no valid layout of cluster.gpus={run.cluster.gpus} for model={workload.model.name}"
-        )
-    return found
-
-
-def _unrunnable(run: Run, offload_share: float) -> Optional[str]:
-    """Why training cannot run with ``offload_share`` of Adam's states on the host (None: it can)."""
-    if offload_share and run.workload.dtype not in ("bf16", "fp16"):
-        return f"train.optimizer_offload=host needs 16-bit weights, not train.dtype={run.workload.dtype}"
-    return None
-
-
 def fit_job(cfg: DictConfig, output_dir: Path, overrides=(), claimed: bool = False) -> dict[str, Any]:
     """Run ``mode=fit`` for ``cfg``; write ``result.json`` and ``layouts.csv`` into ``output_dir``.
 
@@ -147,12 +67,12 @@ def fit_job(cfg: DictConfig, output_dir: Path, overrides=(), claimed: bool = Fal
 
 def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
     problem = problem_of(run, _hardware(run))
-    candidates = _candidates(run, problem)
+    tried = candidates(run, problem)
     skipped = []
     if run.workload.parallel.search and run.fit.layouts == "runnable":
-        skipped = [c for c in candidates if c.unrunnable]
-        candidates = [c for c in candidates if not c.unrunnable]
-        if not candidates:
+        skipped = [c for c in tried if c.unrunnable]
+        tried = [c for c in tried if not c.unrunnable]
+        if not tried:
             raise ConfigError(
                 f"training runs no layout of cluster.gpus={run.cluster.gpus} for "
                 f"method={run.workload.method.name} ({skipped[0].unrunnable}); set fit.layouts=all "
@@ -162,14 +82,14 @@ def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
         log.info("%s: not tried, training cannot run it: %s", candidate_label(c), c.unrunnable)
     start = time.perf_counter()
     results = []
-    for k, candidate in enumerate(candidates, 1):
+    for k, candidate in enumerate(tried, 1):
         result = evaluate(problem, candidate, run.workload.seq, run.seq_search)
         results.append(result)
         shown = result.shown
         log.info(
             "[%d/%d] %s: %s at %d tokens, %s per device, MFU %.1f%%%s",
             k,
-            len(candidates),
+            len(tried),
             candidate_label(candidate),
             "fits" if result.best else shown.status,
             shown.seq,
@@ -177,6 +97,8 @@ def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
             100 * shown.time.mfu,
             "  (training cannot run it)" if candidate.unrunnable else "",
         )
+        if k == 1 and result.best is not None and _nothing_faster(run):
+            break
     results.sort(key=LayoutResult.rank)
     row["fit.seconds"] = time.perf_counter() - start
     row["fit.layouts_tried"] = len(results)
@@ -189,9 +111,16 @@ def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
     # how to train the chosen candidate
     row["method.tile_tokens"] = results[0].candidate.tile_tokens or WHOLE_LAYERS
     row["train.optimizer_offload"] = "host" if results[0].candidate.optimizer_offload else "none"
+    row["train.loss_tile_tokens"] = results[0].candidate.loss_tile_tokens or run.workload.loss_tile_tokens
     row["fit.unrunnable"] = results[0].unrunnable  # None: training runs this layout
     _write_layouts(output_dir / LAYOUTS_FILE, results, skipped)
     log.info("%s", report(chosen, problem))
+
+
+def _nothing_faster(run: Run) -> bool:
+    """Whether the first candidate, where it fits, is the answer: at one layout and length, the
+    run's choices come first as whole layers with Adam on the device (:func:`memo.fit.choice.candidates`)."""
+    return run.seq_search is None and not run.workload.parallel.search
 
 
 def _row(p: Prediction, problem: Problem) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from memo.data.batches import micro_batches, token_source
 from memo.execute.hooks import (ActivationAccounting, Checkpointing, MemoryReadings, Progress, StepLog,
                                  Throughput, Validation, validation_pass)
 from memo.execute.optimizer import StepOptimizer, build_optimizer, checkpoint_format
-from memo.plan.runtime import ALLOCATOR_FIELDS, PlanRuntime, measured_allocator_row
+from memo.fit import choice
+from memo.plan.runtime import ALLOCATOR_FIELDS, TENSOR_BYTES_FIELDS, PlanRuntime, measured_allocator_row
 from memo.plan.server import ServingStats
 from memo.execute.progress import step_progress
 from memo.execute.schedule import schedule_settings
@@ -54,7 +55,7 @@ METRIC_FIELDS = (
     "checkpoint_last", "steps_timed", "iter_time_s", "iter_time_s_median", "tgs", "mfu", "mfu_documents", "loss_first",
     "loss_last",
     *report_columns(),
-    "valid_loss", "valid_loss_by_position", *ALLOCATOR_FIELDS, "plan.serving",
+    "valid_loss", "valid_loss_by_position", *ALLOCATOR_FIELDS, *TENSOR_BYTES_FIELDS, "plan.serving", *choice.ROW_FIELDS,
     *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
 )
 
@@ -79,6 +80,19 @@ def _max_over_ranks(values: dict, device_type: str) -> dict:
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device_type)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {**values, **{k: int(v) for k, v in zip(keys, t.tolist(), strict=True)}}
+
+
+def _check_same_choice(run: Run) -> None:
+    """Refuse a run whose ranks chose differently (each asks the fit on the memory its own device
+    has free), which would build different models."""
+    if not run.choices.any or dist.get_world_size() == 1:
+        return
+    mine = (run.workload.layer_tile_tokens, run.workload.loss_tile_tokens, run.train.optimizer_offload)
+    chosen = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, mine)
+    if len(set(chosen)) > 1:
+        raise ConfigError(f"the ranks chose different tiles or Adam placements ({sorted(set(chosen), key=str)}) on "
+                          "devices with different free memory; set method.tile_tokens and train.optimizer_offload")
 
 
 def _save_dir(train, output_dir: Path) -> Path:
@@ -130,8 +144,11 @@ def run_job(
 
 def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     """Everything of a job that can fail, as named phases; fills the job's row as facts become known."""
+    arena = _arena(run, info)
+    hw = hardware.with_measured_peak(hardware.resolve(run.hardware), torch_dtype(run.workload))
+    run = _choose(run, hw, job)
     policy = policy_of(run.workload)
-    started = _start(run, policy, info, job)
+    started = _start(run, policy, hw, arena, info, job)
     runtime: LayerRuntime = NullRuntime()
     try:
         built = _build(run, policy, started, job.row)
@@ -161,29 +178,45 @@ class Started:
     memory: PeakMemory
 
 
-def _start(run: Run, policy: ActivationPolicy, info: distributed.ProcessInfo, job: Job) -> Started:
-    """The machine and the process group, the checks that need them, and the checkpoint this run
-    goes on from: all before the model is built, so that a refusal comes in seconds."""
+def _arena(run: Run, info: distributed.ProcessInfo) -> Optional[object]:
+    """The plan's CUDA arena (``plan=true`` on a GPU), installed before this process's first CUDA
+    tensor and before anything (reading the GPU's name for hardware=auto, say) initialises CUDA."""
+    if not (run.plan and run.device_type == "cuda"):
+        return None
+    from memo.plan import cuda_arena
+
+    return cuda_arena.install(phase=lambda: "setup", device=distributed.device_index(info))
+
+
+def _choose(run: Run, hw: hardware.Hardware, job: Job) -> Run:
+    """``run`` with the settings it leaves to choose (:class:`memo.config.Choices`) chosen by the
+    fit on the memory this machine has now (:mod:`memo.fit.choice`), before anything of the run
+    is allocated; the choice and its prediction into the row and the log. A run that cannot fit
+    is refused here."""
+    if not run.choices.any:
+        return run
+    made = choice.choose(run, hardware.available_now(hw, run.hardware))
+    job.row.update(made.row())
+    log.info("%s", made.summary())
+    return made.apply(run)
+
+
+def _start(run: Run, policy: ActivationPolicy, hw: hardware.Hardware, arena: Optional[object],
+           info: distributed.ProcessInfo, job: Job) -> Started:
+    """The process group, the checks that need it, and the checkpoint this run goes on from: all
+    before the model is built, so that a refusal comes in seconds."""
     row, workload, train, device_type = job.row, run.workload, run.train, run.device_type
     row["seq"] = workload.seq
     row["train.loss"] = workload.loss
-    arena = None
-    if run.plan and device_type == "cuda":
-        from memo.plan import cuda_arena
-
-        # before this process's first CUDA tensor, and before anything (reading the GPU's name
-        # for hardware=auto, say) initialises CUDA
-        arena = cuda_arena.install(phase=lambda: "setup", device=distributed.device_index(info))
-    hw = hardware.resolve(run.hardware)
     _check_runtime_support(run, policy)
     dtype = torch_dtype(workload)
-    hw = hardware.with_measured_peak(hw, dtype)
     row["dtype"] = dtype_label(dtype)
     row.update({f"hardware.{k}": v for k, v in dataclasses.asdict(hw).items()})
     if device_type == "cuda":
         row["device_name"] = torch.cuda.get_device_name()
 
     distributed.initialize(workload.parallel, device_type, info)
+    _check_same_choice(run)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     # Only a policy that swaps looks at what may be pinned; before Adam's states offloaded to the
     # host take their share of it (which the place phase takes out, though part of it is

@@ -16,7 +16,8 @@ recorded as it really allocates. With ``plan=true`` the step is then planned (bi
 The row's ``allocator.*`` columns are the iteration's allocator figures: measured on a GPU, and
 on the CPU those of PyTorch's caching allocator replaying the recorded step (with the plan, of
 the arena plus the caching allocator serving the rest), so the ablation can be previewed on a
-laptop.
+laptop. On the CPU the recorded step also gives ``peak_tensor_bytes``, the most bytes of tensors
+alive at once, model states included (:mod:`memo.plan.tensor_bytes`).
 """
 
 import contextlib
@@ -33,6 +34,7 @@ from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.dsa.caching_allocator import simulate
 from memo.model.placement import LayerRuntime, NullRuntime
 from memo.profile.recorder import AllocationRecorder, PhaseMarker
+from memo.plan.tensor_bytes import resident_bytes, step_peak
 from memo.profile.trace import Trace
 
 log = logging.getLogger("memo")
@@ -115,11 +117,14 @@ class PlanRuntime:
                 self.arena.set_modes(serve=False, record=False)
             events.extend(self.arena.take_events())
         else:
+            resident = resident_bytes(self.gpt, self.layers.device_buffers())
             recorder = AllocationRecorder(self.phase)
             with recorder:
                 yield events
             recorder.stop()
             events.extend(recorder.events)
+            peak, phase = step_peak(events, resident)
+            self.row.update(peak_tensor_bytes=peak, peak_tensor_phase=phase)
 
     @contextlib.contextmanager
     def _serving(self) -> Iterator[None]:
@@ -198,6 +203,9 @@ ALLOCATOR_FIELDS = (
     "allocator.source", "allocator.peak_allocated_bytes", "allocator.peak_reserved_bytes",
     "allocator.num_alloc_retries", "allocator.cuda_malloc_count", "allocator.cuda_free_count",
 )
+
+
+TENSOR_BYTES_FIELDS = ("peak_tensor_bytes", "peak_tensor_phase")  # the CPU's (memo.plan.tensor_bytes)
 
 
 def _allocator_row(stats, source: str, arena_bytes: int = 0) -> dict:

@@ -95,7 +95,7 @@ def test_seq_sweep_values_compose_as_strings():
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
         (["parallel.tp=2", "parallel.sequence_parallel=true", "seq=1025"], "seq=1025"),
         (["parallel.cp=2", "seq=1026"], "seq=1026"),
-        (["train.warmup_steps=10"], "train.warmup_steps=10"),
+        (["train.warmup_steps=-1"], "train.warmup_steps=-1"),
         (["train.steps=0"], "train.steps=0"),
         (["train.dtype=fp8"], "train.dtype=fp8"),
         (["train.lr=0"], "train.lr=0"),

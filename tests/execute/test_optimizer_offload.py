@@ -217,7 +217,7 @@ HOST = "train.optimizer_offload=host"
     ((HOST, "train.optimizer_offload_fraction=1.5"), r"=1.5 must be a fraction in \(0, 1\]"),
     ((HOST, "train.optimizer_offload_fraction=-0.5"), r"=-0.5 must be a fraction in \(0, 1\]"),
     (("train.optimizer_offload_fraction=0.5",), "applies to train.optimizer_offload=host only"),
-    (("train.optimizer_offload=disk",), "choose one of: none, host"),
+    (("train.optimizer_offload=disk",), "choose one of: auto, none, host"),
     ((HOST, "train.distributed_optimizer=false"), "train.distributed_optimizer=false; drop that setting"),
 ])
 def test_offload_settings_are_checked_in_one_line(overrides, expected):

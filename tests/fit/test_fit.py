@@ -248,8 +248,10 @@ def test_an_oom_breakdown_is_taken_at_one_instant_and_adds_up_to_what_is_needed(
     terms = (a.skeletal, a.transient, a.head, a.persistent, a.other)
     assert min(terms) >= 0 and sum(terms) == a.allocated_peak and a.overhead >= 0
     fixed = p.reserved + p.states.total + p.rounding_buffers + p.cp_buffers
-    assert p.device_total == fixed + a.allocated_peak + a.overhead > p.device_capacity
-    assert p.status == "oom" and p.reason.startswith(f"needs {p.device_total / GiB:.1f} GiB of 80.0 GiB")
+    assert p.device_total == fixed + a.allocated_peak + a.overhead > p.device_capacity - p.margin
+    assert p.margin == math.ceil(0.03 * p.device_capacity)  # fit.memory_margin's default
+    assert p.status == "oom" and p.reason.startswith(
+        f"needs {p.device_total / GiB:.2f} GiB of 80.00 GiB less a margin of {p.margin / GiB:.2f} GiB")
     assert f"at their peak in {a.peak_phase}" in p.reason and a.peak_phase.startswith(("loss", "head"))
 
 

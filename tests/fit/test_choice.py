@@ -1,0 +1,92 @@
+"""A run that plans itself (memo.fit.choice): the fastest choice that fits, made before the model
+is built, and a one-line refusal where none fits."""
+
+import re
+import time
+
+import pytest
+from conftest import resolve_config, run_in_process
+
+from memo import hardware
+from memo.config import ConfigError
+from memo.fit import choice
+from memo.hardware import GiB
+
+# tiny_llama at 4K tokens in 0.2 GiB: whole layers need more (their rounding buffers and
+# transients), some tile less
+SEQ, BUDGET_GIB = "4k", 0.2
+CHOOSING = ("model=tiny_llama", f"seq={SEQ}", "method=memo", "method.tile_tokens=auto",
+            f"hardware.device_memory_gib={BUDGET_GIB}")
+
+
+def _machine(run):
+    return hardware.available_now(hardware.resolve(run.hardware), run.hardware)
+
+
+def test_auto_settings_are_choices_where_the_run_can_choose_and_plain_values_elsewhere():
+    run = resolve_config("method=memo", "method.tile_tokens=auto")
+    assert run.choices.layer_tiles and run.workload.layer_tile_tokens is None
+    # on the CPU Adam's states are in host memory already: nothing to choose
+    assert not run.choices.optimizer_offload and run.train.optimizer_offload == "none"
+    assert run.choices.loss_tile  # memo's loss is tiled
+    whole = resolve_config("method=memo", "method.tile_tokens=whole", "train.loss_tile_tokens=128")
+    assert not whole.choices.any and not whole.choices.loss_tile
+    # a method whose layers do not walk tiles runs whole layers under auto
+    assert not resolve_config("method=megatron_full_recompute", "method.tile_tokens=auto").choices.any
+    fit = resolve_config("mode=fit", "hardware=h100", "train.dtype=bf16", "method=memo")
+    assert fit.choices.optimizer_offload and fit.train.optimizer_offload == "auto"
+    assert not resolve_config("mode=fit", "hardware=h100", "train.dtype=fp32").choices.optimizer_offload
+
+
+def test_whole_layers_where_they_fit_predicting_nothing_else():
+    run = resolve_config("model=tiny_llama", f"seq={SEQ}", "method=memo", "method.tile_tokens=auto",
+                         "hardware.device_memory_gib=1")
+    made = choice.choose(run, _machine(run))
+    assert made.candidate.tile_tokens is None and made.tried == 1 and made.prediction.fits
+    assert made.apply(run).workload == run.workload  # nothing changes: whole layers, the loss's own tile
+
+
+def test_a_run_trains_in_the_tiles_it_chose_within_its_device_budget(tmp_path):
+    run = resolve_config(*CHOOSING)
+    problem = choice.problem_of(run, _machine(run))
+    row = run_in_process(tmp_path, *CHOOSING, "train.steps=2")
+    assert row["status"] == "ok", row["error"]
+    tile, loss_tile = row["method.tile_tokens"], row["train.loss_tile_tokens"]
+    assert isinstance(tile, int) and 4096 % tile == 0 and isinstance(loss_tile, int) and loss_tile <= tile
+    assert row["tiles.tile_tokens"] == tile  # what the layers' runtime ran
+    budget = int(BUDGET_GIB * GiB)
+    assert row["predicted_device_capacity_bytes"] == budget
+    assert row["margin_bytes"] == -(-3 * budget // 100)  # 3%, rounded up
+    assert row["predicted_device_bytes"] <= budget - row["margin_bytes"]
+    # what the step held at once on the "device" (the CPU's tensors, host slabs apart) is what the
+    # fit predicted (a CPU has no caching allocator: the prediction is of live bytes)
+    assert 0 < row["peak_tensor_bytes"] <= budget
+    assert row["peak_tensor_bytes"] == pytest.approx(row["predicted_device_bytes"], rel=0.01)
+    # whole layers and every larger tile would not have fitted: nothing faster fits
+    for candidate in choice.candidates(run, problem):
+        if candidate.tile_tokens is None or candidate.tile_tokens > tile:
+            assert not choice.evaluate(problem, candidate, run.workload.seq, None).best
+
+
+def test_a_length_no_choice_fits_is_refused_in_one_line_with_the_longest_that_does():
+    run = resolve_config("model=tiny_llama", "seq=64k", "method=memo", "method.tile_tokens=auto",
+                         f"hardware.device_memory_gib={BUDGET_GIB}")
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as refused:
+        choice.choose(run, _machine(run))
+    assert time.perf_counter() - start < 30
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("tiny_llama at 64k does not fit this cpu (0.20 GiB a device")
+    assert re.search(r": the [^:;]+ need \d+\.\d\d GiB of the \d+\.\d\d GiB predicted against 0\.19 GiB usable "
+                     r"in tiles of 512 tokens, Adam on the device", message), message
+    longest = int(re.search(r"the longest that fits is seq=(\d+)k$", message).group(1)) * 1024
+    # that length fits, in some tile, and the next length of the search's grid (a 64th of 64k) fits none
+    fits = choice.choose(resolve_config("model=tiny_llama", f"seq={longest}", "method=memo",
+                                        "method.tile_tokens=auto", f"hardware.device_memory_gib={BUDGET_GIB}"),
+                         _machine(run))
+    assert fits.prediction.fits and fits.prediction.seq == longest
+    with pytest.raises(ConfigError, match="does not fit"):
+        choice.choose(resolve_config("model=tiny_llama", f"seq={longest + 1024}", "method=memo",
+                                     "method.tile_tokens=auto", f"hardware.device_memory_gib={BUDGET_GIB}"),
+                      _machine(run))
