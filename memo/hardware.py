@@ -96,19 +96,19 @@ def memlock_limit_bytes() -> Optional[int]:
     return None if limit == resource.RLIM_INFINITY else limit
 
 
-def available_now(hw: Hardware, cfg: HardwareConfig) -> Hardware:
+def available_now(hw: Hardware, cfg: HardwareConfig, allocator_held: int = 0) -> Hardware:
     """``hw`` with the memory a run on this machine can still fill, where ``hardware=auto`` and
-    no size is set: a GPU's free memory plus what this process's caching allocator holds (the
-    CUDA context, what other processes and libraries hold stay out), the host's memory that can
-    be page-locked now (:func:`pinnable_memory_bytes`); on a CPU, whose tensors are host memory,
-    that for both. Bytes."""
+    no size is set: the current GPU's free memory plus ``allocator_held``, what this process's
+    allocator holds and can give the run (the CUDA context, what other processes and libraries
+    hold stay out), the host's memory that can be page-locked now (:func:`pinnable_memory_bytes`);
+    on a CPU, whose tensors are host memory, that for both. Bytes."""
     if cfg.name != "auto":
         return hw
     host = pinnable_memory_bytes()
     device = host
     if hw.device_type == "cuda":
         free, _ = torch.cuda.mem_get_info()
-        device = free + torch.cuda.memory_reserved()
+        device = free + allocator_held
     return dataclasses.replace(
         hw,
         device_memory_bytes=hw.device_memory_bytes if cfg.device_memory_gib is not None else device,

@@ -17,7 +17,7 @@ from memo.config.schema import (
     register_configs,
 )
 from memo.config.validate import SeqSearch, validate
-from memo.config.values import ConfigError, parse_alpha, parse_seq
+from memo.config.values import ConfigError, DoesNotFit, parse_alpha, parse_seq
 
 __all__ = [
     "AUTO",
@@ -25,6 +25,7 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "DTYPE_BYTES",
+    "DoesNotFit",
     "FitConfig",
     "HardwareConfig",
     "Method",

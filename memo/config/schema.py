@@ -238,6 +238,9 @@ class FitConfig:
     # Memory the activations cannot use on a GPU: CUDA context, NCCL and cuBLAS workspaces (per
     # device; a CPU has none of them).
     device_reserved_gib: float = 2.0
+    # What a GPU run's caching allocator holds beyond the traced iteration's tensors, MiB: cuBLAS's
+    # workspaces among them (65.0 to 72.2 MiB on every Megatron row of results/gpu/ from 32K tokens on).
+    device_workspace_mib: float = 64.0
     # Share of the device's memory a fitting configuration leaves free: the largest error of the
     # fit's memory against the GPU rows measured with this code (results/gpu/), and at least 3%.
     memory_margin: float = 0.03

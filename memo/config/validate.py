@@ -215,6 +215,8 @@ def _check_fit(fit) -> tuple[SeqSearch, tuple[Optional[int], ...]]:
     choice("fit.layouts", fit.layouts, ("runnable", "all"))
     if fit.device_reserved_gib < 0:
         raise ConfigError(f"fit.device_reserved_gib={fit.device_reserved_gib} must be at least 0 (GiB)")
+    if fit.device_workspace_mib < 0:
+        raise ConfigError(f"fit.device_workspace_mib={fit.device_workspace_mib} must be at least 0 (MiB)")
     if not 0 <= fit.memory_margin < 0.5:
         raise ConfigError(f"fit.memory_margin={fit.memory_margin} must be a fraction of the device's memory in "
                           "[0, 0.5), e.g. 0.03")

@@ -13,6 +13,11 @@ class ConfigError(ValueError):
     """A user-fixable mistake in the configuration; the message is one line."""
 
 
+class DoesNotFit(ConfigError):
+    """No way to run a job fits the machine, as the fit predicts it before anything is allocated
+    (memo.fit.choice): its row's status is ``oom``."""
+
+
 _SEQ = re.compile(r"(\d+)([kK]?)")
 
 

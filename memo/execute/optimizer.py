@@ -91,6 +91,9 @@ def _all_reduce(tensors: list[torch.Tensor], group, average: bool = False) -> No
         tensor.copy_(reduced)
 
 
+_NORM_CHUNK = 1 << 16  # elements of a gradient squared in float64 at a time (512 KiB)
+
+
 class HostOptimizer:
     """``torch.optim.AdamW`` with Megatron's data-parallel averaging and global-norm clipping."""
 
@@ -112,7 +115,9 @@ class HostOptimizer:
         )
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        # zeroed in place: the gradients live from step to step, as in Megatron's gradient buffer on
+        # a GPU (and as the fit counts them), not made again by every backward
+        self.optimizer.zero_grad(set_to_none=False)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
@@ -156,6 +161,8 @@ class HostOptimizer:
         if step is not None:
             MegatronOptimizer._restore_common_per_param_step(state, step)
         self.optimizer.load_state_dict(state)
+        for group in self.optimizer.param_groups:  # a state saved before steps were fused says otherwise
+            group["fused"] = True
 
     @staticmethod
     def grad_norm(params: list[torch.nn.Parameter]) -> float:
@@ -164,8 +171,9 @@ class HostOptimizer:
         local = torch.zeros((), dtype=torch.float64)
         for p in params:
             if param_is_not_tensor_parallel_duplicate(p):
-                # accumulated in float64 inside the kernel: no float64 copy of the gradient
-                local += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) ** 2
+                # in float64, a chunk at a time: no float64 copy of a whole gradient
+                for chunk in p.grad.detach().reshape(-1).split(_NORM_CHUNK):
+                    local += chunk.double().square().sum()
         dist.all_reduce(local, group=parallel_state.get_model_parallel_group())
         return math.sqrt(local.item())
 

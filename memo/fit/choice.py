@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from memo import hardware
-from memo.config import WHOLE_LAYERS, ConfigError, Run, SeqSearch
+from memo.config import WHOLE_LAYERS, ConfigError, DoesNotFit, Run, SeqSearch
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
 from memo.fit.search import Candidate, LayoutResult, layouts, longest, seq_grid_step
 from memo.hardware import GiB
@@ -102,10 +102,9 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
         for share in shares:
             for tile in tiles:
                 tiled = workload.in_layer_tiles(tile)
-                layout = policy_of(tiled).candidate_layout(tiled, parallel, fixed_seq)
-                if layout is None:
+                if tile is not None and not _runs_as_laid_out(tiled, fixed_seq):
                     continue
-                found.append(Candidate(layout, policy_of(tiled).training_refusal(layout) or _unrunnable(run, share),
+                found.append(Candidate(parallel, policy_of(tiled).training_refusal(parallel) or _unrunnable(run, share),
                                        tile, share, _loss_tile(run, tile)))
         if not found:
             raise ConfigError(f"no tile of {_tiles_to_choose(run)} splits seq={workload.seq} for "
@@ -131,6 +130,16 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
     return found
 
 
+def _runs_as_laid_out(tiled, seq: Optional[int]) -> bool:
+    """Whether the run's own layout walks tiles of ``tiled`` as it is: the tiles' policy tries a
+    layout under its own exchange's name (the walk gathers into its stores whatever the name) and
+    without sequence parallelism under context parallelism, which training does not turn off."""
+    policy, parallel = policy_of(tiled), tiled.parallel
+    named = dataclasses.replace(parallel, cp_comm_type=policy.exchanges[0]) if parallel.cp > 1 else parallel
+    layout = policy.candidate_layout(tiled, named, seq)
+    return layout is not None and layout.sequence_parallel == parallel.sequence_parallel
+
+
 def _layouts(run: Run, problem: Problem, policy) -> list:
     parallel = run.workload.parallel
     return layouts(run.workload.model, run.cluster.gpus, problem.hardware.devices_per_node or 1,
@@ -139,11 +148,14 @@ def _layouts(run: Run, problem: Problem, policy) -> list:
 
 def _tiles_to_choose(run: Run) -> tuple[Optional[int], ...]:
     """Whole layers, then the powers of two from half the sequence down to the least the fit
-    models; whole layers only where a tile cannot run with the run's other settings (validation
-    and, under context parallelism, packed documents each layer whole)."""
+    models (``seq=max``: ``fit.tile_tokens``); whole layers only where a tile cannot run with the
+    run's other settings (validation and, under context parallelism, packed documents each layer
+    whole)."""
     train, parallel, seq = run.train, run.workload.parallel, run.workload.seq
     if train.eval_interval is not None or (train.document_mask and parallel.cp > 1):
         return (None,)
+    if run.seq_search is not None:  # mode=fit seq=max: the tiles a layout search tries
+        return (None, *(t for t in run.fit_layer_tiles if t is not None))
     chunk = parallel.tp if parallel.sequence_parallel else 1
     tiles, tile = [], 1 << ((seq // 2).bit_length() - 1)
     while tile >= MIN_TRACED_TILE * chunk:
@@ -221,12 +233,16 @@ def choose(run: Run, hw: hardware.Hardware) -> Choice:
     run's length.
 
     Raises:
-        ConfigError: in one line, where no candidate that training can run fits: the term that
+        DoesNotFit: in one line, where no candidate that training can run fits: the term that
             binds and the longest length that fits.
+        ConfigError: where training can run no candidate (the first one's reason).
     """
     start = time.perf_counter()
     problem = problem_of(run, hw)
-    runnable = [c for c in candidates(run, problem) if not c.unrunnable]
+    tried = candidates(run, problem)
+    runnable = [c for c in tried if not c.unrunnable]
+    if not runnable:
+        raise ConfigError(tried[0].unrunnable)
     results = []
     for candidate in runnable:
         results.append(evaluate(problem, candidate, run.workload.seq, None))
@@ -234,7 +250,7 @@ def choose(run: Run, hw: hardware.Hardware) -> Choice:
             break
     fitting = [r for r in results if r.best is not None]
     if not fitting:
-        raise ConfigError(_refusal(run, problem, results))
+        raise DoesNotFit(_refusal(run, problem, results))
     best = min(fitting, key=lambda r: (r.best.time.iteration_s, -(r.candidate.tile_tokens or math.inf)))
     return Choice(best.candidate, best.best, len(results), time.perf_counter() - start)
 

@@ -76,6 +76,30 @@ def model_states(workload: Workload, distributed_optimizer: Optional[bool],
                        offload)
 
 
+def optimizer_step_bytes(workload: Workload, distributed_optimizer: Optional[bool], offload_fraction: float,
+                         pytorch_adam: bool) -> int:
+    """Bytes one device's optimizer step makes and frees, on a GPU: where Megatron's Adam is
+    PyTorch's ``AdamW`` (``pytorch_adam``: neither Transformer Engine's nor Apex's fused Adam is
+    installed), its multi-tensor step makes the square roots of a parameter group's second moments
+    at once, an fp32 element per parameter of the group, which is nearly every parameter (the
+    other group holds the norms); fused Adams make none. Sharded as the states are; the share of
+    the parameters whose states are on the host steps there."""
+    if not pytorch_adam:
+        return 0
+    parallel = workload.parallel
+    params = parameter_count(workload.model, parallel.tp, parallel.pp)
+    sharded = offload_fraction > 0 or shards_optimizer(distributed_optimizer, parallel)
+    shards = parallel.dp * parallel.cp if sharded else 1
+    return math.ceil(4 * params * (1 - offload_fraction) / shards)
+
+
+def persistent_bytes(trace: Trace) -> int:
+    """Bytes of the requests ``trace`` makes and keeps into the next iteration (RoPE's tables,
+    Megatron's all-gather buffer, the tiles' stores): what the optimizer step finds on the device
+    beside the model states and buffers."""
+    return sum(r.size for r in trace.requests() if r.free_phase is None)
+
+
 @dataclass(frozen=True)
 class Activations:
     """Bytes per device of the activations at their peak, and the allocator's view of them.

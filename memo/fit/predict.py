@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
+
 from memo.config import FitConfig, ParallelConfig, Workload
 from memo.fit import memory
 from memo.fit.timing import TimePrediction, layer_seconds, predict_time
@@ -116,8 +118,13 @@ class Prediction:
 
 
 def prediction_hardware(hw: Hardware) -> Hardware:
-    """``hw`` as predictions take it: without a device-host bandwidth (a CPU), copies are free."""
-    return dataclasses.replace(hw, host_link_bytes_per_s=hw.host_link_bytes_per_s or math.inf)
+    """``hw`` as predictions take it: without a device-host bandwidth (a CPU), copies are free; a
+    CPU's processes exchange through its own memory, which the time model does not charge."""
+    hw = dataclasses.replace(hw, host_link_bytes_per_s=hw.host_link_bytes_per_s or math.inf)
+    if hw.device_type == "cpu":
+        hw = dataclasses.replace(hw, intra_node_bytes_per_s=hw.intra_node_bytes_per_s or math.inf,
+                                 inter_node_bytes_per_s=hw.inter_node_bytes_per_s or math.inf)
+    return hw
 
 
 def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
@@ -193,16 +200,28 @@ class _Frame:
         """The device's verdict on ``placed``: ok, or oom with why."""
         problem, hw = self.problem, self.problem.hardware
         common = self.common()
-        fixed_part = common["reserved"] + self.states.total + placed.rounding_buffers + self.cp_buffers
+        gpu = hw.device_type == "cuda"
+        # on a GPU, what the caching allocator holds outside the traced iteration (cuBLAS's workspaces)
+        workspaces = int(problem.fit.device_workspace_mib * 2**20) if gpu else 0
+        fixed_part = (common["reserved"] + workspaces + self.states.total + placed.rounding_buffers
+                      + self.cp_buffers)
         # what the run may fill: the capacity less the margin kept for the fit's own error
         usable = hw.device_memory_bytes - common["margin"]
         # the allocator serves what offloaded tensors leave
         room = usable - fixed_part + placed.device_freed
         # a CPU's tensors come from malloc, which caches nothing: they take what is alive
-        acts = memory.activations(placed.trace, room if hw.device_type == "cuda" else 0, problem.plan,
-                                  problem.plan_time_limit_s)
+        acts = memory.activations(placed.trace, room if gpu else 0, problem.plan, problem.plan_time_limit_s)
         if placed.device_freed:
             acts = memory.less_offloaded(acts, placed.device_freed)
+        # the optimizer's step, after the passes: the states, the buffers, what persists and its own transient
+        step = memory.optimizer_step_bytes(self.workload, problem.distributed_optimizer, problem.optimizer_offload,
+                                           gpu and USING_PYTORCH_OPTIMIZER)
+        optimizer_phase = fixed_part + memory.persistent_bytes(placed.trace) + step
+        if optimizer_phase > fixed_part + acts.allocated_peak:
+            acts = dataclasses.replace(acts, peak_phase="optimizer", transient=step,
+                                       allocated_peak=optimizer_phase - fixed_part,
+                                       held=max(acts.held, optimizer_phase - fixed_part), skeletal=0, head=0,
+                                       persistent=optimizer_phase - fixed_part - step, other=0)
         total = fixed_part + acts.held
         status, reason = "ok", ""
         if acts.refused_bytes is not None and total <= usable:

@@ -17,6 +17,8 @@ from memo.gpucheck.common import CPU_TINY, arguments, row_figures, run_job, runs
 
 METHODS = [["method=none"], ["method=megatron_selective"], ["method=megatron_full_recompute"],
            ["method=full_recompute"], ["method=memo"], ["method=memo", "plan=true"]]
+# each method as such: whole layers and Adam on the device, not the run's own choice of them
+AS_SUCH = ["method.tile_tokens=whole", "train.optimizer_offload=none"]
 
 
 def throughput(out, cpu: bool) -> list[dict]:
@@ -30,7 +32,7 @@ def throughput(out, cpu: bool) -> list[dict]:
     for seq in lengths:
         for method in methods:
             name = "-".join(m.split("=")[1] for m in method) + f"-{seq}"
-            row = run_job(runs_dir(out) / f"throughput-{name}", *common, f"seq={seq}", *method)[0]
+            row = run_job(runs_dir(out) / f"throughput-{name}", *common, f"seq={seq}", *method, *AS_SUCH)[0]
             rows.append(row_figures(row) | {"job": name})
             write_rows(out, "throughput", rows)  # a step cut short by its budget keeps its table
             print(f"throughput: {name}: {row.get('status')} MFU {row.get('mfu')}", flush=True)
@@ -47,7 +49,7 @@ def longest(out, layers: int = 8, step_tokens: int = 32 * 1024, top: int = 1024 
             seq = mid * step_tokens
             name = "-".join(m.split("=")[1] for m in method) + f"-{seq // 1024}k"
             row = run_job(runs_dir(out) / f"longest-{name}", "model=7b", f"model.num_layers={layers}",
-                          f"seq={seq}", "train.steps=2", "train.warmup_steps=1", *method)[0]
+                          f"seq={seq}", "train.steps=2", "train.warmup_steps=1", *method, *AS_SUCH)[0]
             rows.append(row_figures(row) | {"job": name})
             write_rows(out, "longest", rows)
             low, high = (mid, high) if row.get("status") == "ok" else (low, mid)

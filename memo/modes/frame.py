@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from memo.config import ConfigError
+from memo.config import ConfigError, DoesNotFit
 from memo.swap.alpha import HostMemoryError
 from memo.results import ResultWriter, claim_run_dir, flatten, git_revision, now
 
@@ -168,7 +168,10 @@ def _interrupted(row: dict[str, Any], stop: BaseException, steps: int) -> BaseEx
 
 
 def _failed(row: dict[str, Any], error: Exception) -> None:
-    if isinstance(error, ConfigError):
+    if isinstance(error, DoesNotFit):  # predicted, before anything was allocated
+        row["status"] = "oom"
+        row["error"] = str(error)
+    elif isinstance(error, ConfigError):
         row["status"] = "error"
         row["error"] = str(error)
     elif isinstance(error, HostMemoryError):

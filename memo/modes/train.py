@@ -18,7 +18,8 @@ from megatron.core import parallel_state
 from omegaconf import DictConfig
 
 from memo import hardware
-from memo.config import ConfigError, Run, resolve
+from memo.hardware import GiB
+from memo.config import ConfigError, DoesNotFit, Run, resolve
 from memo.execute import checkpoint, distributed
 from memo.data.batches import micro_batches, token_source
 from memo.execute.hooks import (ActivationAccounting, Checkpointing, MemoryReadings, Progress, StepLog,
@@ -82,19 +83,6 @@ def _max_over_ranks(values: dict, device_type: str) -> dict:
     return {**values, **{k: int(v) for k, v in zip(keys, t.tolist(), strict=True)}}
 
 
-def _check_same_choice(run: Run) -> None:
-    """Refuse a run whose ranks chose differently (each asks the fit on the memory its own device
-    has free), which would build different models."""
-    if not run.choices.any or dist.get_world_size() == 1:
-        return
-    mine = (run.workload.layer_tile_tokens, run.workload.loss_tile_tokens, run.train.optimizer_offload)
-    chosen = [None] * dist.get_world_size()
-    dist.all_gather_object(chosen, mine)
-    if len(set(chosen)) > 1:
-        raise ConfigError(f"the ranks chose different tiles or Adam placements ({sorted(set(chosen), key=str)}) on "
-                          "devices with different free memory; set method.tile_tokens and train.optimizer_offload")
-
-
 def _save_dir(train, output_dir: Path) -> Path:
     """``train.save_dir``, else ``checkpoints/`` in the run directory of rank 0 (the other ranks
     of a ``torchrun run.py`` job run in scratch directories of their own)."""
@@ -146,7 +134,12 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     """Everything of a job that can fail, as named phases; fills the job's row as facts become known."""
     arena = _arena(run, info)
     hw = hardware.with_measured_peak(hardware.resolve(run.hardware), torch_dtype(run.workload))
-    run = _choose(run, hw, job)
+    _record_machine(run, hw, job.row)
+    _check_runtime_support(run, policy_of(run.workload))  # what no choice changes: refused in seconds
+    made = _choose(run, hw, arena, info, job)  # before the process group: the fit traces with its own
+    distributed.initialize(run.workload.parallel, run.device_type, info)
+    if made is not None:
+        run = _agreed(run, *made, job)
     policy = policy_of(run.workload)
     started = _start(run, policy, hw, arena, info, job)
     runtime: LayerRuntime = NullRuntime()
@@ -188,35 +181,78 @@ def _arena(run: Run, info: distributed.ProcessInfo) -> Optional[object]:
     return cuda_arena.install(phase=lambda: "setup", device=distributed.device_index(info))
 
 
-def _choose(run: Run, hw: hardware.Hardware, job: Job) -> Run:
-    """``run`` with the settings it leaves to choose (:class:`memo.config.Choices`) chosen by the
-    fit on the memory this machine has now (:mod:`memo.fit.choice`), before anything of the run
-    is allocated; the choice and its prediction into the row and the log. A run that cannot fit
-    is refused here."""
+def _record_machine(run: Run, hw: hardware.Hardware, row: dict) -> None:
+    """The facts every row carries, refused or not: the length, the loss, the dtype, the machine."""
+    row["seq"] = run.workload.seq
+    row["train.loss"] = run.workload.loss
+    row["dtype"] = dtype_label(torch_dtype(run.workload))
+    row.update({f"hardware.{k}": v for k, v in dataclasses.asdict(hw).items()})
+    if run.device_type == "cuda":
+        row["device_name"] = torch.cuda.get_device_name()
+
+
+def _choose(run: Run, hw: hardware.Hardware, arena: Optional[object], info: distributed.ProcessInfo,
+            job: Job) -> Optional[tuple[choice.Choice, int]]:
+    """The choice of the settings ``run`` leaves to choose (:class:`memo.config.Choices`), by the fit
+    (:mod:`memo.fit.choice`) on the memory this rank's device has now, before anything of the run
+    is allocated, and those bytes of device memory; None where nothing is left to choose. Adam
+    stays where the checkpoint the run goes on from has it.
+
+    Raises:
+        DoesNotFit: where no choice fits, in one line.
+    """
     if not run.choices.any:
-        return run
-    made = choice.choose(run, hardware.available_now(hw, run.hardware))
+        return None
+    saved = _saved_optimizer(run, job) if info.rank == 0 else None
+    if saved is not None and run.choices.optimizer_offload:
+        placement = "host" if saved == "megatron_host_offload" else "none"
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, optimizer_offload=placement),
+                                  choices=dataclasses.replace(run.choices, optimizer_offload=False))
+        if not run.choices.any:
+            return None
+    held = 0
+    if run.device_type == "cuda":
+        torch.cuda.set_device(distributed.device_index(info))
+        held = 0 if arena is not None else torch.cuda.memory_reserved()  # (the arena keeps no statistics)
+    machine = hardware.available_now(hw, run.hardware, held)
+    return choice.choose(run, machine), machine.device_memory_bytes
+
+
+def _agreed(run: Run, made: choice.Choice, device_bytes: int, job: Job) -> Run:
+    """``run`` as rank 0 chose it, for every rank (each chose on its own device's free memory, and
+    rank 0 alone sees the checkpoint the run goes on from); refused where the least memory of any
+    rank's device is below what that choice needs. The choice into the row and the log."""
+    chosen = [made]
+    dist.broadcast_object_list(chosen, src=0)
+    made = chosen[0]
+    least = torch.tensor([device_bytes], dtype=torch.float64,
+                         device="cpu" if run.device_type == "cpu" else torch.cuda.current_device())
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    p = made.prediction
+    if least.item() < p.device_total + p.margin:
+        raise DoesNotFit(f"rank 0 chose {made.summary()[6:].split(':')[0]}, which needs {p.device_total / GiB:.2f} "
+                         f"GiB and a margin of {p.margin / GiB:.2f} GiB, and a rank's device has "
+                         f"{least.item() / GiB:.2f} GiB free; free that device or set method.tile_tokens")
     job.row.update(made.row())
     log.info("%s", made.summary())
     return made.apply(run)
 
 
+def _saved_optimizer(run: Run, job: Job) -> Optional[str]:
+    """The optimizer's format in the checkpoint the run goes on from (None: it starts afresh), as
+    rank 0 finds it (in ``train.save_dir``, else its run directory's ``checkpoints/``)."""
+    save_dir = Path(run.train.save_dir) if run.train.save_dir is not None else job.writer.output_dir / CHECKPOINTS_DIR
+    resume_from = checkpoint.to_load(run.train, save_dir)
+    return None if resume_from is None else checkpoint.saved_facts(resume_from.path)["optimizer"]
+
+
 def _start(run: Run, policy: ActivationPolicy, hw: hardware.Hardware, arena: Optional[object],
            info: distributed.ProcessInfo, job: Job) -> Started:
-    """The process group, the checks that need it, and the checkpoint this run goes on from: all
-    before the model is built, so that a refusal comes in seconds."""
-    row, workload, train, device_type = job.row, run.workload, run.train, run.device_type
-    row["seq"] = workload.seq
-    row["train.loss"] = workload.loss
+    """The checks that need the process group, and the checkpoint this run goes on from: all before
+    the model is built, so that a refusal comes in seconds."""
+    workload, train, device_type = run.workload, run.train, run.device_type
     _check_runtime_support(run, policy)
     dtype = torch_dtype(workload)
-    row["dtype"] = dtype_label(dtype)
-    row.update({f"hardware.{k}": v for k, v in dataclasses.asdict(hw).items()})
-    if device_type == "cuda":
-        row["device_name"] = torch.cuda.get_device_name()
-
-    distributed.initialize(workload.parallel, device_type, info)
-    _check_same_choice(run)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     # Only a policy that swaps looks at what may be pinned; before Adam's states offloaded to the
     # host take their share of it (which the place phase takes out, though part of it is

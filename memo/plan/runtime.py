@@ -34,7 +34,7 @@ from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.dsa.caching_allocator import simulate
 from memo.model.placement import LayerRuntime, NullRuntime
 from memo.profile.recorder import AllocationRecorder, PhaseMarker
-from memo.plan.tensor_bytes import resident_bytes, step_peak
+from memo.plan.tensor_bytes import ResidentBytes, step_peak
 from memo.profile.trace import Trace
 
 log = logging.getLogger("memo")
@@ -117,13 +117,14 @@ class PlanRuntime:
                 self.arena.set_modes(serve=False, record=False)
             events.extend(self.arena.take_events())
         else:
-            resident = resident_bytes(self.gpt, self.layers.device_buffers())
             recorder = AllocationRecorder(self.phase)
+            resident = ResidentBytes(self.gpt, self.layers.device_buffers(), recorder.events, self.phase)
             with recorder:
                 yield events
             recorder.stop()
-            events.extend(recorder.events)
-            peak, phase = step_peak(events, resident)
+            resident.stop()
+            events.extend(e for e in recorder.events if e.id >= 0)  # the plan's requests
+            peak, phase = step_peak(recorder.events, resident.bytes)
             self.row.update(peak_tensor_bytes=peak, peak_tensor_phase=phase)
 
     @contextlib.contextmanager

