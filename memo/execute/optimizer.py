@@ -24,7 +24,6 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from memo.config import ParallelConfig, TrainConfig, shards_optimizer
 from memo.config.resolve import check_optimizer_offload
@@ -79,16 +78,16 @@ def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def _all_reduce(tensors: list[torch.Tensor], group, average: bool = False) -> None:
-    """Sum (or average) ``tensors`` over ``group`` in place, as one flat buffer."""
+    """Sum (or average) ``tensors`` over ``group`` in place, a tensor at a time: a flat buffer of
+    them all would be a copy of every gradient at the optimizer's step (Megatron's buffer on a GPU
+    is reduced where it lies)."""
     size = dist.get_world_size(group)
-    if size == 1 or not tensors:
+    if size == 1:
         return
-    flat = _flatten_dense_tensors(tensors)
-    dist.all_reduce(flat, group=group)
-    if average:
-        flat /= size
-    for tensor, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
-        tensor.copy_(reduced)
+    for tensor in tensors:
+        dist.all_reduce(tensor, group=group)
+        if average:
+            tensor /= size
 
 
 _NORM_CHUNK = 1 << 16  # elements of a gradient squared in float64 at a time (512 KiB)

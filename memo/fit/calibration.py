@@ -84,6 +84,8 @@ def problem_of_row(row: Mapping) -> tuple[Problem, ParallelConfig, int]:
         micro_batches=int(train.micro_batches),
         distributed_optimizer=train.distributed_optimizer,
         optimizer_offload=train.optimizer_offload_fraction if train.optimizer_offload == "host" else 0.0,
+        # as the row's Megatron ran it; rows that do not say were made without Transformer Engine or Apex
+        pytorch_adam=bool(_value(row.get("optimizer_pytorch_adam", True))),
     )
     return problem, parallel, seq
 

@@ -47,7 +47,8 @@ def problem_of(run: Run, hw: hardware.Hardware) -> Problem:
         hardware=hardware.with_measured_peak(prediction_hardware(hw), torch_dtype(run.workload)),
         fit=run.fit,
         micro_batches=run.train.micro_batches,
-        distributed_optimizer=run.train.distributed_optimizer,
+        # a CPU's optimizer (memo.execute.optimizer.HostOptimizer) shards nothing
+        distributed_optimizer=run.train.distributed_optimizer if run.device_type == "cuda" else False,
         plan=run.plan,
         optimizer_offload=offload_share(run, run.train.optimizer_offload),
         plan_time_limit_s=run.planner.time_limit_s,

@@ -35,6 +35,9 @@ class Problem:
     plan: bool = False  # transient tensors from the memory plan instead of the caching allocator
     optimizer_offload: float = 0.0  # share of the parameters whose Adam states live on the host
     plan_time_limit_s: float = 10.0
+    # Megatron's Adam on a GPU is PyTorch's multi-tensor AdamW (no Transformer Engine or Apex where
+    # the run trains): its step's transient is counted (memo.fit.memory.optimizer_step_bytes)
+    pytorch_adam: bool = USING_PYTORCH_OPTIMIZER
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,8 @@ class _Frame:
             acts = memory.less_offloaded(acts, placed.device_freed)
         # the optimizer's step, after the passes: the states, the buffers, what persists and its own transient
         step = memory.optimizer_step_bytes(self.workload, problem.distributed_optimizer, problem.optimizer_offload,
-                                           gpu and USING_PYTORCH_OPTIMIZER)
+                                           gpu and problem.pytorch_adam)
+        # (with the context-parallel buffers of the backward still counted: an upper bound under cp)
         optimizer_phase = fixed_part + memory.persistent_bytes(placed.trace) + step
         if optimizer_phase > fixed_part + acts.allocated_peak:
             acts = dataclasses.replace(acts, peak_phase="optimizer", transient=step,

@@ -174,6 +174,7 @@ def main(argv=None) -> int:
     if not args.cpu:
         common = ["model=125m", "seq=8k", "train.steps=4", "train.warmup_steps=1", "method=memo",
                   "alpha=0.5"]
+    common += ["method.tile_tokens=whole", "train.optimizer_offload=none"]  # the plan against none, as such
     write_rows(args.out, "numerics", rows)  # kept if the training jobs run past the step's budget
     # the plan's solve bounded: its placement, not its optimality, is compared here
     common += ["planner.time_limit_s=10", "planner.mip=none"]

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
 
     _check(rows, "memo gradients against none, each kernel, whole layers and tiles", gradients)
     _jobs(rows, args.out, "two memo jobs in one process", *small, "method=memo", "train.seed=1,2",
-          multirun=True)
+          "method.tile_tokens=whole", multirun=True)
     # the plan's solve bounded: the smoke is about the GPU path, not the planner's optimality
     planner = ["planner.time_limit_s=10", "planner.mip=none"]
     if args.cpu:
@@ -129,7 +129,8 @@ def main(argv=None) -> int:
             rows.append({"check": name, "status": "skipped", "detail": why})
     else:
         for method in ("memo", "full_recompute", "none"):
-            _jobs(rows, args.out, f"plan=true {method}", *small, f"method={method}", "plan=true", *planner)
+            _jobs(rows, args.out, f"plan=true {method}", *small, f"method={method}", "plan=true",
+                  "method.tile_tokens=whole", *planner)
         _jobs(rows, args.out, "plan=true memo in tiles", *small, "method=memo", "method.tile_tokens=64", "plan=true",
               *planner)
         _jobs(rows, args.out, "profile.backend=cuda", "model=tiny", "seq=1k", "mode=profile",

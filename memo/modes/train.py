@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 from omegaconf import DictConfig
 
 from memo import hardware
@@ -136,10 +137,10 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     hw = hardware.with_measured_peak(hardware.resolve(run.hardware), torch_dtype(run.workload))
     _record_machine(run, hw, job.row)
     _check_runtime_support(run, policy_of(run.workload))  # what no choice changes: refused in seconds
-    made = _choose(run, hw, arena, info, job)  # before the process group: the fit traces with its own
+    chosen = _choose(run, hw, arena, info, job)  # before the process group: the fit traces with its own
     distributed.initialize(run.workload.parallel, run.device_type, info)
-    if made is not None:
-        run = _agreed(run, *made, job)
+    if chosen is not None:
+        run = _agreed(run, chosen, job)
     policy = policy_of(run.workload)
     started = _start(run, policy, hw, arena, info, job)
     runtime: LayerRuntime = NullRuntime()
@@ -191,43 +192,65 @@ def _record_machine(run: Run, hw: hardware.Hardware, row: dict) -> None:
         row["device_name"] = torch.cuda.get_device_name()
 
 
-def _choose(run: Run, hw: hardware.Hardware, arena: Optional[object], info: distributed.ProcessInfo,
-            job: Job) -> Optional[tuple[choice.Choice, int]]:
-    """The choice of the settings ``run`` leaves to choose (:class:`memo.config.Choices`), by the fit
-    (:mod:`memo.fit.choice`) on the memory this rank's device has now, before anything of the run
-    is allocated, and those bytes of device memory; None where nothing is left to choose. Adam
-    stays where the checkpoint the run goes on from has it.
+@dataclass(frozen=True)
+class _Chosen:
+    """What a rank brings to the choice: rank 0 its outcome (the choice, or the error that ends
+    the run on every rank) and Adam's placement; every rank its device's free bytes."""
 
-    Raises:
-        DoesNotFit: where no choice fits, in one line.
-    """
+    made: Optional[choice.Choice]
+    error: Optional[tuple[type, str]]
+    optimizer_offload: str
+    device_bytes: int
+
+
+def _choose(run: Run, hw: hardware.Hardware, arena: Optional[object], info: distributed.ProcessInfo,
+            job: Job) -> Optional[_Chosen]:
+    """Where ``run`` leaves settings to choose (:class:`memo.config.Choices`, the same on every
+    rank): this rank's device's free bytes now, and on rank 0 the fit's choice
+    (:mod:`memo.fit.choice`), before anything of the run is allocated, with Adam kept where the
+    checkpoint the run goes on from has it. Nothing here raises: every rank must reach the
+    process group, where :func:`_agreed` ends them all together."""
     if not run.choices.any:
         return None
-    saved = _saved_optimizer(run, job) if info.rank == 0 else None
-    if saved is not None and run.choices.optimizer_offload:
-        placement = "host" if saved == "megatron_host_offload" else "none"
-        run = dataclasses.replace(run, train=dataclasses.replace(run.train, optimizer_offload=placement),
-                                  choices=dataclasses.replace(run.choices, optimizer_offload=False))
-        if not run.choices.any:
-            return None
     held = 0
     if run.device_type == "cuda":
         torch.cuda.set_device(distributed.device_index(info))
         held = 0 if arena is not None else torch.cuda.memory_reserved()  # (the arena keeps no statistics)
     machine = hardware.available_now(hw, run.hardware, held)
-    return choice.choose(run, machine), machine.device_memory_bytes
+    placement, made, error = run.train.optimizer_offload, None, None
+    if info.rank == 0:
+        try:
+            saved = _saved_optimizer(run, job)
+            if saved is not None and run.choices.optimizer_offload:
+                placement = "host" if saved == "megatron_host_offload" else "none"
+                run = dataclasses.replace(run, train=dataclasses.replace(run.train, optimizer_offload=placement),
+                                          choices=dataclasses.replace(run.choices, optimizer_offload=False))
+            if run.choices.any:
+                made = choice.choose(run, machine)
+        except Exception as failed:  # ends every rank, in _agreed
+            error = (type(failed), str(failed)) if isinstance(failed, ConfigError) else (
+                RuntimeError, f"choosing the run's settings failed: {type(failed).__name__}: {failed}")
+    return _Chosen(made, error, placement, machine.device_memory_bytes)
 
 
-def _agreed(run: Run, made: choice.Choice, device_bytes: int, job: Job) -> Run:
-    """``run`` as rank 0 chose it, for every rank (each chose on its own device's free memory, and
-    rank 0 alone sees the checkpoint the run goes on from); refused where the least memory of any
-    rank's device is below what that choice needs. The choice into the row and the log."""
-    chosen = [made]
-    dist.broadcast_object_list(chosen, src=0)
-    made = chosen[0]
-    least = torch.tensor([device_bytes], dtype=torch.float64,
+def _agreed(run: Run, mine: _Chosen, job: Job) -> Run:
+    """``run`` as rank 0 chose it, on every rank, or the error that ends them all; refused where the
+    least free memory of any rank's device is below what the choice needs. The choice into the
+    row and the log."""
+    shared = [(mine.made, mine.error, mine.optimizer_offload)]
+    dist.broadcast_object_list(shared, src=0)
+    made, error, placement = shared[0]
+    least = torch.tensor([mine.device_bytes], dtype=torch.float64,
                          device="cpu" if run.device_type == "cpu" else torch.cuda.current_device())
     dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    if error is not None:
+        kind, message = error
+        raise kind(message)
+    if placement != run.train.optimizer_offload:  # the checkpoint's
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, optimizer_offload=placement),
+                                  choices=dataclasses.replace(run.choices, optimizer_offload=False))
+    if made is None:
+        return run
     p = made.prediction
     if least.item() < p.device_total + p.margin:
         raise DoesNotFit(f"rank 0 chose {made.summary()[6:].split(':')[0]}, which needs {p.device_total / GiB:.2f} "
@@ -305,6 +328,8 @@ def _build(run: Run, policy: ActivationPolicy, started: Started, row: dict) -> B
     row["resumed_from_step"] = resumed.step if resumed else None
     if optimizer.offload.host_bytes:
         row.update({f"optimizer_offload.{k}": v for k, v in optimizer.offload.row().items()})
+    if device_type == "cuda":  # which Adam Megatron runs, for a prediction of this row (memo.fit.calibration)
+        row["optimizer_pytorch_adam"] = USING_PYTORCH_OPTIMIZER
     return Built(built, optimizer, *((resumed.step, resumed.consumed_samples) if resumed else (0, 0)))
 
 

@@ -70,19 +70,20 @@ class ResidentBytes:
 
 def step_peak(events: Sequence[Event], resident: int) -> tuple[int, str]:
     """The peak of tensor bytes of a step recorded as ``events`` over the ``resident`` bytes it
-    started with (bytes, and the phase of the instant). What the step's optimizer makes and keeps
-    (Adam's states, on a run's first step) every later step holds from its start, so it counts as
-    held throughout; everything else counts from its ``malloc`` to its ``free``, and a resident
-    storage the step lets go of (a ``free`` with no ``malloc``: a gradient set to None) from then
-    on."""
+    started with (bytes, and the phase of the instant). What the step makes and keeps (a first
+    step's gradients and Adam's states, buffers made on first use) every later step holds from
+    its start, so it counts as held throughout; what the step makes and frees counts while alive,
+    and a resident storage it lets go of (a ``free`` with no ``malloc``) from then on. (A resident
+    storage freed and made again, a gradient set to None, would count twice until its free:
+    :class:`memo.execute.optimizer.HostOptimizer` zeroes gradients in place.)"""
     freed = {e.id for e in events if e.op == "free"}
-    held = {e.id: e.size for e in events if e.op == "malloc" and e.phase == "optimizer" and e.id not in freed}
+    kept = sum(e.size for e in events if e.op == "malloc" and e.id not in freed)
     live = peak = 0
     phase = "step start"
     for event in events:
-        if event.id in held:
+        if event.id not in freed:
             continue
         live += event.size if event.op == "malloc" else -event.size
         if live > peak:
             peak, phase = live, event.phase
-    return resident + sum(held.values()) + peak, phase
+    return resident + kept + peak, phase

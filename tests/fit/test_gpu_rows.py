@@ -43,8 +43,8 @@ def _rows() -> list[tuple[str, dict]]:
     """Each committed training row once per device and job (re-runs of the same job by other code
     are the same configuration), newest first."""
     found = {}
-    for path in sorted((REPO / "results" / "gpu").glob("*/runs/*/*/result.json"), reverse=True):
-        row = json.loads(path.read_text())
+    rows = [(path, json.loads(path.read_text())) for path in (REPO / "results" / "gpu").glob("*/runs/*/*/result.json")]
+    for path, row in sorted(rows, key=lambda item: str(item[1].get("start_time")), reverse=True):
         if (row.get("status") not in ("ok", "oom") or row.get("peak_allocated_bytes") is None
                 or path.parent.name in UNMODELLED):
             continue

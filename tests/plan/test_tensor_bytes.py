@@ -40,33 +40,40 @@ def test_a_recorded_steps_peak_is_what_it_makes_alive_at_once_over_what_is_resid
     del kept
 
 
-def test_what_a_first_steps_optimizer_makes_and_keeps_counts_as_held_throughout():
+def test_what_a_first_step_makes_and_keeps_counts_as_held_throughout():
     # a first step: its gradient (700 bytes) made in the backward, Adam's states (3000) by the optimizer
     events = [Event("malloc", 0, 1000, "fwd"), Event("malloc", 1, 500, "bwd"), Event("malloc", 2, 700, "bwd"),
               Event("free", 0, 1000, "bwd"), Event("free", 1, 500, "bwd"), Event("malloc", 3, 3000, "optimizer"),
               Event("malloc", 4, 400, "optimizer"), Event("free", 4, 400, "optimizer")]
-    # every later step holds Adam's 3000 bytes from its start, under its passes' 1000 + 500 + 700
-    assert step_peak(events, resident=100) == (100 + 3000 + 2200, "bwd")
+    # every later step holds the gradient and Adam's states from its start, under its passes' 1500
+    assert step_peak(events, resident=100) == (100 + 3700 + 1500, "bwd")
 
 
-def test_a_gradient_the_step_sets_to_none_counts_until_then():
+def test_a_resident_storage_the_step_frees_counts_until_then():
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32, bias=False)  # 8192 bytes of weights
     adam = torch.optim.Adam(model.parameters())
     model(torch.randn(16, 64)).square().sum().backward()
     adam.step()
-    phase = ["step"]
+    phase = ["start"]
     recorder = AllocationRecorder(lambda: phase[0])
     resident = ResidentBytes(model, [], recorder.events, lambda: phase[0])
     assert resident.bytes == 4 * 8192 + 4  # the weight, its gradient, Adam's moments and step
     with recorder:
-        adam.zero_grad(set_to_none=True)  # the gradient goes: 8192 bytes less
-        a = torch.empty(1000)  # 4000 bytes
+        a = torch.empty(1000)  # 4000 bytes over the resident ones: the peak
         del a
-        model.weight.grad = torch.ones_like(model.weight)  # the next gradient: 8192 bytes, kept
-        b = torch.empty(500)  # 2000 bytes, with the new gradient: the peak
+        phase[0] = "after"
+        model.weight.grad = None  # the gradient goes: 8192 bytes less
+        b = torch.empty(2500)  # 10000 bytes: 1808 bytes more than the gradient was
         del b
     recorder.stop()
     resident.stop()
-    # the most alive at once: the start's 32772 bytes; then 32772 - 8192 + 8192 + 2000
-    assert step_peak(recorder.events, resident.bytes) == (4 * 8192 + 4 + 2000, "step")
+    assert step_peak(recorder.events, resident.bytes) == (4 * 8192 + 4 + 4000, "start")
+    recorder = AllocationRecorder(lambda: phase[0])
+    resident = ResidentBytes(model, [], recorder.events, lambda: phase[0])
+    with recorder:
+        c = torch.empty(3000)  # 12000 bytes over what is resident now (no gradient)
+        del c
+    recorder.stop()
+    resident.stop()
+    assert step_peak(recorder.events, resident.bytes) == (3 * 8192 + 4 + 12000, "after")
