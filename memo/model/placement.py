@@ -132,6 +132,11 @@ class LayerRuntime(Protocol):
         a trace names their requests."""
         ...
 
+    def device_stores(self) -> list[torch.Tensor]:
+        """What else it keeps on the device from step to step, once made (a walk's whole-sequence
+        stores): resident at a step's start, as the weights are."""
+        ...
+
     def name_phases(self, on_phase: Optional[Callable[[int, str], None]]) -> None:
         """Tell ``on_phase(layer, part)`` of the parts of a layer's pass as they begin (a walk's
         tiles, rebuilds and attention blocks), until called with None."""
@@ -158,6 +163,9 @@ class NullRuntime:
         return RuntimeReport()
 
     def device_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def device_stores(self) -> list[torch.Tensor]:
         return []
 
     def name_phases(self, on_phase: Optional[Callable[[int, str], None]]) -> None:

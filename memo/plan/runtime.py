@@ -118,7 +118,8 @@ class PlanRuntime:
             events.extend(self.arena.take_events())
         else:
             recorder = AllocationRecorder(self.phase)
-            resident = ResidentBytes(self.gpt, self.layers.device_buffers(), recorder.events, self.phase)
+            resident = ResidentBytes(self.gpt, [*self.layers.device_buffers(), *self.layers.device_stores()],
+                                     recorder.events, self.phase)
             with recorder:
                 yield events
             recorder.stop()

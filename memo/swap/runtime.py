@@ -244,6 +244,10 @@ class SwapRuntime(UnitForward, UnitBackward):
         """The rounding buffers, once the first forward pass made them."""
         return list(self.buffers)
 
+    def device_stores(self) -> list[torch.Tensor]:
+        """None: whole layers keep their skeletal tensors in the rounding buffers only."""
+        return []
+
     def take_accounting(self) -> list[dict]:
         """Per-layer bytes since the last call: ``device`` (skeletal bytes the last ``R`` units
         keep in their rounding buffer until their backward), ``host`` (sent to the host) and

@@ -139,6 +139,15 @@ class TiledLayers(TileForward, TileBackward, TileAttention):
         """Under swapping, the tile buffers, once the first forward pass made them."""
         return self.swap.device_buffers() if self.swap is not None else []
 
+    def device_stores(self) -> list[torch.Tensor]:
+        """The stores of keys, values and their accumulators, and under swapping the layer input's,
+        once the first forward pass made them."""
+        stores = [] if self.stores is None else [self.stores.keys, self.stores.values, self.stores.key_grads,
+                                                 self.stores.value_grads]
+        if self.inputs is not None and self.inputs.store is not None:
+            stores.append(self.inputs.store)
+        return stores
+
     def report(self) -> RuntimeReport:
         """What getting the walk ready decided and measured."""
         if self.tile_report is not None:
