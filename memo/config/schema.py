@@ -238,6 +238,10 @@ class FitConfig:
     # Memory the activations cannot use on a GPU: CUDA context, NCCL and cuBLAS workspaces (per
     # device; a CPU has none of them).
     device_reserved_gib: float = 2.0
+    # Whether Megatron's Adam on the predicted GPUs is PyTorch's multi-tensor AdamW, whose step makes
+    # an fp32 element per parameter at once: None, as Megatron falls back on this machine (without
+    # Transformer Engine or Apex); false, their fused Adam, as a Megatron-LM cluster runs it.
+    pytorch_adam: Optional[bool] = None
     # What a GPU run's caching allocator holds beyond the traced iteration's tensors, MiB: cuBLAS's
     # workspaces among them (65.0 to 72.2 MiB on every Megatron row of results/gpu/ from 32K tokens on).
     device_workspace_mib: float = 64.0

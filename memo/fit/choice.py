@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
+
 from memo import hardware
 from memo.config import WHOLE_LAYERS, ConfigError, DoesNotFit, Run, SeqSearch
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
@@ -52,6 +54,7 @@ def problem_of(run: Run, hw: hardware.Hardware) -> Problem:
         plan=run.plan,
         optimizer_offload=offload_share(run, run.train.optimizer_offload),
         plan_time_limit_s=run.planner.time_limit_s,
+        pytorch_adam=USING_PYTORCH_OPTIMIZER if run.fit.pytorch_adam is None else run.fit.pytorch_adam,
     )
 
 
