@@ -1,6 +1,7 @@
 """A run that plans itself (memo.fit.choice): the fastest choice that fits, made before the model
 is built, and a one-line refusal where none fits."""
 
+import dataclasses
 import re
 import time
 
@@ -114,3 +115,18 @@ def test_memo_with_its_defaults_fits_wherever_megatrons_full_recomputation_does(
 
 def _fits(run) -> bool:
     return predict(choice.problem_of(run, _machine(run)), run.workload.parallel, run.workload.seq).fits
+
+
+def test_pytorchs_adam_makes_an_fp32_element_per_parameter_of_its_shard_at_the_step():
+    from memo.fit.memory import optimizer_step_bytes
+    from memo.model.gpt import parameter_count
+
+    run = resolve_config("model=tiny_llama", "seq=1k")
+    params = parameter_count(run.workload.model, 1, 1)  # every parameter on the one device
+    assert optimizer_step_bytes(run.workload, None, 0.0, pytorch_adam=True) == 4 * params
+    assert optimizer_step_bytes(run.workload, None, 0.0, pytorch_adam=False) == 0  # a fused Adam's
+    sharded = run.workload.at(dataclasses.replace(run.workload.parallel, dp=2), 1024)
+    assert optimizer_step_bytes(sharded, None, 0.0, pytorch_adam=True) == -(-4 * params // 2)
+    assert optimizer_step_bytes(sharded, False, 0.0, pytorch_adam=True) == 4 * params  # not sharded
+    # the half of the parameters whose states are on the host step there
+    assert optimizer_step_bytes(run.workload, None, 0.5, pytorch_adam=True) == -(-4 * params // 2)
