@@ -222,11 +222,16 @@ class Choice:
                 p.time.iteration_s), strict=True)),
         }
 
+    @property
+    def described(self) -> str:
+        """The choice in words: the layers' tiles and where Adam's states are."""
+        return _described(self.candidate)
+
     def summary(self) -> str:
         """The log's line."""
         c, p = self.candidate, self.prediction
         loss = f", loss tiles of {c.loss_tile_tokens}" if c.loss_tile_tokens else ""
-        return (f"plan: {_described(c)}{loss}: {p.device_total / GiB:.2f} GiB of "
+        return (f"plan: {self.described}{loss}: {p.device_total / GiB:.2f} GiB of "
                 f"{p.device_capacity / GiB:.2f} GiB per device predicted (margin {p.margin / GiB:.2f} GiB), "
                 f"{p.host_per_device / GiB:.2f} GiB on the host, {p.time.iteration_s:.3g} s a step "
                 f"({self.tried} candidate(s) in {self.seconds:.1f} s)")

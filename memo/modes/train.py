@@ -253,7 +253,7 @@ def _agreed(run: Run, mine: _Chosen, job: Job) -> Run:
         return run
     p = made.prediction
     if least.item() < p.device_total + p.margin:
-        raise DoesNotFit(f"rank 0 chose {made.summary()[6:].split(':')[0]}, which needs {p.device_total / GiB:.2f} "
+        raise DoesNotFit(f"rank 0 chose {made.described}, which needs {p.device_total / GiB:.2f} "
                          f"GiB and a margin of {p.margin / GiB:.2f} GiB, and a rank's device has "
                          f"{least.item() / GiB:.2f} GiB free; free that device or set method.tile_tokens")
     job.row.update(made.row())

@@ -13,14 +13,14 @@ from memo.fit.calibration import problem_of_row
 from memo.fit.predict import predict
 
 BOUNDS = {"allocated": 0.03, "reserved": 0.05, "time": 0.10}
+_LAUNCH_BOUND = "tiny models for a few steps: launch-bound, and the time model counts no launches"
+_UNMEASURED_RATES = "the time model is {} low on these GPUs: fit.*'s efficiencies are not measured yet"
 # (bound, job pattern): why the fit is not held to it there.
 EXEMPT = {
-    ("time", "smoke-*"): "tiny models for a few steps: launch-bound, and the time model counts no launches",
-    ("time", "numerics-*"): "tiny models for a few steps: launch-bound, and the time model counts no launches",
-    ("time", "checkpoints-*"): "tiny models for a few steps: launch-bound, and the time model counts no launches",
-    ("time", "throughput-*"): "the time model is 8-55% low on these GPUs: fit.*'s efficiencies are not measured yet",
-    ("time", "models-*"): "the time model is 18-30% low on these GPUs: fit.*'s efficiencies are not measured yet",
-    ("time", "tiles-*"): "the time model is 10-14% low on these GPUs: fit.*'s efficiencies are not measured yet",
+    **{("time", pattern): _LAUNCH_BOUND for pattern in ("smoke-*", "numerics-*", "checkpoints-*")},
+    ("time", "throughput-*"): _UNMEASURED_RATES.format("8-55%"),
+    ("time", "models-*"): _UNMEASURED_RATES.format("18-30%"),
+    ("time", "tiles-*"): _UNMEASURED_RATES.format("10-14%"),
     ("allocated", "*memo*"): "memo's swapping holds 0.2-2.3 GiB more on a GPU than its trace (growing with the "
                              "length; not found without a GPU)",
     ("reserved", "*memo*"): "memo's swapping holds more on a GPU than its trace (see allocated)",
