@@ -47,6 +47,14 @@ class Workload:
     # parallelism); None: whole layers
     layer_tile_tokens: Optional[int] = None
     document_mask: bool = False  # attention within each packed document (train.document_mask)
+    # the tokens of each document a prediction assumes (fit.document_tokens); None: the sequence
+    document_tokens: Optional[int] = None
+
+    @property
+    def attended_tokens(self) -> int:
+        """The keys a query's causal attention spans, on average twice over: ``Σ n² / s`` for
+        documents of ``n`` tokens filling the sequence (``n``), else the sequence (``s``)."""
+        return self.seq if self.document_tokens is None else min(self.document_tokens, self.seq)
 
     @property
     def dtype_bytes(self) -> int:
@@ -143,6 +151,7 @@ def resolve(cfg, gpu_visible: bool) -> Run:
         loss_tile_tokens=cfg.train.loss_tile_tokens,
         layer_tile_tokens=settings.layer_tile_tokens,
         document_mask=cfg.train.document_mask,
+        document_tokens=settings.document_tokens,
     )
     return Run(
         mode=cfg.mode,

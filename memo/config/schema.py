@@ -231,6 +231,11 @@ class FitConfig:
 
     seq_step: str = "64k"  # seq=max searches multiples of this (tokens, 64k = 65536)
     seq_limit: str = "8192k"  # and none longer
+    # With train.document_mask: the documents' length the prediction assumes (tokens, e.g. "64k",
+    # the longest document of the data), attention's work being Σ n² over them; null: one document
+    # of the whole sequence. Memory is predicted as for one document (a document's attention makes
+    # and keeps no more than the whole sequence's).
+    document_tokens: Optional[str] = None
     runners_up: int = 3  # parallel=search: layouts reported after the best one
     # parallel=search: "runnable" (only layouts that training runs: no pipeline parallelism; the
     # others are listed in layouts.csv with the reason) or "all".

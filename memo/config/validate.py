@@ -55,6 +55,7 @@ class Settings:
     seq_search: Optional[SeqSearch]  # mode=fit seq=max
     # mode=fit parallel=search: the layers' tiles tried (fit.tile_tokens; None: whole layers)
     fit_layer_tiles: tuple[Optional[int], ...]
+    document_tokens: Optional[int] = None  # fit.document_tokens, with train.document_mask in mode=fit
 
 
 def validate(cfg) -> Settings:
@@ -111,8 +112,8 @@ def validate(cfg) -> Settings:
     _check_optimizer_offload(t)
     if t.save_interval is not None:
         at_least("train.save_interval", t.save_interval)
-    _check_validation(cfg, tiles, seq)
-    _check_documents(cfg, method, tiles)
+    _check_validation(cfg, seq)
+    document_tokens = _check_documents(cfg, method, tiles)
     if t.data.startswith(MEGATRON_DATA):
         megatron_blend(t)
     elif t.data != "synthetic" and not Path(t.data).is_file():
@@ -125,7 +126,7 @@ def validate(cfg) -> Settings:
         raise ConfigError(f"planner.time_limit_s={cfg.planner.time_limit_s} must be positive (seconds)")
     search, tried = _check_fit(cfg.fit)  # a training run that chooses its settings asks the fit too
     return Settings(seq, method, tiles, chooses_tiles, search if seq is None else None,
-                    tried if cfg.mode == "fit" else ())
+                    tried if cfg.mode == "fit" else (), document_tokens)
 
 
 def _check_optimizer_offload(t) -> None:
@@ -241,7 +242,7 @@ def _check_fit(fit) -> tuple[SeqSearch, tuple[Optional[int], ...]]:
     return search, tiles
 
 
-def _check_validation(cfg, tiles: Optional[int], seq: Optional[int]) -> None:
+def _check_validation(cfg, seq: Optional[int]) -> None:
     t = cfg.train
     if t.eval_interval is None:
         return
@@ -250,23 +251,25 @@ def _check_validation(cfg, tiles: Optional[int], seq: Optional[int]) -> None:
     at_least("train.eval_buckets", t.eval_buckets)
     if seq is not None and t.eval_buckets > seq:
         raise ConfigError(f"train.eval_buckets={t.eval_buckets} is more than the seq={seq} positions to bucket")
-    if tiles is not None:
-        raise ConfigError("train.eval_interval: a validation pass runs each layer whole, which a walk in tiles "
-                          f"(method.tile_tokens={cfg.method.tile_tokens}) is there to avoid; validate with "
-                          "method.tile_tokens=whole, or set train.eval_interval=null")
-    if cfg.plan:
-        raise ConfigError("train.eval_interval: a validation pass allocates outside the memory plan's steps; "
-                          "set plan=false or train.eval_interval=null")
 
 
-def _check_documents(cfg, method: Method, tiles: Optional[int]) -> None:
+def _check_documents(cfg, method: Method, tiles: Optional[int]) -> Optional[int]:
+    """Check packed documents kept apart against the run's other settings; returns the documents'
+    tokens a prediction assumes (``fit.document_tokens``), None for the sequence."""
     t, p = cfg.train, cfg.parallel
+    documents = cfg.fit.document_tokens
+    if documents is not None and cfg.mode != "fit":
+        raise ConfigError(f"fit.document_tokens={documents} is the documents' length mode=fit assumes; mode="
+                          f"{cfg.mode} reads its documents from train.data; drop fit.document_tokens")
     if not t.document_mask:
-        return
-    if cfg.mode != "train":
-        raise ConfigError(f"train.document_mask: mode={cfg.mode} traces and predicts attention over whole sequences, "
-                          "not over documents; set train.document_mask=false, or mode=train")
-    if not str(t.data).startswith(MEGATRON_DATA):
+        if documents is not None:
+            raise ConfigError(f"fit.document_tokens={documents} is the length of the documents kept apart; set "
+                              "train.document_mask=true as well, or drop fit.document_tokens")
+        return None
+    if cfg.mode == "profile":
+        raise ConfigError("train.document_mask: mode=profile traces attention over whole sequences, not over "
+                          "documents; set train.document_mask=false, or mode=train or mode=fit")
+    if cfg.mode == "train" and not str(t.data).startswith(MEGATRON_DATA):
         raise ConfigError(f"train.document_mask needs documents, which train.data={t.data} does not mark; "
                           "train on Megatron data (python -m memo.data.prepare, train.data=megatron:<prefix>)")
     if t.micro_batch_size != 1:
@@ -279,15 +282,10 @@ def _check_documents(cfg, method: Method, tiles: Optional[int]) -> None:
         raise ConfigError(f"train.document_mask: memo's sequence tiles keep documents apart without context "
                           f"parallelism so far; set parallel.cp=1 or method.tile_tokens=whole (not "
                           f"{cfg.method.tile_tokens}), or train.document_mask=false")
-    if cfg.plan:
-        raise ConfigError("train.document_mask: each sequence's documents change what attention allocates, which a "
-                          "memory plan replays step for step; set plan=false or train.document_mask=false")
     if method.cp_attention == "deepspeed" or method.offloads:
         raise ConfigError(f"train.document_mask runs in memo's own attention, not in method={cfg.method.name}'s "
                           "(DeepSpeed's or Transformer Engine's); choose another method or train.document_mask=false")
-    if p.sequence_parallel and method.ours:
-        raise ConfigError(f"train.document_mask with parallel.sequence_parallel runs with Megatron's layers only so "
-                          f"far, not method={cfg.method.name}'s; set parallel.sequence_parallel=false")
+    return None if documents is None else parse_seq(documents, "fit.document_tokens")
 
 
 def megatron_blend(train) -> tuple[list[str], Optional[list[float]]]:

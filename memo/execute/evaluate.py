@@ -8,7 +8,9 @@ bucket of its position, ``train.eval_buckets`` equal spans of the sequence, so t
 context's use shows: a model that uses it predicts late tokens better than early ones.
 
 Without gradients the layers run Megatron's own forward (no swapping, nothing saved), so a
-validation pass holds one layer's transient tensors at a time, as inference does.
+validation pass holds one layer's transient tensors at a time, as inference does; layers walked in
+tiles are walked tile by tile into their key/value stores
+(:meth:`memo.swap.tiled_layer.TiledLayers.evaluate`), so that no whole-sequence attention is made.
 """
 
 from typing import Callable, Optional
@@ -44,14 +46,16 @@ def validation_loss(
     micro_batches_per_pass: int,
     buckets: int,
     device: torch.device,
-    this_ranks_tokens: Callable[[dict], dict],
+    layers_view: Callable[[dict], dict],
     eod: Optional[int] = None,
 ) -> dict:
     """The mean loss (nats per token) over one pass of validation samples, and per position bucket.
 
     Args:
         micro_batches_per_pass: micro-batches of each data-parallel rank (eval_iters · micro_batches).
-        this_ranks_tokens: a micro-batch cut to this rank's tokens (context parallelism).
+        layers_view: a micro-batch as this rank's layers take it: its tokens of the sequence
+            (context parallelism), in the layers' order (a walk in tiles under sequence
+            parallelism), as training takes it.
         eod: the end-of-document id where documents are kept apart (positions then count within
             each document).
 
@@ -69,7 +73,7 @@ def validation_loss(
     try:
         with torch.no_grad():
             for micro_batch in batch:
-                mb = this_ranks_tokens(micro_batch)
+                mb = layers_view(micro_batch)
                 per_token, counted = token_losses(model, mb)
                 # the bucket whose span (bucket_bounds) holds each position (within its document,
                 # where documents are kept apart: the context the token had)

@@ -113,12 +113,12 @@ class Validation:
                      " ".join("-" if v is None else f"{v:.4f}" for v in record["valid_loss_by_position"]))
 
 
-def validation_pass(model, source, seq: int, train: TrainConfig, device: torch.device, this_ranks_tokens,
+def validation_pass(model, source, seq: int, train: TrainConfig, device: torch.device, layers_view,
                     eod: Optional[int]) -> Callable[[], dict]:
     """The validation pass of a run: ``train.eval_iters`` global batches of ``source``'s held-out
     samples through ``model``."""
     return lambda: validation_loss(model, source, seq, train.micro_batch_size, train.eval_iters * train.micro_batches,
-                                   train.eval_buckets, device, this_ranks_tokens, eod)
+                                   train.eval_buckets, device, layers_view, eod)
 
 
 @dataclass

@@ -153,10 +153,10 @@ def _layouts(run: Run, problem: Problem, policy) -> list:
 def _tiles_to_choose(run: Run) -> tuple[Optional[int], ...]:
     """Whole layers, then the powers of two from half the sequence down to the least the fit
     models (``seq=max``: ``fit.tile_tokens``); whole layers only where a tile cannot run with the
-    run's other settings (validation and, under context parallelism, packed documents each layer
-    whole)."""
+    run's other settings (packed documents under context parallelism). A validation pass walks
+    the tiles without a graph, within what a training step holds."""
     train, parallel, seq = run.train, run.workload.parallel, run.workload.seq
-    if train.eval_interval is not None or (train.document_mask and parallel.cp > 1):
+    if train.document_mask and parallel.cp > 1:
         return (None,)
     if run.seq_search is not None:  # mode=fit seq=max: the tiles a layout search tries
         return (None, *(t for t in run.fit_layer_tiles if t is not None))

@@ -6,7 +6,8 @@ Per micro-batch and pipeline stage, each layer costs:
 * forward: the weight GEMMs ``2·b·t·W/tp`` FLOPs (``W`` the layer's four weights,
   :func:`memo.model.gpt.layer_matmul_weights`: ``4h² + 2h·f`` for the GPT, grouped keys and values
   and SwiGLU's 3h·f for Llama) at ``gemm_efficiency`` of the peak, and
-  causal attention ``2·b·t·s·h/tp`` FLOPs (``t = s/cp`` tokens on this rank) at
+  causal attention ``2·b·t·s·h/tp`` FLOPs (``t = s/cp`` tokens on this rank; within packed
+  documents of ``n`` tokens, ``fit.document_tokens``, ``s`` becomes ``n``) at
   ``attention_forward_efficiency``; backward: twice the GEMMs, and 2.5 times the attention FLOPs
   (FlashAttention recomputes the scores) at ``attention_backward_efficiency``;
 * tensor parallelism: with sequence parallelism two all-gathers and two reduce-scatters of the
@@ -39,7 +40,7 @@ from typing import Optional
 
 from memo.config import ConfigError, FitConfig, Workload
 from memo.hardware import Hardware
-from memo.metrics import mfu, model_flops_per_sample, tgs
+from memo.metrics import mfu, model_flops, tgs
 from memo.model.gpt import layer_matmul_weights, model_flops_parameters, padded_vocab_size
 from memo.policy import LayerSeconds, Placed, policy_of
 
@@ -102,7 +103,8 @@ def layer_seconds(workload: Workload, hw: Hardware, fit: FitConfig, exchange: st
     weights = layer_matmul_weights(model)
     gemm_rate = peak * fit.gemm_efficiency
     gemm = 2 * b * t * weights / tp / gemm_rate
-    attention_flops = 2 * b * t * seq * h / tp  # QKᵀ and PV, 4·b·t·s·h/tp, halved by the causal mask
+    # QKᵀ and PV, 4·b·t·s·h/tp, halved by the causal mask; within documents of n tokens s becomes n
+    attention_flops = 2 * b * t * workload.attended_tokens * h / tp
     attention = attention_flops / (peak * fit.attention_forward_efficiency)
     attention_bwd = ATTENTION_BACKWARD_FLOPS * attention_flops / (peak * fit.attention_backward_efficiency)
 
@@ -187,7 +189,8 @@ def predict_time(
 
     devices = tp * cp * pp * dp
     global_batch = micro_batch_size * micro_batches * dp
-    flops = global_batch * model_flops_per_sample(seq, model_flops_parameters(model), n, h)
+    # (within documents, the attention computed: as a run's mfu_documents, not the paper's s²)
+    flops = global_batch * model_flops(seq, seq * workload.attended_tokens, model_flops_parameters(model), n, h)
     return TimePrediction(
         layer_forward_s=forward,
         layer_backward_s=backward,

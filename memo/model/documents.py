@@ -159,12 +159,12 @@ class DocumentParams(PackedSeqParams):
 
     def rotary_angles(self, freqs: torch.Tensor, embedding: RotaryEmbedding) -> torch.Tensor:
         """The rotary angles of the position within its document of each of this rank's ``n``
-        tokens, in place of ``freqs``, those of their positions in the sequence (``[n, 1, 1, d]``):
-        rows of ``embedding``'s angles of positions ``0 .. longest document − 1`` (float32: ``4·n·d``
-        bytes kept, and ``6·longest·d`` for the call only, the half-width angles and the table of
-        them), bit for bit the rows of
-        every longer sequence's angles, and of positions a context-parallel rank's own angles
-        do not hold.
+        tokens, in place of ``freqs``, those of their positions in the sequence (``[n, 1, 1, d]``,
+        float32: ``4·n·d`` bytes kept): rows of ``freqs`` where they are the whole sequence's,
+        else (a context-parallel rank's part, which lacks positions its documents have) rows of
+        ``embedding``'s angles of positions ``0 .. longest document − 1`` (``6·longest·d`` bytes
+        more for the call only, the half-width angles and the table of them), bit for bit the
+        rows of every longer sequence's angles.
 
         Raises:
             ValueError: ``freqs`` not of this rank's tokens.
@@ -172,6 +172,10 @@ class DocumentParams(PackedSeqParams):
         tokens = len(self.position_ids)
         if freqs.shape[0] != tokens:
             raise ValueError(f"rotary angles of {freqs.shape[0]} positions for {tokens} tokens of documents")
+        if tokens == self.documents.tokens:
+            # every token of the sequence: ``freqs`` are the angles of positions 0 .. s − 1, whose rows
+            # these are; one gather, its size the same whatever the documents (a memory plan serves it)
+            return freqs.index_select(0, self.position_ids.to(freqs.device))
         longest = max(end - start for start, end in self.documents.spans())
         return embedding.get_emb(longest)[self.position_ids.to(freqs.device)].view(freqs.shape)
 

@@ -11,7 +11,9 @@ layer spec, with control over what its forward pass keeps for the backward pass.
 * ``activations="keep"``: the layer keeps everything, as Megatron's would: the trace from which
   the fit planner takes a swapping method's activations (:mod:`memo.profile.template`).
 
-The computation itself is Megatron's, unchanged; without grad (evaluation) both run plainly.
+The computation itself is Megatron's, unchanged. Without grad (validation) a layer runs plainly,
+or as its placement evaluates it (a walk in tiles walks it, so that no whole-sequence attention
+is made).
 Under swapping the layer's own modules write the tensors it saves straight into the placement's
 rounding buffer (:mod:`memo.model.placement`).
 """
@@ -42,8 +44,10 @@ class MemoTransformerLayer(Placed, TransformerLayer):
         """The layer's forward; Megatron's ``TransformerBlock`` passes keyword arguments only."""
         if args:
             raise TypeError("MemoTransformerLayer takes keyword arguments only")
-        if not torch.is_grad_enabled() or self.activations == "keep":
+        if self.activations == "keep" or (self.placement is None and not torch.is_grad_enabled()):
             return self.run(**kwargs)
+        if not torch.is_grad_enabled():
+            return self.placement.evaluate(self, kwargs)
         if self.placement is not None:  # swapping, or a walk in tiles
             return self.placement.forward(self, kwargs)
         if self.activations == "recompute":

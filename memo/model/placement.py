@@ -62,6 +62,11 @@ class Placement(Protocol):
         ``layer.run(**kwargs)`` is Megatron's own."""
         ...
 
+    def evaluate(self, layer, kwargs: dict) -> tuple:
+        """``layer``'s forward pass without grad (validation), as :meth:`forward` returns it:
+        nothing is kept for a backward pass."""
+        ...
+
     def output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Memory for a token-major tensor ``shape`` an op of the layer is about to make and
         save; its content is undefined."""

@@ -379,15 +379,17 @@ def _run(run: Run, policy: ActivationPolicy, started: Started, built: Built, run
                        device_type, started.arena, layers=runtime)
     if started.arena is not None:
         started.arena.phase = plan.phase
-    step = TrainingStep(built.optimizer, device_type, lambda mb: runtime.token_order(this_ranks_tokens(mb)),
-                        built.model.step_end)
+    def layers_view(micro_batch: dict) -> dict:  # (a walk in tiles under sequence parallelism reorders tokens)
+        return runtime.token_order(this_ranks_tokens(micro_batch))
+
+    step = TrainingStep(built.optimizer, device_type, layers_view, built.model.step_end)
     with step_progress(train.steps - built.start_step, show_bar=speaks) as progress:
         hooks = [
             throughput,
             MemoryReadings(started.memory),
             ActivationAccounting(runtime, job.writer),
             Validation(train.eval_interval, train.steps, validation_pass(
-                built.optimizer.model, source, seq, train, torch.device(device_type), this_ranks_tokens, eod),
+                built.optimizer.model, source, seq, train, torch.device(device_type), layers_view, eod),
                 row, speaks),
             log_records,
             Checkpointing(train.save_interval, train.steps, started.save_dir, built.model.module, built.optimizer,

@@ -269,6 +269,10 @@ class SwapRuntime(UnitForward, UnitBackward):
         output, context = self.forward_unit(index, layer, kwargs)
         return _BackwardStart.apply(output, self, index), context
 
+    def evaluate(self, layer, kwargs: dict):
+        """The layer as Megatron runs it: without grad nothing is saved, so nothing is swapped."""
+        return layer.run(**kwargs)
+
     @property
     def capturing(self) -> bool:
         """Whether a unit's pass runs under this runtime now (its forward, discovery or recomputation)."""

@@ -248,6 +248,27 @@ class TiledLayers(TileForward, TileBackward, TileAttention):
     def forward(self, layer, kwargs: dict):
         """``layer``'s forward pass over its tiles (keyword arguments as Megatron passes them):
         ``(output, None)``."""
+        hidden = self._walked(kwargs)
+        if not hidden.requires_grad:
+            # the weights are not the walk's inputs: without a graph to the input no backward
+            # would run, and their gradients would be lost silently
+            raise ValueError("a layer walked in tiles needs an input that requires grad")
+        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        return _TiledLayer.apply(hidden, self, layer, self._index[id(layer)], rest), None
+
+    def evaluate(self, layer, kwargs: dict):
+        """``layer``'s forward pass over its tiles without grad (validation): ``(output, None)``.
+        Nothing is kept or swapped; the keys and values go into the walk's stores, so that it
+        holds what its forward holds, less the graph (no whole-sequence attention is made)."""
+        hidden = self._walked(kwargs)
+        try:
+            return self.run_forward(layer, self._index[id(layer)], hidden, kwargs), None
+        finally:
+            self.documents = None
+
+    def _walked(self, kwargs: dict) -> torch.Tensor:
+        """The layer input of Megatron's keyword arguments ``kwargs``, once they are checked to be
+        what the walk takes; the walk's documents are theirs from then on."""
         check_layer_arguments(kwargs, "memo's tiles")
         self.documents = documents_of(kwargs)
         hidden = kwargs["hidden_states"]
@@ -256,15 +277,10 @@ class TiledLayers(TileForward, TileBackward, TileAttention):
             raise ValueError(f"memo's tiles keep the documents of a whole sequence apart, without context "
                              f"parallelism: documents of {self.documents.tokens} tokens, a layer input of "
                              f"{hidden.shape[0]} rows")
-        if not hidden.requires_grad:
-            # the weights are not the walk's inputs: without a graph to the input no backward
-            # would run, and their gradients would be lost silently
-            raise ValueError("a layer walked in tiles needs an input that requires grad")
         if hidden.shape[0] % (self.tile_rows * self._chunks):
             raise ValueError(f"{hidden.shape[0]} rows cannot be cut into {self._chunks} chunk(s) of tiles of "
                              f"{self.tile_rows}")
-        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        return _TiledLayer.apply(hidden, self, layer, self._index[id(layer)], rest), None
+        return hidden
 
     @property
     def _chunks(self) -> int:

@@ -297,6 +297,15 @@ def test_predicted_time_is_the_flop_count_over_the_assumed_rates():
     again = predict_time(work(method=FULL_RECOMPUTE, seq=s), 1, A800, fit)
     assert again.iteration_s == pytest.approx(t.iteration_s + n * forward)
     assert again.mfu < t.mfu
+    # Within packed documents of 8K tokens (fit.document_tokens) attention computes s·8K of s², and
+    # MFU counts what it computes (as a run's mfu_documents)
+    d = 8 * 1024
+    documents = predict_time(work(seq=s, document_mask=True, document_tokens=d), 1, A800, fit, local_params=0)
+    attention_d = 2 * s * d * h
+    forward_d = gemm + attention_d / (peak * fit.attention_forward_efficiency)
+    backward_d = 2 * gemm + 2.5 * attention_d / (peak * fit.attention_backward_efficiency)
+    assert documents.iteration_s == pytest.approx(n * (forward_d + backward_d) + head)
+    assert documents.mfu == pytest.approx((6 * s * params + 6 * n * h * s * d) / (documents.iteration_s * peak))
 
 
 def test_context_parallel_time_is_the_exchange_of_keys_and_values():

@@ -41,14 +41,13 @@ def test_packed_documents_train_as_the_documents_one_by_one(single_process, meth
 @pytest.mark.parametrize("overrides, message", [
     ([], "train.document_mask needs documents, which train.data=synthetic does not mark"),
     (["train.data=megatron:x", "train.micro_batch_size=2"], "set train.micro_batch_size=1 \\(not 2\\)"),
-    (["train.data=megatron:x", "plan=true"], "set plan=false or train.document_mask=false"),
     (["train.data=megatron:x", "parallel.cp=2", "method=memo", "method.tile_tokens=16"],
      "set parallel.cp=1 or method.tile_tokens=whole \\(not 16\\)"),
     (["train.data=megatron:x", "train.attention_backend=te"], "set train.attention_backend to flash, cudnn or efficient"),
-    (["train.data=megatron:x", "mode=fit"], "mode=fit traces and predicts attention over whole sequences"),
+    (["train.data=megatron:x", "mode=profile"], "mode=profile traces attention over whole sequences"),
+    (["fit.document_tokens=4k", "mode=fit", "train.document_mask=false"], "set train.document_mask=true as well"),
+    (["train.data=megatron:x", "fit.document_tokens=4k"], "mode=train reads its documents from train.data"),
     (["train.data=megatron:x", "method=deepspeed_ulysses"], "not in method=deepspeed_ulysses's"),
-    (["train.data=megatron:x", "parallel.tp=2", "parallel.sequence_parallel=true", "method=memo"],
-     "set parallel.sequence_parallel=false"),
 ])
 def test_documents_where_they_cannot_be_kept_apart_are_one_line(overrides, message):
     from memo.config import ConfigError
@@ -61,3 +60,10 @@ def test_documents_where_they_cannot_be_kept_apart_are_one_line(overrides, messa
 def test_packed_documents_under_context_parallelism_train_as_the_documents_one_by_one(torchrun_results):
     (result,) = torchrun_results  # in the session's launch of two processes
     assert result.passed() == ("6 exchanges and methods train as the documents one by one",) * 2
+
+
+def test_mode_fit_predicts_documents_of_the_length_it_is_given():
+    run = resolve_config("train.document_mask=true", "mode=fit", "fit.document_tokens=4k", "seq=16k")
+    assert (run.workload.document_tokens, run.workload.attended_tokens) == (4096, 4096)
+    # without a length, one document of the whole sequence: attention's work as without documents
+    assert resolve_config("train.document_mask=true", "mode=fit", "seq=16k").workload.attended_tokens == 16384

@@ -123,27 +123,38 @@ DOCUMENTS = ["seq=128", "train.steps=4", "train.warmup_steps=1", "train.loss=til
 # two context-parallel ranks (whose tokens end documents unevenly) passing keys and values on a ring
 DOCUMENTS_CP2 = [*DOCUMENTS, "train.document_mask=true", "parallel.cp=2", "parallel.cp_comm_type=p2p", "method=memo",
                  "alpha=0.5"]
+# the frontier's recipe at tiny size: memo in tiles under tensor and sequence parallelism, with the
+# memory plan, documents kept apart and validation walked in tiles
+TILES = ["method=memo", "method.tile_tokens=32", "plan=true"]
+DOCUMENTS_TP2 = [*DOCUMENTS, "train.document_mask=true", "parallel.tp=2", "parallel.sequence_parallel=true", *TILES]
 
 
-@pytest.mark.torchrun(2, " ".join(["documents_worker.train", *DOCUMENTS_CP2]))
+@pytest.mark.torchrun(2, " ".join(["documents_worker.train", *DOCUMENTS_CP2]),
+                      " ".join(["documents_worker.train", *DOCUMENTS_TP2]))
 def test_documents_kept_apart_train_alike_with_memo_and_keeping_everything(tmp_path, torchrun_results):
     prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=120)
     common = [*DOCUMENTS, f"train.data=megatron:{prefix}", f"train.tokenizer={tokenizer}"]
     rows = {name: run_in_process(tmp_path / name, *common, *overrides) for name, overrides in [
         ("none", ["train.document_mask=true"]), ("memo", ["train.document_mask=true", "method=memo", "alpha=0.5"]),
-        ("across", [])]}
-    (cp2,) = torchrun_results
-    cp2.passed()
-    rows["cp2"] = json.loads((cp2.out_dir / "result.json").read_text())
+        ("tiles", ["train.document_mask=true", *TILES]), ("across", [])]}
+    launched = dict(zip(("cp2", "tp2"), torchrun_results, strict=True))
+    for name, result in launched.items():
+        result.passed()
+        rows[name] = json.loads((result.out_dir / "result.json").read_text())
     assert {name: row["status"] for name, row in rows.items()} == dict.fromkeys(rows, "ok"), rows
-    losses = {name: _losses(path) for name, path in [*((n, tmp_path / n) for n in rows if n != "cp2"),
-                                                     ("cp2", cp2.out_dir)]}
+    losses = {name: _losses(launched[name].out_dir if name in launched else tmp_path / name) for name in rows}
     assert losses["memo"] == pytest.approx(losses["none"], abs=1e-5)
+    assert losses["tiles"] == pytest.approx(losses["none"], abs=1e-5)
     # (float32 sums in another order, which Adam's first steps amplify, as the other multi-process
     # comparisons allow; tests/documents_worker.py checks cp = 2 in float64 to 1e-9)
     assert losses["cp2"] == pytest.approx(losses["none"], abs=1e-4)
+    assert losses["tp2"] == pytest.approx(losses["none"], abs=1e-4)
     assert losses["none"] != pytest.approx(losses["across"], abs=1e-3)  # the documents did not see each other
-    for name, tolerance in (("memo", 1e-5), ("cp2", 1e-4)):
+    # the tiles walked, and the plan served the steps after the one it recorded (on the CPU: it
+    # matched the run's requests, all but the blocks that documents cut into parts of their own)
+    assert rows["tiles"]["tiles.tile_tokens"] == 32 and rows["tiles"]["plan.served"] > 0
+    assert rows["tp2"]["tiles.tile_tokens"] == 32
+    for name, tolerance in (("memo", 1e-5), ("tiles", 1e-5), ("cp2", 1e-4), ("tp2", 1e-4)):
         assert rows[name]["valid_loss"] == pytest.approx(rows["none"]["valid_loss"], abs=tolerance)
         assert rows[name]["valid_loss_by_position"][:3] == pytest.approx(rows["none"]["valid_loss_by_position"][:3],
                                                                          abs=tolerance)
@@ -153,6 +164,6 @@ def test_documents_kept_apart_train_alike_with_memo_and_keeping_everything(tmp_p
     # MFU of the attention computed, each step's documents' squares, beside the paper's
     steps = [json.loads(line) for line in (tmp_path / "none" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < s["document_squared_tokens"] < 128**2 for s in steps)
-    cp2_steps = [json.loads(line) for line in (cp2.out_dir / "metrics.jsonl").read_text().splitlines()]
+    cp2_steps = [json.loads(line) for line in (launched["cp2"].out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["document_squared_tokens"] for s in cp2_steps] == [s["document_squared_tokens"] for s in steps]
     assert 0 < rows["none"]["mfu_documents"] < rows["none"]["mfu"] and rows["across"]["mfu_documents"] is None
