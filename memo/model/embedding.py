@@ -1,4 +1,4 @@
-"""A vocab-parallel word embedding whose backward pass never holds the whole sequence's gradient.
+"""A vocab-parallel word embedding that never holds the whole sequence's lookup or its gradient.
 
 Megatron's ``VocabParallelEmbedding`` under tensor parallelism zeroes the rows of tokens outside
 this rank's vocabulary with an in-place masked assignment, then (under sequence parallelism)
@@ -6,11 +6,14 @@ reduce-scatters the ``[s, b, h]`` result. Its backward pass all-gathers the grad
 token (``[s, b, h]``: 8 GiB at 1M tokens and h = 4096 in bf16), makes a masked copy of it for the
 assignment (8 GiB more) and hands that to ``embedding_dense_backward``.
 
-:class:`TiledVocabEmbedding` computes the same forward pass and a backward pass in tiles of
-tokens: per tile it all-gathers the tile's gradient over sequence parallelism, picks the rows of
-tokens in this rank's vocabulary, and adds them into an fp32 weight gradient. The device holds one
-tile's gradient at a time, besides the fp32 ``[v/tp, h]`` accumulator and each token's local id
-(8 bytes a token). With ``train.loss=tiled`` it is the word embedding of
+:class:`TiledVocabEmbedding` computes the same passes in tiles of tokens. Its forward under
+sequence parallelism looks up one tile of every rank's shard at a time and reduce-scatters it
+into this rank's ``[s/tp, b, h]`` output (Megatron's whole ``[s, b, h]`` lookup is the peak of a
+long sequence's forward there: 58 GB for Llama-3.1-8B at 6.5M tokens). Its backward, per tile,
+all-gathers the tile's gradient over sequence parallelism, picks the rows of tokens in this
+rank's vocabulary, and adds them into an fp32 weight gradient. The device holds one tile's lookup
+or gradient at a time, besides the output or the fp32 ``[v/tp, h]`` accumulator, and each token's
+local id (8 bytes a token) and whether it is another rank's (1 byte). With ``train.loss=tiled`` it is the word embedding of
 :class:`~memo.model.loss.TiledLossGPTModel`, with the loss's ``train.loss_tile_tokens`` if set.
 """
 
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-from memo.model.tiles import eighth_tile_tokens, gather, read_tile, reduce_scatter, spans
+from memo.model.tiles import eighth_tile_tokens, gather, read_tile, spans
 
 
 class _VocabEmbedding(torch.autograd.Function):
@@ -31,12 +34,12 @@ class _VocabEmbedding(torch.autograd.Function):
         # [s, b]: the token-major order of the [s, b, h] output; -1 marks another rank's token
         local = (ids.t() - first).contiguous()
         outside = (local < 0) | (local >= rows)
-        out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
-        if size > 1:
-            out.masked_fill_(outside.unsqueeze(-1), 0.0)
-            if scatter:
-                out = reduce_scatter(out, group, size)
-            else:
+        if scatter and size > 1:
+            out = _scattered_lookup(local, outside, weight, tile, group, size)
+        else:
+            out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+            if size > 1:
+                out.masked_fill_(outside.unsqueeze(-1), 0.0)
                 dist.all_reduce(out, group=group)
         ctx.save_for_backward(local.masked_fill_(outside, -1))
         ctx.rows, ctx.dtype, ctx.tile, ctx.group = rows, weight.dtype, tile, group
@@ -56,6 +59,25 @@ class _VocabEmbedding(torch.autograd.Function):
             mine = (ids >= 0).unsqueeze(-1)
             grad_weight.index_add_(0, ids.clamp(min=0), torch.where(mine, rows, 0.0).float())
         return None, grad_weight.to(ctx.dtype), None, None, None, None
+
+
+def _scattered_lookup(local: torch.Tensor, outside: torch.Tensor, weight: torch.Tensor, tile: int, group,
+                      size: int) -> torch.Tensor:
+    """This rank's ``[s/size, b, h]`` shard of the lookup of ``local`` (``[s, b]`` ids within this
+    rank's rows of ``weight``; ``outside``: another rank's token), summed over the ``size`` ranks
+    of ``group``, made ``tile`` rows of the shard at a time: each tile's rows of every shard are
+    looked up (``[size·tile, b, h]``) and reduce-scattered into the shard, so that the whole
+    sequence's lookup (``s·b·h`` elements, the peak of a long sequence's forward under sequence
+    parallelism) never exists."""
+    shard = local.shape[0] // size
+    out = torch.empty((shard, local.shape[1], weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    for start, end in spans(shard, tile):
+        away = read_tile(outside, start, end, size)
+        part = torch.nn.functional.embedding(read_tile(local, start, end, size).masked_fill(away, 0), weight)
+        part.masked_fill_(away.unsqueeze(-1), 0.0)
+        dist.reduce_scatter_tensor(out[start:end], part, group=group)
+        del part, away
+    return out
 
 
 class TiledVocabEmbedding(VocabParallelEmbedding):

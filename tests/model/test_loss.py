@@ -94,14 +94,28 @@ def test_tiled_loss_peak_is_at_most_an_eighth_of_megatrons_at_16k_tokens():
     assert tiled * 8 <= megatron, (tiled, megatron)
 
 
-def _embedding_backward_peak(loss: str, parallel: ParallelConfig, seq: int) -> int:
-    """Bytes the embedding's backward pass adds, at its peak, to what was live as it began (fp32,
-    a vocabulary small enough that the [s, h] gradient is the largest thing there)."""
+def _embedding_peak(loss: str, parallel: ParallelConfig, seq: int, phase: str) -> int:
+    """Bytes the embedding's ``phase`` (``embedding.fwd`` or ``.bwd``) adds, at its peak, to what
+    was live as it began (fp32, a vocabulary small enough that the [s, h] lookup or gradient is the
+    largest thing there)."""
     model = ModelConfig(name="v1024", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                         num_attention_heads=4, vocab_size=1024)
     workload = Workload(model, Method(name="none"), parallel, seq, dtype="fp32", loss=loss)
     trace = trace_of(workload, "fake")
-    return _phase_peak(trace, ("embedding.bwd",))
+    return _phase_peak(trace, (phase,))
+
+
+def test_the_tiled_embedding_forward_holds_no_lookup_of_the_whole_sequence():
+    parallel, seq, h = ParallelConfig(tp=2, sequence_parallel=True), 16384, 256
+    sequence = seq * h * 4  # [s, b, h] fp32: every token's lookup, as Megatron makes it before its reduce-scatter
+    megatron = _embedding_peak("megatron", parallel, seq, "embedding.fwd")
+    tiled = _embedding_peak("tiled", parallel, seq, "embedding.fwd")
+    assert megatron >= sequence + sequence // parallel.tp, megatron  # the lookup, then the shard beside it
+    # the rank's shard and each token's local id (8 bytes) throughout; at the peak either one tile
+    # of every shard's lookup (an eighth of the tokens) and which tokens are another rank's (1 byte
+    # a token), or the rotary angles the phase makes next (float32 [s, 64] three times over)
+    tile, angles = sequence // 8 + seq, 3 * seq * 64 * 4
+    assert tiled <= sequence // parallel.tp + 8 * seq + max(tile, angles), (tiled, megatron)
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2, sequence_parallel=True)],
@@ -110,8 +124,8 @@ def test_the_tiled_embedding_backward_holds_no_gradient_of_the_whole_sequence(pa
     seq, h = 16384, 256
     sequence = seq * h * 4  # [s, b, h] fp32: every token's gradient, as Megatron gathers it
     weight = 1024 // parallel.tp * h * 4  # one [v/tp, h] fp32 weight gradient
-    megatron = _embedding_backward_peak("megatron", parallel, seq)
-    tiled = _embedding_backward_peak("tiled", parallel, seq)
+    megatron = _embedding_peak("megatron", parallel, seq, "embedding.bwd")
+    tiled = _embedding_peak("tiled", parallel, seq, "embedding.bwd")
     if parallel.tp > 1:  # the gathered gradient and its masked copy at once, less the shard freed
         assert megatron >= sequence + sequence // parallel.tp, megatron
     # a tile's gradient (an eighth of the tokens) and its masked copy, next to the accumulator
