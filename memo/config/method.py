@@ -160,9 +160,15 @@ def _check_offload_modules(method: Method) -> None:
         raise ConfigError(f"method.offload_modules is Megatron's offloading, on Megatron's layers, and "
                           f"cannot be combined with method.layer_activations={method.layer_activations}; "
                           "set one of them")
-    if method.recompute_granularity is not None:
-        raise ConfigError(f"method.offload_modules cannot be combined with method.recompute_granularity="
-                          f"{method.recompute_granularity} here; set one of them")
+    if method.recompute_granularity == "full":
+        raise ConfigError("method.offload_modules with method.recompute_granularity=full: a layer recomputed "
+                          "whole saves nothing inside its modules to offload; recompute selectively "
+                          "(method.recompute_modules) or drop one of them")
+    # (selective without modules recomputes core attention: Megatron's default)
+    if method.recompute_granularity == "selective" and "core_attn" in (method.recompute_modules or ("core_attn",)) \
+            and "core_attn" in method.offload_modules:
+        raise ConfigError("method.offload_modules offloads core_attn, whose recomputation "
+                          "(method.recompute_modules) saves nothing there to offload; drop it from one of them")
     if method.cp_attention != "memo":
         raise ConfigError(f"method.offload_modules runs on Transformer Engine's attention, not "
                           f"method.cp_attention={method.cp_attention}; set method.cp_attention=memo")

@@ -181,6 +181,13 @@ def layer_matmul_weights(model: ModelConfig) -> int:
     return h * qkv + q * h + h * fc1 + f * h
 
 
+def mlp_matmul_weights(model: ModelConfig) -> int:
+    """Weight elements of one layer's MLP products (FC1 and FC2), all tensor-parallel shards: the
+    part of :func:`layer_matmul_weights` that Megatron's ``recompute_modules=[mlp]`` runs again."""
+    _, _, fc1 = _widths(model)
+    return model.hidden_size * fc1 + model.ffn_hidden_size * model.hidden_size
+
+
 def model_flops_parameters(model: ModelConfig) -> int:
     """P of the MFU formula (:mod:`memo.metrics.flops`): the whole model's parameters, less an
     untied model's input embedding, which is a lookup (its output layer multiplies, as a tied

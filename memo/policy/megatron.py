@@ -12,7 +12,8 @@ from memo.config.validate import CP_COMM_TYPES
 from memo.model import LayerBuild
 from memo.model.deepspeed_attention import require_deepspeed
 from memo.policy.base import ActivationPolicy, LayerSeconds, OutOfHostMemory, Placed, Situation, _host_lines
-from memo.policy.megatron_offload import offloaded_bytes, offloaded_layers
+from memo.model.gpt import layer_matmul_weights, mlp_matmul_weights
+from memo.policy.megatron_offload import megatron_recompute, offloaded_bytes, offloaded_layers
 
 GiB = 2**30
 
@@ -26,13 +27,7 @@ class MegatronLayers(ActivationPolicy):
     @property
     def layers(self) -> LayerBuild:
         m = self.method
-        recompute = ()
-        if m.recompute_granularity is not None:
-            recompute = (("recompute_granularity", m.recompute_granularity), ("recompute_method", m.recompute_method),
-                         ("recompute_num_layers", m.recompute_num_layers))
-            if m.recompute_modules is not None:
-                recompute += (("recompute_modules", m.recompute_modules),)
-        return LayerBuild(ulysses=m.cp_attention == "deepspeed", recompute=recompute,
+        return LayerBuild(ulysses=m.cp_attention == "deepspeed", recompute=megatron_recompute(m),
                           offload_modules=m.offload_modules)
 
     @property
@@ -59,11 +54,17 @@ class MegatronLayers(ActivationPolicy):
 
     def recompute_seconds(self, workload: Workload, seconds: LayerSeconds, alpha: float = 1.0,
                           checkpoint_every: int = 1) -> float:
-        """Full recomputation runs a layer's forward once more; selective, its core attention."""
+        """Full recomputation runs a layer's forward once more; selective, the modules it names:
+        core attention's forward, the MLP's GEMMs (their share of the layer's), the norms (no
+        GEMM: not counted)."""
         granularity = self.method.recompute_granularity
         if granularity == "full":
             return seconds.forward
-        return seconds.attention if granularity == "selective" else 0.0
+        if granularity != "selective":
+            return 0.0
+        modules = self.method.recompute_modules or ("core_attn",)  # (Megatron's default)
+        mlp = mlp_matmul_weights(workload.model) / layer_matmul_weights(workload.model)
+        return ("core_attn" in modules) * seconds.attention + ("mlp" in modules) * mlp * seconds.gemm
 
     def place(self, situation: Situation) -> Placed:
         """Without offloading, everything on the device as traced. Megatron's offloading, on

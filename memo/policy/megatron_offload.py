@@ -26,6 +26,10 @@ QKV projection with the input norm fused into it (Megatron builds ``input_layern
 ``IdentityOp`` there, which ``attn_norm`` skips), ``core_attn`` core attention, ``attn_proj`` the
 output projection (:data:`memo.config.method.OFFLOAD_MODULES`, :func:`module_scopes`).
 
+With Megatron's selective recomputation beside it (``method.recompute_modules``, e.g. ``mlp``: the
+MLP saves its input alone and runs again in the backward pass) the traced layer recomputes as
+the method does, so a recomputed module saves nothing for the offloading to take.
+
 How the bytes are found: one forward pass of a three-layer model of the workload's shape, on fake
 tensors, with the layers ``method=none`` builds on this machine (Megatron's local layers), records
 every tensor autograd saves inside the middle layer, the named module it was saved in (forward
@@ -122,8 +126,20 @@ def offloaded_bytes(workload: Workload,
                           f"{', '.join(OFFLOAD_MODULES)}")
     parallel = workload.parallel
     layer = _layer(_frozen(workload.model), parallel.tp, parallel.sequence_parallel,
-                   workload.micro_batch_size, workload.dtype)
+                   workload.micro_batch_size, workload.dtype, megatron_recompute(method))
     return layer.at(workload.seq // parallel.cp, frozenset(method.offload_modules), min_offloaded_elements)
+
+
+def megatron_recompute(method: Method) -> tuple[tuple[str, object], ...]:
+    """Megatron's recomputation settings of ``method`` as :class:`memo.model.LayerBuild` takes them
+    (``TransformerConfig``'s ``recompute_*`` fields as (name, value) pairs); () for none."""
+    if method.recompute_granularity is None:
+        return ()
+    recompute = (("recompute_granularity", method.recompute_granularity),
+                 ("recompute_method", method.recompute_method), ("recompute_num_layers", method.recompute_num_layers))
+    if method.recompute_modules is not None:
+        recompute += (("recompute_modules", method.recompute_modules),)
+    return recompute
 
 
 @dataclass(frozen=True)
@@ -232,7 +248,7 @@ class _SaveRecorder:
 
 
 def _trace_layer(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int, dtype: str,
-                 tokens: int) -> _LayerTrace:
+                 recompute: tuple, tokens: int) -> _LayerTrace:
     parallel = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel)
     workload = Workload(model, Method(name="none"), parallel, tokens, micro_batch_size, dtype)
     config = transformer_config(workload, "cpu")
@@ -247,7 +263,7 @@ def _trace_layer(model: ModelConfig, tp: int, sequence_parallel: bool, micro_bat
 
     with process_group(workload.parallel, "fake"), FakeTensorMode(allow_non_fake_inputs=True):
         torch.manual_seed(0)
-        gpt = build_gpt(workload, "cpu", attention, layers=LayerBuild()).module
+        gpt = build_gpt(workload, "cpu", attention, layers=LayerBuild(recompute=recompute)).module
         parameters = {id(p.untyped_storage()) for p in gpt.parameters()}
         recorder = _SaveRecorder(gpt.decoder.layers[_LAYER - 1], parameters)
         ids = torch.zeros(micro_batch_size, tokens, dtype=torch.long)
@@ -264,9 +280,11 @@ def _frozen(model: ModelConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _layer(model: tuple, tp: int, sequence_parallel: bool, micro_batch_size: int, dtype: str) -> _LayerBytes:
+def _layer(model: tuple, tp: int, sequence_parallel: bool, micro_batch_size: int, dtype: str,
+           recompute: tuple) -> _LayerBytes:
     chunk = tp if sequence_parallel else 1
     tokens = tuple(t * chunk for t in _TRACED_TOKENS)
     shape = ModelConfig(**dict(model))
-    small, large = (_trace_layer(shape, tp, sequence_parallel, micro_batch_size, dtype, t) for t in tokens)
+    small, large = (_trace_layer(shape, tp, sequence_parallel, micro_batch_size, dtype, recompute, t)
+                    for t in tokens)
     return _LayerBytes(small, large, tokens)

@@ -109,13 +109,19 @@ def _count(workload: Workload, modules: set, fake: bool) -> list[tuple[int, int,
     # layer's input and the norm's output (TE fuses the norm into the QKV projection); q, k, v
     # and the output; the output again
     ("tiny", 2, "bf16", 2, {"qkv_linear": 2, "core_attn": 4, "attn_proj": 1}, True),
+    # with the MLP recomputed (Megatron's recompute_modules=[mlp]): the offloaded modules save as
+    # before; what the MLP keeps is its input alone, on the device
+    ("tiny_llama", 1, "fp32", 1, {"core_attn": 2, "attn_proj": 1, "mlp": None}, False),
 ])
 def test_byte_model_equals_the_saved_tensors_counted_at_a_third_length(model, tp, dtype, micro_batch_size,
                                                                         units, fake):
     # 6144 tokens is neither traced length (2048, 4096 per sequence-parallel chunk) and splits the
     # saved tensors on both sides of Megatron's 2^20-element threshold
+    recomputed = tuple(name for name, n in units.items() if n is None)
+    units = {name: n for name, n in units.items() if n is not None}
     modules = list(units)
-    method = Method(name="megatron_offload", offload_modules=tuple(modules))
+    method = Method(name="megatron_offload", offload_modules=tuple(modules),
+                    **({"recompute_granularity": "selective", "recompute_modules": recomputed} if recomputed else {}))
     workload = Workload(_model(model), method, ParallelConfig(tp=tp, sequence_parallel=tp > 1), 6144,
                         micro_batch_size, dtype)
     predicted = offloaded_bytes(workload)
@@ -196,8 +202,12 @@ def test_offloading_combines_with_no_other_activation_method():
         (["method=memo", "method.offload_modules=[core_attn]"],
          "cannot be combined with method.layer_activations=swap"),
         (["method=megatron_selective", "method.offload_modules=[core_attn]"],
-         "cannot be combined with method.recompute_granularity=selective"),
+         "offloads core_attn, whose recomputation"),
+        (["method=megatron_full_recompute", "method.offload_modules=[core_attn]"],
+         "with method.recompute_granularity=full: a layer recomputed whole saves nothing"),
     ]:
         with pytest.raises(ConfigError, match=message):
             validate(compose_config(*overrides))
     assert validate(compose_config("method=megatron_offload", "method.offload_modules=[qkv_linear]")).seq == 1024
+    # Megatron's selective recomputation of other modules beside the offloading (its best at length)
+    assert validate(compose_config("method=megatron_offload_recompute")).method.recompute_modules == ("mlp",)

@@ -34,6 +34,10 @@ def _policy(*overrides: str):
         ("recompute_granularity", "selective"), ("recompute_method", None), ("recompute_num_layers", None),
         ("recompute_modules", ("core_attn",))))),
     ("megatron_offload", MegatronLayers, LayerBuild(offload_modules=("core_attn", "attn_proj"))),
+    ("megatron_offload_recompute", MegatronLayers, LayerBuild(
+        offload_modules=("qkv_linear", "core_attn", "attn_proj"), recompute=(
+            ("recompute_granularity", "selective"), ("recompute_method", None), ("recompute_num_layers", None),
+            ("recompute_modules", ("mlp",))))),
     ("deepspeed_ulysses", MegatronLayers, LayerBuild(ulysses=True, recompute=(
         ("recompute_granularity", "full"), ("recompute_method", "uniform"), ("recompute_num_layers", 1)))),
     ("full_recompute", OurLayers, LayerBuild(activations="recompute")),
