@@ -183,6 +183,9 @@ class TrainConfig:
     # With optimizer_offload=host: the share of this rank's parameters, in (0, 1], whose states go
     # to the host (the first ones in the optimizer's order); the rest stay on the device.
     optimizer_offload_fraction: float = 1.0
+    # Refuse up front, as a run that chooses its settings (auto) is, a run whose own settings the
+    # fit predicts not to fit this machine (memo.fit.choice); false: explicit settings are tried as given
+    fit_check: bool = False
     # Validation (memo.execute.evaluate): every eval_interval steps and after the last step (None:
     # never), the loss on eval_iters global batches of held-out samples, whole and in eval_buckets
     # equal spans of positions

@@ -94,6 +94,21 @@ def test_a_length_no_choice_fits_is_refused_in_one_line_with_the_longest_that_do
                       _machine(run))
 
 
+def test_explicit_settings_are_tried_as_given_unless_checked_against_the_fit():
+    given = ("model=tiny_llama", "seq=64k", "method=memo", "method.tile_tokens=512",
+             f"hardware.device_memory_gib={BUDGET_GIB}")
+    assert not resolve_config(*given).choices.any  # nothing asks the fit: the run tries them
+    checked = resolve_config(*given, "train.fit_check=true")
+    with pytest.raises(ConfigError, match=r"^tiny_llama at 64k does not fit .* in tiles of 512 tokens, Adam on "
+                                          r"the device, the least that any choice needs; the longest that fits is"):
+        choice.choose(checked, _machine(checked))
+    # where they fit, the check keeps them (and sizes the loss's tile, left unset, as a choice would)
+    fits = resolve_config(*given[:1], "seq=4k", *given[2:], "train.fit_check=true")
+    made = choice.choose(fits, _machine(fits))
+    assert made.tried == 1 and made.apply(fits).workload == dataclasses.replace(
+        fits.workload, loss_tile_tokens=made.candidate.loss_tile_tokens)
+
+
 def test_memo_with_its_defaults_fits_wherever_megatrons_full_recomputation_does():
     """Whole-layer MEMO keeps two rounding buffers of a layer's skeletal tensors beside a layer's
     transients, more than Megatron's recomputation at few layers and long lengths (it ran out of
