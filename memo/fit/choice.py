@@ -109,7 +109,7 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
                 if tile is not None and not _runs_as_laid_out(tiled, fixed_seq):
                     continue
                 found.append(Candidate(parallel, policy_of(tiled).training_refusal(parallel) or _unrunnable(run, share),
-                                       tile, share, _loss_tile(run, tile)))
+                                       tile, share, _loss_tile(run, tile, parallel)))
         if not found:
             raise ConfigError(f"no tile of {_tiles_to_choose(run)} splits seq={workload.seq} for "
                               f"method={workload.method.name}; set method.tile_tokens")
@@ -125,8 +125,8 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
             layout = candidate.candidate_layout(tiled, p, fixed_seq)
             if layout is None:
                 continue
-            found += [Candidate(layout, candidate.training_refusal(layout) or _unrunnable(run, share), tile, share)
-                      for share in shares]
+            found += [Candidate(layout, candidate.training_refusal(layout) or _unrunnable(run, share), tile, share,
+                                _loss_tile(run, tile, layout)) for share in shares]
     if not found:
         raise ConfigError(
             f"no valid layout of cluster.gpus={run.cluster.gpus} for model={workload.model.name}"
@@ -169,15 +169,16 @@ def _tiles_to_choose(run: Run) -> tuple[Optional[int], ...]:
     return (None, *tiles)
 
 
-def _loss_tile(run: Run, layer_tile: Optional[int]) -> Optional[int]:
-    """The tiled loss's tokens per tile in a walk of ``layer_tile``-token tiles, where the run
-    leaves it to choose: the rule of :func:`memo.model.tiles.auto_tile_tokens` with a tile's
-    FC1 output (not the sequence's) as its bound, so that the loss's transients stay below a
-    tile's. None (the rule over the sequence, as the model applies it) for whole layers."""
+def _loss_tile(run: Run, layer_tile: Optional[int], parallel) -> Optional[int]:
+    """The tiled loss's tokens per tile in a walk of ``layer_tile``-token tiles under ``parallel``,
+    where the run leaves it to choose (a layout search too): the rule of
+    :func:`memo.model.tiles.auto_tile_tokens` with a tile's FC1 output (not the sequence's) as its
+    bound, so that the loss's transients, and the tiled embedding's (which takes the loss's tile),
+    stay below a tile's. None (the rule over the sequence, as the model applies it) for whole layers."""
     if not run.choices.loss_tile or layer_tile is None:
         return run.workload.loss_tile_tokens
     w = run.workload
-    tp, chunks = w.parallel.tp, (w.parallel.tp if w.parallel.sequence_parallel else 1)
+    tp, chunks = parallel.tp, (parallel.tp if parallel.sequence_parallel else 1)
     element = 2 if w.dtype in ("bf16", "fp16") else w.dtype_bytes
     return auto_tile_tokens(layer_tile // chunks, chunks, w.micro_batch_size,
                             padded_vocab_size(w.model, tp) // tp, w.model.ffn_hidden_size // tp, element)

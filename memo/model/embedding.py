@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-from memo.model.tiles import eighth_tile_tokens, gather, read_tile, spans
+from memo.model.tiles import eighth_tile_tokens, gather, read_tile, spans, tile_rows
 
 
 class _VocabEmbedding(torch.autograd.Function):
@@ -33,15 +33,17 @@ class _VocabEmbedding(torch.autograd.Function):
         rows = weight.shape[0]
         # [s, b]: the token-major order of the [s, b, h] output; -1 marks another rank's token
         local = (ids.t() - first).contiguous()
-        outside = (local < 0) | (local >= rows)
-        if scatter and size > 1:
-            out = _scattered_lookup(local, outside, weight, tile, group, size)
+        if scatter and size > 1:  # (local's other ranks' tokens are marked -1 tile by tile)
+            out = _scattered_lookup(local, weight, tile, group, size)
         else:
+            outside = (local < 0) | (local >= rows)
             out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
             if size > 1:
                 out.masked_fill_(outside.unsqueeze(-1), 0.0)
                 dist.all_reduce(out, group=group)
-        ctx.save_for_backward(local.masked_fill_(outside, -1))
+            local.masked_fill_(outside, -1)
+            del outside
+        ctx.save_for_backward(local)
         ctx.rows, ctx.dtype, ctx.tile, ctx.group = rows, weight.dtype, tile, group
         ctx.chunks = size if scatter else 1
         return out if scatter else out.transpose(0, 1)
@@ -61,22 +63,23 @@ class _VocabEmbedding(torch.autograd.Function):
         return None, grad_weight.to(ctx.dtype), None, None, None, None
 
 
-def _scattered_lookup(local: torch.Tensor, outside: torch.Tensor, weight: torch.Tensor, tile: int, group,
-                      size: int) -> torch.Tensor:
-    """This rank's ``[s/size, b, h]`` shard of the lookup of ``local`` (``[s, b]`` ids within this
-    rank's rows of ``weight``; ``outside``: another rank's token), summed over the ``size`` ranks
-    of ``group``, made ``tile`` rows of the shard at a time: each tile's rows of every shard are
-    looked up (``[size·tile, b, h]``) and reduce-scattered into the shard, so that the whole
-    sequence's lookup (``s·b·h`` elements, the peak of a long sequence's forward under sequence
-    parallelism) never exists."""
-    shard = local.shape[0] // size
+def _scattered_lookup(local: torch.Tensor, weight: torch.Tensor, tile: int, group, size: int) -> torch.Tensor:
+    """This rank's ``[s/size, b, h]`` shard of the lookup of ``local`` (``[s, b]`` ids less this
+    rank's first row of ``weight``), summed over the ``size`` ranks of ``group``, made ``tile`` rows
+    of the shard at a time: each tile's rows of every shard are looked up (``[size·tile, b, h]``)
+    and reduce-scattered into the shard, so that the whole sequence's lookup (``s·b·h`` elements,
+    the peak of a long sequence's forward under sequence parallelism) never exists. Marks
+    ``local``'s tokens of other ranks' rows -1 in place, for the backward pass."""
+    shard, rows = local.shape[0] // size, weight.shape[0]
     out = torch.empty((shard, local.shape[1], weight.shape[1]), dtype=weight.dtype, device=weight.device)
     for start, end in spans(shard, tile):
-        away = read_tile(outside, start, end, size)
-        part = torch.nn.functional.embedding(read_tile(local, start, end, size).masked_fill(away, 0), weight)
-        part.masked_fill_(away.unsqueeze(-1), 0.0)
+        ids = tile_rows(local, start, end, size)  # a view: the -1 marks go into local
+        away = (ids < 0) | (ids >= rows)
+        part = torch.nn.functional.embedding(ids.masked_fill(away, 0).flatten(0, 1), weight)
+        part.masked_fill_(away.flatten(0, 1).unsqueeze(-1), 0.0)
         dist.reduce_scatter_tensor(out[start:end], part, group=group)
-        del part, away
+        ids.masked_fill_(away, -1)
+        del part, away, ids
     return out
 
 

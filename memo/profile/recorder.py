@@ -106,10 +106,14 @@ class AllocationRecorder(TorchDispatchMode):
         return self._live.get(id(tensor.untyped_storage()))
 
 
+EMBEDDING_LOOKUP = "embedding.fwd.lookup"  # the word embedding's lookup, within embedding.fwd
+
+
 class PhaseMarker:
     """Tracks the phase of one GPT iteration through hooks on a Megatron ``GPTModel``.
 
-    Forward hooks set ``embedding.fwd``, ``layer.<i>.fwd``, ``head.fwd`` and ``loss.fwd``, and put
+    Forward hooks set ``embedding.fwd`` (``embedding.fwd.lookup`` within the word embedding's
+    lookup), ``layer.<i>.fwd``, ``head.fwd`` and ``loss.fwd``, and put
     a gradient hook on each block's output that sets the block's backward phase. Once
     :meth:`backward` was called, forward hooks (recomputation in the backward pass) no longer
     change the phase. ``on_change`` is called with every new phase.
@@ -121,6 +125,11 @@ class PhaseMarker:
         self._in_backward = False
         self._handles = []
         self._hook_block(gpt.embedding, "embedding.fwd", "embedding.bwd")
+        # the word embedding's lookup, in a phase of its own: the tiled one (memo.model.embedding)
+        # makes and frees each tile's rows there, which a template sizes at one tile
+        lookup = gpt.embedding.word_embeddings
+        self._handles += [lookup.register_forward_pre_hook(lambda *_: self._forward(EMBEDDING_LOOKUP)),
+                          lookup.register_forward_hook(lambda *_: self._forward("embedding.fwd"))]
         for layer in gpt.decoder.layers:
             number = layer.layer_number - 1  # Megatron counts layers from 1
             self._hook_block(layer, layer_phase(number, "fwd"), layer_phase(number, "bwd"))

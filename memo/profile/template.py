@@ -21,8 +21,9 @@ tracing each would take seconds. Two facts make them cheap and exact:
   request made and freed inside one loss phase is sized at one tile of the predicted run. One
   such request is as long as the sequence, the fp32 gradient of the per-token loss: it is
   counted at one tile too, 4 bytes a token short (4 MiB at 1M tokens; tested). The tiled
-  embedding's backward pass runs in tiles of its own the same way: a request made and freed
-  inside ``embedding.bwd`` is sized at one of those.
+  embedding's lookup (under sequence parallelism) and backward pass run in tiles of their own the
+  same way: a request made and freed inside ``embedding.fwd.lookup`` or ``embedding.bwd`` is
+  sized at one of those.
 
 * Layers walked in sequence tiles (``method.tile_tokens``) are traced as three tiles a layer, at
   two tile sizes: a request is sized by the sequence (the stores of keys, values and their
@@ -54,6 +55,7 @@ from memo.model.gpt import padded_vocab_size
 from memo.model.tiles import auto_tile_tokens, eighth_tile_tokens
 from memo.profile.affine import Affine
 from memo.profile.iteration import Traced, trace_iteration
+from memo.profile.recorder import EMBEDDING_LOOKUP
 from memo.profile.trace import Event, Trace, layer_phase
 from memo.swap.alpha import SkeletalBytes
 
@@ -112,12 +114,16 @@ class IterationTemplate:
         self.events = small.events
         self.sizes = _affine(small.events, large.events, tokens)
         requests = small.requests()
-        # The tiled loss's and the tiled embedding backward's per-tile requests: made and freed
-        # inside one loss phase, or inside the embedding's backward: request -> whose tile
+        # The tiled loss's and the tiled embedding's per-tile requests: made and freed inside one
+        # loss phase, inside the embedding's backward or (under sequence parallelism, which it
+        # reduce-scatters tile by tile) inside its lookup: request -> whose tile
+        parallel = small.meta["parallel"]
+        tiled_phases = ("embedding.bwd", EMBEDDING_LOOKUP) if parallel["sequence_parallel"] and parallel["tp"] > 1 \
+            else ("embedding.bwd",)
         self.per_tile = {
-            r.id: "embedding" if r.malloc_phase == "embedding.bwd" else "loss" for r in requests
+            r.id: "loss" if r.malloc_phase.startswith("loss.") else "embedding" for r in requests
             if small.meta.get("loss") == "tiled" and r.free_phase == r.malloc_phase
-            and (r.malloc_phase.startswith("loss.") or r.malloc_phase == "embedding.bwd")
+            and (r.malloc_phase.startswith("loss.") or r.malloc_phase in tiled_phases)
         }
         # Gradients live in buffers made before training (counted with the model states); the
         # other requests alive at the end persist between iterations and are counted here.
@@ -170,8 +176,8 @@ class IterationTemplate:
     def input_bytes(self, tokens: int) -> int:
         """Bytes of a layer's input as kept for its backward (made by the layer before)."""
         layer = min(self.middle, self.layers - 1)
-        before = layer_phase(layer - 1, "fwd") if layer else "embedding.fwd"
-        return sum(self.size(i, tokens) for i in self.kept[layer] if self._made_in[i] == before)
+        before = (layer_phase(layer - 1, "fwd"),) if layer else ("embedding.fwd", EMBEDDING_LOOKUP)
+        return sum(self.size(i, tokens) for i in self.kept[layer] if self._made_in[i] in before)
 
     def loss_tile(self, tokens: int, loss_tile_tokens: Optional[int] = None) -> int:
         """The tokens of one tile of the tiled loss, counted as ``tokens`` is (all tensor-parallel

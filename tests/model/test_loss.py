@@ -94,22 +94,23 @@ def test_tiled_loss_peak_is_at_most_an_eighth_of_megatrons_at_16k_tokens():
     assert tiled * 8 <= megatron, (tiled, megatron)
 
 
-def _embedding_peak(loss: str, parallel: ParallelConfig, seq: int, phase: str) -> int:
-    """Bytes the embedding's ``phase`` (``embedding.fwd`` or ``.bwd``) adds, at its peak, to what
-    was live as it began (fp32, a vocabulary small enough that the [s, h] lookup or gradient is the
-    largest thing there)."""
+def _embedding_peak(loss: str, parallel: ParallelConfig, seq: int, *phases: str) -> int:
+    """Bytes the embedding's ``phases`` (its forward, ``embedding.fwd`` and the lookup's
+    ``embedding.fwd.lookup``, or its backward) add, at their peak, to what was live as the first
+    began (fp32, a vocabulary small enough that the [s, h] lookup or gradient is the largest thing
+    there)."""
     model = ModelConfig(name="v1024", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                         num_attention_heads=4, vocab_size=1024)
     workload = Workload(model, Method(name="none"), parallel, seq, dtype="fp32", loss=loss)
     trace = trace_of(workload, "fake")
-    return _phase_peak(trace, (phase,))
+    return _phase_peak(trace, phases)
 
 
 def test_the_tiled_embedding_forward_holds_no_lookup_of_the_whole_sequence():
     parallel, seq, h = ParallelConfig(tp=2, sequence_parallel=True), 16384, 256
     sequence = seq * h * 4  # [s, b, h] fp32: every token's lookup, as Megatron makes it before its reduce-scatter
-    megatron = _embedding_peak("megatron", parallel, seq, "embedding.fwd")
-    tiled = _embedding_peak("tiled", parallel, seq, "embedding.fwd")
+    megatron = _embedding_peak("megatron", parallel, seq, "embedding.fwd.lookup", "embedding.fwd")
+    tiled = _embedding_peak("tiled", parallel, seq, "embedding.fwd.lookup", "embedding.fwd")
     assert megatron >= sequence + sequence // parallel.tp, megatron  # the lookup, then the shard beside it
     # the rank's shard and each token's local id (8 bytes) throughout; at the peak either one tile
     # of every shard's lookup (an eighth of the tokens) and which tokens are another rank's (1 byte
@@ -142,8 +143,8 @@ def test_tiled_trace_has_the_phases_of_megatrons():
     }
     # the tiled loss normalizes and multiplies inside its own tiles: the head asks for nothing
     assert phases["tiled"] == [p for p in phases["megatron"] if not p.startswith("head.")]
-    assert phases["megatron"][3:7] == ["head.fwd", "loss.fwd", "loss.bwd", "head.bwd"]
-    assert phases["tiled"][3:5] == ["loss.fwd", "loss.bwd"]
+    assert phases["megatron"][4:8] == ["head.fwd", "loss.fwd", "loss.bwd", "head.bwd"]
+    assert phases["tiled"][4:6] == ["loss.fwd", "loss.bwd"]
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ def test_phases_follow_the_iteration():
     trace = trace_of(Workload(TINY, NONE, ParallelConfig(), 256, dtype="bf16"))
     layers = range(TINY.num_layers)
     assert trace.phases == [
-        "embedding.fwd", *(f"layer.{i}.fwd" for i in layers), "head.fwd", "loss.fwd", "loss.bwd",
+        "embedding.fwd.lookup", "embedding.fwd", *(f"layer.{i}.fwd" for i in layers), "head.fwd", "loss.fwd", "loss.bwd",
         "head.bwd", *(f"layer.{i}.bwd" for i in reversed(layers)), "embedding.bwd", "optimizer",
     ]
     assert check_identical_layers(trace) == [1, 2]

@@ -134,7 +134,7 @@ def test_a_7b_layer_at_1m_tokens_asks_for_half_a_store_only_for_its_declared_ten
     assert not any(big[phase] for phase in phases if TILE_PHASE.fullmatch(phase))
     residual, keys = size["residual"], size["keys"]
     declared = {
-        "embedding.fwd": [residual],  # layer 0's input
+        "embedding.fwd.lookup": [residual],  # layer 0's input
         "layer.0.fwd": sorted([keys, keys, 2 * keys, 2 * keys, residual, residual]),  # stores, output
         "layer.1.fwd": [residual],
         "loss.bwd": [residual],  # the gradient stream, from the loss (the final norm is in its tiles)
