@@ -38,7 +38,8 @@ log = logging.getLogger("memo")
 ROW_FIELDS = ("choice.candidates", "choice.seconds", "predicted_device_bytes", "predicted_activation_peak_bytes",
               "predicted_peak_phase", "predicted_device_capacity_bytes", "margin_bytes",
               "predicted_host_bytes_per_device", "predicted_iter_time_s")
-# The refusal's search for the longest length that fits: multiples of the run's length over this.
+# The refusal's search for the longest length that fits: multiples of the largest power of two
+# at most the run's length over this.
 _LENGTH_STEPS = 64
 
 
@@ -271,7 +272,8 @@ def _refusal(run: Run, problem: Problem, results: list[LayoutResult]) -> str:
     w, hw = run.workload, problem.hardware
     closest = min(results, key=lambda r: (r.failed.status != "oom", r.failed.device_total))
     p = closest.failed
-    step = max(w.seq // _LENGTH_STEPS, 1)
+    # (a power of two: the grid of a length in tiles is their least common multiple)
+    step = 1 << (max(w.seq // _LENGTH_STEPS, 1).bit_length() - 1)
     longest_fit = 0
     for r in results:
         grid = seq_grid_step(step, r.parallel, r.candidate.tile_tokens)

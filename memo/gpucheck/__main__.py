@@ -6,7 +6,7 @@ Without ``--all`` or ``--only`` the pack runs its first steps, the most informat
 budgets together keep it inside one command of eight minutes: ``smoke`` (every place the GPU path
 can break, quickly), ``cp_kernels`` (each block kernel against a float64 reference, then timed),
 ``numerics`` (every method's gradients against keeping everything) and ``probe`` (the physical
-bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``, ``tiles``, ``frontier``,
+bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``, ``tiles``, ``boundary``, ``frontier``,
 ``checkpoints``, ``documents``) run with
 ``--all`` or by name with ``--only``, when device time is left.
 
@@ -57,6 +57,7 @@ STEPS = [
     Step("longest", ("memo.gpucheck.jobs", "longest"), 360),
     Step("calibration", ("memo.gpucheck.calibration",), 60),
     Step("tiles", ("memo.gpucheck.tiles",), 420),
+    Step("boundary", ("memo.gpucheck.boundary",), 480),
     Step("frontier", ("memo.gpucheck.frontier",), 480),
     Step("checkpoints", ("memo.gpucheck.checkpoints",), 300),
     Step("documents", ("memo.gpucheck.documents",), 150),

@@ -1,6 +1,7 @@
 """The GPU validation pack: which steps a command runs and in what time, results kept per code,
 and every step's rows, rehearsed on the CPU (``--cpu``)."""
 
+import math
 import json
 import subprocess
 import sys
@@ -242,3 +243,30 @@ def test_the_frontier_step_trains_the_longest_length_its_budget_allows():
     assert trained_length(1 << 20, 2 * TRAIN_BUDGET_S, 16384) == 1 << 19
     assert trained_length(1 << 20, 3 * TRAIN_BUDGET_S, 16384) == int((1 << 20) / 6 ** 0.5) // 16384 * 16384
     assert trained_length(32768, 1e9, 16384) == 16384  # never below one tile
+
+
+def test_the_boundary_step_leaves_the_device_its_longest_length_needs_and_tries_one_past_its_margin():
+    from memo.gpucheck.boundary import budget_bytes, over_length, timed_length
+
+    # a step of 240 s at 1M tokens: a minute at half of it (time as the square of the length)
+    assert timed_length(1 << 20, 240.0, 60.0, 16384) == 1 << 19
+    assert timed_length(1 << 20, 1e9, 60.0, 16384) == 16384  # never below one tile
+    # 97 GB predicted with 3% kept free: a device of 100 GB, and 0.1% over
+    assert budget_bytes(97 * 10**9, 0.03) == math.ceil(100 * 10**9 * 1.001)
+    # from 97 GB at 512K, 50 KB a token: the whole 100 GB device is 97% of 103.09 GB, 6.09 GB more,
+    # 121,856 tokens: 8 tiles of 16K (7.4 tiles rounded up) past 512K
+    assert over_length(1 << 19, 97 * 10**9, 50_000, 100 * 10**9, 0.03, 16384) == (1 << 19) + 8 * 16384
+
+
+def test_the_frontier_arithmetic_scales_what_grows_with_the_length_to_what_the_margin_leaves():
+    from memo.gpucheck.frontier import arithmetic, scaled_length
+
+    # 80 GB at 1M tokens, 20 GB of it fixed, on a 100 GB device: a 5% margin leaves 75 GB for
+    # what was 60 GB, 1.25 times the length
+    assert scaled_length(1 << 20, 80 * 10**9, 20 * 10**9, 100 * 10**9, 0.05) == int((1 << 20) * 1.25)
+    row = {"method.name": "memo", "model.name": "llama3_8b", "status": "ok", "hardware.name": "h200",
+           "cluster.gpus": 1, "seq": 1 << 20, "predicted_device_bytes": 80 * 10**9, "predicted_weights_bytes": 5 * 10**9,
+           "predicted_gradients_bytes": 5 * 10**9, "predicted_optimizer_bytes": 8 * 10**9,
+           "predicted_reserved_bytes": 2 * 10**9, "predicted_device_capacity_bytes": 100 * 10**9}
+    (taken,) = arithmetic(0.05, [row, {**row, "method.name": "megatron_full_recompute"}])
+    assert (taken["job"], taken["seq"], taken["fixed_bytes"]) == ("arithmetic h200 x1", int((1 << 20) * 1.25), 20 * 10**9)
