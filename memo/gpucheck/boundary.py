@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     ran_out = True
     if not args.cpu:
         bypassed = train("bypassed", over)
-        ran_out = bypassed.get("status") == "oom" and "does not fit" not in str(bypassed.get("error"))
+        ran_out = bypassed.get("status") == "oom" and "out of memory" in str(bypassed.get("error")).lower()
     del ballast
     print(f"boundary: {seq} tokens {longest.get('status')} (memory error {longest.get('memory_error')}), "
           f"{over} refused: {told}, ran out of device memory as given: {ran_out}", flush=True)
