@@ -81,11 +81,12 @@ class Choices:
     optimizer_offload: bool = False
     loss_tile: bool = False  # train.loss_tile_tokens unset, under the tiled loss
     check: bool = False  # train.fit_check: the run's own settings are checked against the fit
+    layout: bool = False  # parallel=auto in a training run: its layout among its processes'
 
     @property
     def any(self) -> bool:
         """Whether the fit is asked: the loss's tile is chosen with the layers' tiles only."""
-        return self.layer_tiles or self.optimizer_offload or self.check
+        return self.layer_tiles or self.optimizer_offload or self.check or self.layout
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ def resolve(cfg, gpu_visible: bool) -> Run:
         train, offload_choice = dataclasses.replace(train, optimizer_offload="none"), False
     loss = training_loss(cfg.method, cfg.train.loss)
     choices = Choices(layer_tiles=settings.chooses_layer_tiles, optimizer_offload=offload_choice,
-                      loss_tile=loss == "tiled" and train.loss_tile_tokens is None, check=train.fit_check)
+                      loss_tile=loss == "tiled" and train.loss_tile_tokens is None, check=train.fit_check,
+                      layout=cfg.parallel.search and cfg.mode == "train")
     workload = Workload(
         model=OmegaConf.to_object(cfg.model),
         method=settings.method,

@@ -102,8 +102,9 @@ class ParallelConfig:
     # transfers overlapped with attention) or a2a (Ulysses: all-to-all from sequence to heads and
     # back; the heads must divide by tp·cp).
     cp_comm_type: str = "all_gather"
-    # mode=fit only (conf/parallel/search.yaml): try every valid layout of cluster.gpus instead
-    # of the sizes above, and report the one that fits the longest sequence.
+    # Try every valid layout of the devices instead of the sizes above: mode=fit
+    # (conf/parallel/search.yaml) reports the one that fits the longest sequence; mode=train
+    # (conf/parallel/auto.yaml) runs the fastest that fits (memo.fit.choice).
     search: bool = False
 
 

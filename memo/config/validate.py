@@ -193,9 +193,11 @@ def _check_cluster(cfg) -> None:
     if gpus is not None:
         at_least("cluster.gpus", gpus)
     if p.search:
-        if cfg.mode != "fit":
-            raise ConfigError(f"parallel=search is done by mode=fit only; give mode={cfg.mode} a layout "
-                              "such as parallel.tp=4 parallel.cp=2")
+        if cfg.mode not in ("fit", "train"):
+            raise ConfigError(f"a layout search is done by mode=fit (parallel=search) or mode=train (parallel=auto); "
+                              f"give mode={cfg.mode} a layout such as parallel.tp=4 parallel.cp=2")
+        if cfg.mode == "train":  # the launcher's processes, or cluster.gpus where they agree
+            return
         if gpus is None:
             raise ConfigError("parallel=search needs the number of devices: set cluster.gpus, "
                               "e.g. cluster.gpus=8")

@@ -86,6 +86,13 @@ def initialize(parallel: ParallelConfig, device_type: str, info: ProcessInfo) ->
         ConfigError: if the parallel sizes do not match the launched processes.
     """
     check_world_size(parallel, info.world_size)
+    join(device_type, info)
+    build_groups(parallel, info)
+
+
+def join(device_type: str, info: ProcessInfo) -> None:
+    """Join the process group of the launched processes (NCCL's on GPUs, gloo's on the CPU),
+    before their layout is known (a run that chooses it, ``parallel=auto``)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(device_index(info))
@@ -98,6 +105,15 @@ def initialize(parallel: ParallelConfig, device_type: str, info: ProcessInfo) ->
             rank=info.rank,
             world_size=info.world_size,
         )
+
+
+def build_groups(parallel: ParallelConfig, info: ProcessInfo) -> None:
+    """Megatron's tensor/context/pipeline/data groups of ``parallel`` over the joined processes.
+
+    Raises:
+        ConfigError: if the parallel sizes do not match the launched processes.
+    """
+    check_world_size(parallel, info.world_size)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,

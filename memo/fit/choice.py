@@ -24,7 +24,7 @@ from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 from memo import hardware
 from memo.config import WHOLE_LAYERS, ConfigError, DoesNotFit, Run, SeqSearch
 from memo.fit.predict import Prediction, Problem, predict, prediction_hardware
-from memo.fit.search import Candidate, LayoutResult, layouts, longest, seq_grid_step
+from memo.fit.search import Candidate, LayoutResult, layout_label, layouts, longest, seq_grid_step
 from memo.hardware import GiB
 from memo.model import torch_dtype
 from memo.model.gpt import padded_vocab_size
@@ -93,8 +93,9 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
     """The candidates to predict, each with why training cannot run it, first the one nothing
     beats where it fits (whole layers, Adam on the device): under ``parallel=search`` every
     layout with every tile (for a method that walks tiles) and every placement of Adam's states
-    of ``fit.tile_tokens`` and ``fit.optimizer_offload``, the run's own among them, each layout
-    as the candidate's activation policy tries it
+    of ``fit.tile_tokens`` and ``fit.optimizer_offload``, the run's own among them (a training
+    run's ``parallel=auto``: its own settings, or every choice of those it leaves to choose), each
+    layout as the candidate's activation policy tries it
     (:meth:`memo.policy.ActivationPolicy.candidate_layout`); otherwise the run's layout with its
     own settings, or for those it leaves to choose (``auto``), every choice."""
     workload, parallel = run.workload, run.workload.parallel
@@ -115,9 +116,13 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
             raise ConfigError(f"no tile of {_tiles_to_choose(run)} splits seq={workload.seq} for "
                               f"method={workload.method.name}; set method.tile_tokens")
         return found
-    tiles = policy.layer_tiles_tried(run.fit_layer_tiles, workload.layer_tile_tokens)
-    shares = list(dict.fromkeys([*(offload_share(run, placement) for placement in run.fit.optimizer_offload),
-                                 problem.optimizer_offload]))
+    if run.choices.layout:  # a training run's: its own choices, at every layout
+        tiles = _tiles_to_choose(run) if run.choices.layer_tiles else (workload.layer_tile_tokens,)
+        shares = [0.0, offload_share(run, "host")] if run.choices.optimizer_offload else [problem.optimizer_offload]
+    else:
+        tiles = policy.layer_tiles_tried(run.fit_layer_tiles, workload.layer_tile_tokens)
+        shares = list(dict.fromkeys([*(offload_share(run, placement) for placement in run.fit.optimizer_offload),
+                                     problem.optimizer_offload]))
     found = []
     for p in _layouts(run, problem, policy):
         for tile in tiles:
@@ -205,7 +210,7 @@ class Choice:
         """``run`` with the choice written into its settings."""
         c = self.candidate
         workload = dataclasses.replace(run.workload.in_layer_tiles(c.tile_tokens),
-                                       loss_tile_tokens=c.loss_tile_tokens)
+                                       loss_tile_tokens=c.loss_tile_tokens, parallel=c.parallel)
         train = dataclasses.replace(run.train, loss_tile_tokens=c.loss_tile_tokens,
                                     optimizer_offload="host" if c.optimizer_offload else "none")
         return dataclasses.replace(run, workload=workload, train=train)
@@ -218,6 +223,7 @@ class Choice:
             "method.tile_tokens": c.tile_tokens or WHOLE_LAYERS,
             "train.optimizer_offload": "host" if c.optimizer_offload else "none",
             "train.loss_tile_tokens": c.loss_tile_tokens,
+            **{f"parallel.{key}": value for key, value in dataclasses.asdict(c.parallel).items()},
             **dict(zip(ROW_FIELDS, (
                 self.tried, self.seconds, p.device_total, p.acts.allocated_peak if p.acts else None,
                 p.acts.peak_phase if p.acts else None, p.device_capacity, p.margin, p.host_per_device,
@@ -257,12 +263,15 @@ def choose(run: Run, hw: hardware.Hardware) -> Choice:
     results = []
     for candidate in runnable:
         results.append(evaluate(problem, candidate, run.workload.seq, None))
-        if candidate is runnable[0] and results[0].best is not None:
+        if candidate is runnable[0] and results[0].best is not None and not run.choices.layout:
             break
     fitting = [r for r in results if r.best is not None]
     if not fitting:
         raise DoesNotFit(_refusal(run, problem, results))
-    best = min(fitting, key=lambda r: (r.best.time.iteration_s, -(r.candidate.tile_tokens or math.inf)))
+    # the fastest: across layouts by tokens a device a second (data parallelism makes the global
+    # batch larger, not the step shorter), within one by the step's time; a tie to the larger tile
+    best = min(fitting, key=lambda r: (-r.best.time.tgs if run.choices.layout else r.best.time.iteration_s,
+                                       -(r.candidate.tile_tokens or math.inf)))
     return Choice(best.candidate, best.best, len(results), time.perf_counter() - start)
 
 
@@ -309,8 +318,10 @@ def _binding(p: Prediction) -> str:
 
 
 def _described(c: Candidate) -> str:
+    p = c.parallel
+    layout = f"{layout_label(p)}, " if p.tp * p.cp * p.pp * p.dp > 1 else ""
     layers = f"tiles of {c.tile_tokens} tokens" if c.tile_tokens else "whole layers"
-    return f"{layers}, Adam on the {'host' if c.optimizer_offload else 'device'}"
+    return f"{layout}{layers}, Adam on the {'host' if c.optimizer_offload else 'device'}"
 
 
 def _tokens(n: int) -> str:

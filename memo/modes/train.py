@@ -136,11 +136,15 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     arena = _arena(run, info)
     hw = hardware.with_measured_peak(hardware.resolve(run.hardware), torch_dtype(run.workload))
     _record_machine(run, hw, job.row)
+    run = _of_processes(run, info)
     _check_runtime_support(run, policy_of(run.workload))  # what no choice changes: refused in seconds
     chosen = _choose(run, hw, arena, info, job)  # before the process group: the fit traces with its own
-    distributed.initialize(run.workload.parallel, run.device_type, info)
+    if chosen is None:
+        distributed.check_world_size(run.workload.parallel, info.world_size)  # refused before joining
+    distributed.join(run.device_type, info)
     if chosen is not None:
         run = _agreed(run, chosen, job)
+    distributed.build_groups(run.workload.parallel, info)
     policy = policy_of(run.workload)
     started = _start(run, policy, hw, arena, info, job)
     runtime: LayerRuntime = NullRuntime()
@@ -170,6 +174,22 @@ class Started:
     saved: Optional[dict]  # the facts of the checkpoint to go on from
     facts: checkpoint.RunFacts  # this run's
     memory: PeakMemory
+
+
+def _of_processes(run: Run, info: distributed.ProcessInfo) -> Run:
+    """``run``, choosing its layout (``parallel=auto``), over the processes the launcher started:
+    ``cluster.gpus`` is their number, or must be.
+
+    Raises:
+        ConfigError: if ``cluster.gpus`` is another number.
+    """
+    if not run.choices.layout:
+        return run
+    gpus = run.cluster.gpus
+    if gpus is not None and gpus != info.world_size:
+        raise ConfigError(f"parallel=auto chooses a layout of the {info.world_size} process(es) launched, and "
+                          f"cluster.gpus={gpus}; launch {gpus} or drop cluster.gpus")
+    return dataclasses.replace(run, cluster=dataclasses.replace(run.cluster, gpus=info.world_size))
 
 
 def _arena(run: Run, info: distributed.ProcessInfo) -> Optional[object]:

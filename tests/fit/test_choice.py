@@ -2,6 +2,7 @@
 is built, and a one-line refusal where none fits."""
 
 import dataclasses
+import json
 import re
 import time
 
@@ -107,6 +108,35 @@ def test_explicit_settings_are_tried_as_given_unless_checked_against_the_fit():
     made = choice.choose(fits, _machine(fits))
     assert made.tried == 1 and made.apply(fits).workload == dataclasses.replace(
         fits.workload, loss_tile_tokens=made.candidate.loss_tile_tokens)
+
+
+# whole layers of tiny_llama at 4K in 0.25 GiB a device: two data-parallel replicas need 0.30 GiB
+# each, the sequence split over two context-parallel ranks 0.22
+AUTO_LAYOUT = ("parallel=auto", "model=tiny_llama", "seq=4k", "method=memo", "method.tile_tokens=whole",
+               "hardware.device_memory_gib=0.25", "train.steps=2", "train.warmup_steps=1")
+
+
+@pytest.mark.torchrun(2, " ".join(["training_worker.train", *AUTO_LAYOUT]))
+def test_a_run_chooses_its_layout_among_its_processes(torchrun_results):
+    (launched,) = torchrun_results
+    launched.passed()
+    row = json.loads((launched.out_dir / "result.json").read_text())
+    assert (row["status"], row["world_size"]) == ("ok", 2)
+    chosen = (row["parallel.tp"], row["parallel.cp"], row["parallel.pp"], row["parallel.dp"])
+    assert chosen == (1, 2, 1, 1), chosen  # data parallelism, the faster, does not fit
+    # what the fit predicted of every layout of two processes, the run's own choice among them
+    run = resolve_config(*AUTO_LAYOUT, "cluster.gpus=2")
+    problem = choice.problem_of(run, _machine(run))
+    fits = {choice.layout_label(c.parallel): predict(choice._of_candidate(problem, c), c.parallel, 4096).fits
+            for c in choice.candidates(run, problem) if not c.unrunnable}
+    assert fits == {"tp1 cp1 pp1 dp2": False, "tp1 cp2 pp1 dp1 all_gather": True, "tp1 cp2 pp1 dp1 p2p": True,
+                    "tp1 cp2 pp1 dp1 a2a": True}, fits
+    assert row["choice.candidates"] == 4 and row["predicted_device_bytes"] <= 0.25 * GiB - row["margin_bytes"]
+    with pytest.raises(ConfigError, match="parallel=auto chooses a layout of the 1 process"):
+        from memo.modes.train import _of_processes
+        from memo.execute.distributed import ProcessInfo
+
+        _of_processes(run, ProcessInfo(rank=0, world_size=1, local_rank=0))
 
 
 def test_memo_with_its_defaults_fits_wherever_megatrons_full_recomputation_does():

@@ -526,7 +526,7 @@ def test_layout_and_length_search_rows_feed_the_longest_sequence_table(tmp_path)
         (["mode=fit", "cluster.gpus=8"], "cluster.gpus=8 but parallel.tp·cp·pp·dp = 1"),
         (["plan=true", "train.warmup_steps=0"], "plan=true records and plans the last warm-up step"),
         (["mode=fit", "fit.gemm_efficiency=0"], "fit.gemm_efficiency=0.0 must be a fraction"),
-        (["parallel=search"], "parallel=search is done by mode=fit only"),
+        (["mode=profile", "parallel=search"], "a layout search is done by mode=fit (parallel=search) or mode=train"),
     ],
 )
 def test_mistakes_get_one_line(tmp_path, args, message):
