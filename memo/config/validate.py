@@ -114,6 +114,13 @@ def validate(cfg) -> Settings:
         at_least("train.save_interval", t.save_interval)
     _check_validation(cfg, seq)
     document_tokens = _check_documents(cfg, method, tiles)
+    if method.recompute_granularity == "selective" and "mlp" in (method.recompute_modules or ()) \
+            and cfg.model.add_bias_linear:
+        # (its output bias, returned by the checkpointed MLP outside Transformer Engine, comes back
+        # as an output of the checkpoint, whose backward then never ends: seen on the CPU)
+        raise ConfigError(f"method.recompute_modules with mlp on model={cfg.model.name}, whose linear layers have "
+                          "biases: Megatron's checkpointed MLP does not finish its backward pass with them here; "
+                          "recompute other modules, or use a model without them (model.add_bias_linear=false)")
     if t.data.startswith(MEGATRON_DATA):
         megatron_blend(t)
     elif t.data != "synthetic" and not Path(t.data).is_file():

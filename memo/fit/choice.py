@@ -131,8 +131,9 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
             layout = candidate.candidate_layout(tiled, p, fixed_seq)
             if layout is None:
                 continue
-            found += [Candidate(layout, candidate.training_refusal(layout) or _unrunnable(run, share), tile, share,
-                                _loss_tile(run, tile, layout)) for share in shares]
+            refusal = candidate.training_refusal(layout) or _with_documents(run, layout, tile)
+            found += [Candidate(layout, refusal or _unrunnable(run, share), tile, share, _loss_tile(run, tile, layout))
+                      for share in shares]
     if not found:
         raise ConfigError(
             f"no valid layout of cluster.gpus={run.cluster.gpus} for model={workload.model.name}"
@@ -177,17 +178,25 @@ def _tiles_to_choose(run: Run) -> tuple[Optional[int], ...]:
 
 def _loss_tile(run: Run, layer_tile: Optional[int], parallel) -> Optional[int]:
     """The tiled loss's tokens per tile in a walk of ``layer_tile``-token tiles under ``parallel``,
-    where the run leaves it to choose (a layout search too): the rule of
+    where the run leaves it and the layers' tiles to choose: the rule of
     :func:`memo.model.tiles.auto_tile_tokens` with a tile's FC1 output (not the sequence's) as its
     bound, so that the loss's transients, and the tiled embedding's (which takes the loss's tile),
     stay below a tile's. None (the rule over the sequence, as the model applies it) for whole layers."""
-    if not run.choices.loss_tile or layer_tile is None:
+    if not (run.choices.loss_tile and run.choices.layer_tiles) or layer_tile is None:
         return run.workload.loss_tile_tokens
     w = run.workload
     tp, chunks = parallel.tp, (parallel.tp if parallel.sequence_parallel else 1)
     element = 2 if w.dtype in ("bf16", "fp16") else w.dtype_bytes
     return auto_tile_tokens(layer_tile // chunks, chunks, w.micro_batch_size,
                             padded_vocab_size(w.model, tp) // tp, w.model.ffn_hidden_size // tp, element)
+
+
+def _with_documents(run: Run, parallel, tile: Optional[int]) -> Optional[str]:
+    """Why training cannot keep the run's documents apart in tiles of ``tile`` under ``parallel``
+    (None: it can, or there are none)."""
+    if run.workload.document_mask and parallel.cp > 1 and tile is not None:
+        return "train.document_mask: memo's sequence tiles keep documents apart without context parallelism so far"
+    return None
 
 
 def _unrunnable(run: Run, offload: float) -> Optional[str]:

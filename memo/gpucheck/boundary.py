@@ -2,19 +2,21 @@
 
 Llama-3.1-8B's shape with :data:`LAYERS` layer, MEMO in tiles of 16K, Adam's states on the device
 and the loss in tiles of 4K (every setting explicit, so that a run checked against the fit and one
-tried as given are the same run). Its host use (one layer's swapped tiles) is a few GiB of the
-machine's 128: the device is what binds, and each row says both.
+tried as given are the same run). The host the runs may use is capped at :data:`HOST_GIB` GiB
+(α, solved against it, swaps less where less is given; the device's bytes do not depend on it),
+far from the machine's 128: the device is what binds, and each row says both.
 
 1. ``fit``: the fit (``mode=fit``, this device's figures) at 1M tokens gives a step's time; the
    length whose step takes about :data:`STEP_S` seconds (attention grows as the square of the
-   length) is ``T``, and the fit at ``T`` and ``2·T`` gives the device's bytes as an affine function
-   of the length.
+   length) is ``T``, and the fit at ``T`` and eight tiles past it gives the bytes a token there.
 2. A ballast allocation of this process leaves the runs a device of ``P(T) / (1 − margin)`` bytes:
    ``T`` is then the longest length the fit lets fit, with ``fit.memory_margin`` kept free.
 3. ``longest``: one step at ``T``, checked by the fit first (``train.fit_check=true``): it must
    run, and its peak be within 3% of the fit's (:func:`memo.fit.calibration.compare`).
-4. ``refused``: one step at ``L``, the first length (of 16K tiles) whose prediction less the margin
-   is the whole device, checked: refused in one line before anything is allocated.
+4. ``refused``: one step at ``L``, the first length (of 16K tiles, by fits of a few lengths past
+   the estimate from the bytes a token near ``T``) whose prediction less the margin is the whole
+   device and what the fit adds for the driver and libraries, checked: refused in one line before
+   anything is allocated.
 5. ``bypassed``: the same step tried as given: it must run out of *device* memory (were the fit
    off by more than its margin, it would not).
 
@@ -32,6 +34,9 @@ import time
 from memo.gpucheck.common import arguments, compose, row_figures, run_job, runs_dir, write_rows
 
 LAYERS = 1
+# the host the runs may use (GiB): α, solved against it, keeps what they pin small (a few seconds
+# to pin, far from the machine's 128 GiB); the device's bytes do not depend on α
+HOST_GIB = 24
 STEP_S = 60.0  # a step at the longest length takes about this long (seconds, by the fit)
 PROBE_TOKENS = 1 << 20  # the length the fit first times
 FIT_FIGURES = ["seq", "status", "predicted_device_bytes", "margin_bytes", "predicted_device_capacity_bytes",
@@ -46,7 +51,8 @@ def settings(cpu: bool) -> tuple[list[str], int, int, float]:
                  "train.loss_tile_tokens=256", "train.optimizer_offload=none", "train.dtype=fp32", "hardware=cpu"],
                 512, 4096, 20.0)
     return (["model=llama3_8b", f"model.num_layers={LAYERS}", "method=memo", "method.tile_tokens=16k",
-             "train.loss_tile_tokens=4096", "train.optimizer_offload=none", "train.dtype=bf16", "hardware=auto"],
+             "train.loss_tile_tokens=4096", "train.optimizer_offload=none", "train.dtype=bf16", "hardware=auto",
+             f"hardware.host_memory_gib={HOST_GIB}"],
             16384, PROBE_TOKENS, STEP_S)
 
 
@@ -77,7 +83,8 @@ def main(argv=None) -> int:
     from memo.results import read_rows
 
     shared, tile, probe, step_s = settings(args.cpu)
-    margin = compose(*shared).fit.memory_margin
+    config = compose(*shared)
+    margin = config.fit.memory_margin
     runs, rows = runs_dir(args.out), []
 
     def fit(name: str, *lengths: int) -> list[dict]:
@@ -92,14 +99,20 @@ def main(argv=None) -> int:
     if timing.get("predicted_iter_time_s") is None:
         return 1
     seq = timed_length(probe, timing["predicted_iter_time_s"], step_s, tile)
-    at_seq, at_double = sorted(fit("affine", seq, 2 * seq), key=lambda r: int(r["seq"]))
-    predicted, slope = at_seq["predicted_device_bytes"], (at_double["predicted_device_bytes"]
-                                                          - at_seq["predicted_device_bytes"]) / seq
+    at_seq, past = sorted(fit("affine", seq, seq + 8 * tile), key=lambda r: int(r["seq"]))
+    predicted = at_seq["predicted_device_bytes"]
+    slope = (past["predicted_device_bytes"] - predicted) / (8 * tile)  # near seq: the bytes a token
     device = budget_bytes(predicted, margin)
-    over = over_length(seq, predicted, slope, device, margin, tile)
-    ballast, budget = _leave_device(device, args.cpu)
+    # past the margin, and past what the fit adds for the driver and libraries (a run's free memory
+    # already leaves out its own CUDA context): the first length checked by a fit of its own
+    beyond = device + (int(config.fit.device_reserved_gib * 2**30) if not args.cpu else 0)
+    first = over_length(seq, predicted, slope, beyond, margin, tile)
+    tried = sorted(fit("over", *(first + k * tile for k in (0, 1, 2, 4, 8))), key=lambda r: int(r["seq"]))
+    over = next((int(r["seq"]) for r in tried if (r.get("predicted_device_bytes") or 0) * (1 - margin) >= beyond),
+                int(tried[-1]["seq"]))
+    ballast, ballast_bytes, budget = _leave_device(device, args.cpu)
     base = [*shared, "train.steps=1", "train.warmup_steps=0", *budget]
-    common = {"device_budget_bytes": device, "ballast_bytes": ballast, "memory_margin": margin}
+    common = {"device_budget_bytes": device, "ballast_bytes": ballast_bytes, "memory_margin": margin}
 
     def train(name: str, length: int, *overrides: str) -> dict:
         start = time.monotonic()
@@ -121,7 +134,8 @@ def main(argv=None) -> int:
 
     longest = train("longest", seq, "train.fit_check=true")
     refused = train("refused", over, "train.fit_check=true")
-    held = longest.get("status") == "ok" and abs(longest.get("memory_error") or 1.0) <= 0.03
+    error = longest.get("memory_error")
+    held = longest.get("status") == "ok" and error is not None and abs(error) <= 0.03
     told = refused.get("status") == "oom" and "does not fit" in str(refused.get("error"))
     ran_out = True
     if not args.cpu:
@@ -136,10 +150,10 @@ def main(argv=None) -> int:
 def _leave_device(device: int, cpu: bool):
     """Leave the runs ``device`` bytes of the device: on a GPU a ballast tensor of this process
     (returned, to be held while they run) takes the rest of what is free, this process's own CUDA
-    context standing for the runs'; on the CPU the budget is an override. Returns the ballast
-    (bytes of it on the CPU: 0) and the overrides."""
+    context standing for the runs'; on the CPU the budget is an override. Returns the ballast (None
+    on the CPU), its bytes and the runs' overrides."""
     if cpu:
-        return 0, [f"hardware.device_memory_gib={device / 2**30!r}"]
+        return None, 0, [f"hardware.device_memory_gib={device / 2**30!r}"]
     import torch
 
     torch.empty(1, device="cuda")  # this process's context, as large as a run's
@@ -148,7 +162,7 @@ def _leave_device(device: int, cpu: bool):
     size = free - context - device
     if size <= 0:
         raise RuntimeError(f"the device has {free} bytes free, less than a budget of {device} and a context of {context}")
-    return torch.empty(size, dtype=torch.uint8, device="cuda"), []
+    return torch.empty(size, dtype=torch.uint8, device="cuda"), size, []
 
 
 if __name__ == "__main__":

@@ -70,6 +70,11 @@ def _check_runtime_support(run: Run, policy: ActivationPolicy) -> None:
         raise ConfigError(f"train.document_mask keeps documents apart in memo's own attention, and method="
                           f"{w.method.name} here runs Transformer Engine's; set train.attention_backend to flash, "
                           "cudnn or efficient, or train.document_mask=false")
+    if run.plan and run.device_type == "cuda" and run.train.eval_interval is not None:
+        # (on the CPU the plan is validated, not served: nothing is reserved beside it)
+        raise ConfigError("train.eval_interval with plan=true on a GPU: a validation pass runs between the planned "
+                          "steps, from CUDA's pool beside the arena that holds a step's bytes, which the fit does "
+                          "not count; set plan=false or train.eval_interval=null")
     if w.model.init_from is not None:
         hf_checkpoint.check_config(w.model, Path(w.model.init_from), w.parallel.tp)
 

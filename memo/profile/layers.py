@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from memo.dsa.buffers import Buffer, max_load
-from memo.profile.trace import Event, Request, Trace, layer_phase, phase_layers
+from memo.profile.trace import Event, Request, Trace, forward_block_phase, layer_phase, phase_layers
 
 
 class LayerMismatchError(ValueError):
@@ -53,7 +53,7 @@ def layer_bytes(trace: Trace, layer: int, requests: Optional[list[Request]] = No
     """Skeletal and transient bytes of ``layer`` in ``trace``."""
     requests = trace.requests() if requests is None else requests
     backward = layer_phase(layer, "bwd")
-    skeletal = [r for r in requests if r.free_phase == backward and r.malloc_phase.endswith(".fwd")]
+    skeletal = [r for r in requests if r.free_phase == backward and forward_block_phase(r.malloc_phase)]
     forward_buffers = transient_buffers(trace, layer_phase(layer, "fwd"), requests)
     backward_buffers = transient_buffers(trace, backward, requests)
     return LayerBytes(

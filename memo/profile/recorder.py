@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memo.profile.trace import Event, layer_phase
+from memo.profile.trace import EMBEDDING_LOOKUP, Event, layer_phase
 
 
 def _tensors(tree) -> list:
@@ -104,9 +104,6 @@ class AllocationRecorder(TorchDispatchMode):
         """The request whose storage ``tensor`` lives in, if it was made while recording and is
         still alive."""
         return self._live.get(id(tensor.untyped_storage()))
-
-
-EMBEDDING_LOOKUP = "embedding.fwd.lookup"  # the word embedding's lookup, within embedding.fwd
 
 
 class PhaseMarker:

@@ -55,8 +55,7 @@ from memo.model.gpt import padded_vocab_size
 from memo.model.tiles import auto_tile_tokens, eighth_tile_tokens
 from memo.profile.affine import Affine
 from memo.profile.iteration import Traced, trace_iteration
-from memo.profile.recorder import EMBEDDING_LOOKUP
-from memo.profile.trace import Event, Trace, layer_phase
+from memo.profile.trace import EMBEDDING_LOOKUP, Event, Trace, forward_block_phase, layer_phase
 from memo.swap.alpha import SkeletalBytes
 
 TEMPLATE_LAYERS = 5
@@ -133,7 +132,7 @@ class IterationTemplate:
             layer: {
                 r.id
                 for r in requests
-                if r.free_phase == layer_phase(layer, "bwd") and r.malloc_phase.endswith(".fwd")
+                if r.free_phase == layer_phase(layer, "bwd") and forward_block_phase(r.malloc_phase)
             }
             for layer in range(layers)
         }

@@ -188,6 +188,15 @@ def layer_phase(layer: int, direction: str) -> str:
     return f"layer.{layer}.{direction}"
 
 
+EMBEDDING_LOOKUP = "embedding.fwd.lookup"  # the word embedding's lookup, within embedding.fwd
+
+
+def forward_block_phase(phase: str) -> bool:
+    """Whether ``phase`` is a block's own forward (``embedding.fwd``, ``layer.<i>.fwd``, the
+    embedding's lookup), where what a layer keeps for its backward is made."""
+    return phase.endswith(".fwd") or phase == EMBEDDING_LOOKUP
+
+
 def phase_layers(phases: Sequence[str]) -> list[int]:
     """Layer numbers that have a forward phase, ascending."""
     return sorted({int(p.split(".")[1]) for p in phases if p.startswith("layer.") and p.endswith(".fwd")})

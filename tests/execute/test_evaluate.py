@@ -102,3 +102,18 @@ def test_bad_validation_settings_are_one_line(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         resolve_config(*overrides)
+
+
+def test_validation_with_the_plan_is_refused_on_a_gpu_where_the_arena_holds_a_steps_bytes():
+    from conftest import compose_config
+    from memo.config import ConfigError, resolve
+    from memo.modes.train import _check_runtime_support
+    from memo.policy import policy_of
+
+    for gpu in (False, True):
+        run = resolve(compose_config("plan=true", "train.eval_interval=2", "method=memo"), gpu_visible=gpu)
+        if gpu:
+            with pytest.raises(ConfigError, match="with plan=true on a GPU: a validation pass runs between"):
+                _check_runtime_support(run, policy_of(run.workload))
+        else:  # (the CPU validates the plan: nothing is reserved beside it)
+            _check_runtime_support(run, policy_of(run.workload))

@@ -210,6 +210,14 @@ def test_memo_buffers_host_bytes_and_alpha_at_one_million_tokens():
     assert prediction.cp_buffers == 4 * S * h // tp * 2 + (S // 2) * h // tp * (2 + 4)
 
 
+def test_the_first_layers_input_made_by_the_embeddings_lookup_is_its_skeletal_input():
+    from memo.policy.whole_layers import swapped_sizes
+
+    one_layer = work(dataclasses.replace(TINY, num_layers=1), MEMO, seq=2048, dtype="fp32")
+    sizes = swapped_sizes(template_of(one_layer, 1), one_layer)
+    assert sizes.input == 2048 * TINY.hidden_size * 4  # [s, b, h] fp32, made in embedding.fwd.lookup
+
+
 def test_memo_alpha_is_solved_against_bandwidth_and_host_memory():
     sizes = SkeletalBytes(input=100, attention=100, other=1000)
     # The copy of one layer (200 + α·1000 bytes at 1000 B/s) must hide behind 0.7 s: α = 0.5.

@@ -210,4 +210,12 @@ def test_offloading_combines_with_no_other_activation_method():
             validate(compose_config(*overrides))
     assert validate(compose_config("method=megatron_offload", "method.offload_modules=[qkv_linear]")).seq == 1024
     # Megatron's selective recomputation of other modules beside the offloading (its best at length)
-    assert validate(compose_config("method=megatron_offload_recompute")).method.recompute_modules == ("mlp",)
+    assert validate(compose_config("method=megatron_offload_recompute", "model=tiny_llama")).method.recompute_modules \
+        == ("mlp",)
+
+
+def test_recomputing_the_mlp_of_a_model_with_biases_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="mlp on model=tiny, whose linear layers have biases") as refused:
+        validate(compose_config("method=megatron_offload_recompute", "model=tiny"))
+    assert "\n" not in str(refused.value)
+    validate(compose_config("method=megatron_offload_recompute", "model=tiny_llama"))
