@@ -244,9 +244,12 @@ class FitConfig:
     # parallel=search: "runnable" (only layouts that training runs: no pipeline parallelism; the
     # others are listed in layouts.csv with the reason) or "all".
     layouts: str = "runnable"
-    # Memory the activations cannot use on a GPU: CUDA context, NCCL and cuBLAS workspaces (per
-    # device; a CPU has none of them).
+    # Memory the activations cannot use on a GPU outside PyTorch's allocator and NCCL: the CUDA
+    # context and the libraries' modules (1.2 to 2.4 GiB measured on one GPU; a CPU has none).
     device_reserved_gib: float = 2.0
+    # Channels of each NCCL communicator a multi-device layout uses, for its buffers (NCCL picks
+    # up to 32 on the NVLink of 8 H100; NCCL_MAX_NCHANNELS caps it): see memo.fit.memory.nccl_buffers.
+    nccl_channels: int = 32
     # Whether Megatron's Adam on the predicted GPUs is PyTorch's multi-tensor AdamW, whose step makes
     # an fp32 element per parameter at once: None, as Megatron falls back on this machine (without
     # Transformer Engine or Apex); false, their fused Adam, as a Megatron-LM cluster runs it.

@@ -15,6 +15,9 @@
   (:meth:`memo.policy.ActivationPolicy.cp_buffers`); the trace itself is of one context-parallel
   rank's tokens.
 
+* NCCL's buffers (:func:`nccl_buffers`): per communicator a layout uses, its channels' connections
+  at NCCL's default sizes, outside PyTorch's allocator; one GPU cannot measure eight ranks' worth.
+
 Pipeline parallelism is predicted for its first stage holding ``pp`` micro-batches in flight
 (1F1B), with the embedding, the head and the loss on the same stage: an upper bound.
 """
@@ -24,13 +27,53 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from memo.config import Workload, shards_optimizer
+from memo.config import ParallelConfig, Workload, shards_optimizer
 from memo.dsa.caching_allocator import OutOfMemoryError, simulate
 from memo.execute.optimizer_offload import NO_OFFLOAD, OffloadBytes, offload_bytes
 from memo.model.gpt import parameter_count, parameter_numels
 from memo.plan.bilevel import RUNTIME_ALIGNMENT, plan_iteration
 from memo.profile.template import INNER_LAYERS
 from memo.profile.trace import Trace
+
+
+# NCCL's buffer per connection and protocol at its defaults (src/init.cc: DEFAULT_BUFFSIZE,
+# DEFAULT_LL_BUFFSIZE, DEFAULT_LL128_BUFFSIZE; NCCL_BUFFSIZE, NCCL_LL_BUFFSIZE and
+# NCCL_LL128_BUFFSIZE override them), bytes.
+NCCL_SIMPLE_BYTES = 1 << 22
+NCCL_LL_BYTES = 8 * 512 * 8 * 16  # lines per thread × threads × steps × 16-byte FIFO line
+NCCL_LL128_BYTES = 120 * 640 * 8 * 8  # elements per thread × threads × steps × 8 bytes
+NCCL_CONNECTION_BYTES = NCCL_SIMPLE_BYTES + NCCL_LL_BYTES + NCCL_LL128_BYTES
+# Connections a rank holds per channel: the ring's and the tree's (allreduce takes either).
+NCCL_CONNECTIONS_PER_CHANNEL = 2
+
+
+@dataclass(frozen=True)
+class NcclBuffers:
+    """Device bytes NCCL allocates for one rank's communicators (outside PyTorch's allocator), and
+    the assumption they rest on, as a row records it."""
+
+    bytes: int
+    assumption: str
+
+
+def nccl_buffers(parallel: ParallelConfig, channels: int) -> NcclBuffers:
+    """NCCL's buffers on one rank of ``parallel``: each communicator of more than one rank that a
+    step uses (tensor parallelism's, context parallelism's exchange, pipeline parallelism's
+    send/receive, and the gradients' reduction over data × context parallelism: PyTorch makes one
+    communicator per group, even where two groups hold the same ranks) holds ``channels`` ×
+    :data:`NCCL_CONNECTIONS_PER_CHANNEL` connections of the three protocols' default buffers.
+    NVLink SHARP's (NVLS) buffers are not counted: where it is on (NCCL_NVLS_ENABLE, the default
+    on NVSwitch systems) NCCL allocates more."""
+    groups = {"tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp, "dp×cp": parallel.dp * parallel.cp}
+    used = {name: ranks for name, ranks in groups.items() if ranks > 1}
+    if not used:
+        return NcclBuffers(0, "")
+    per_communicator = channels * NCCL_CONNECTIONS_PER_CHANNEL * NCCL_CONNECTION_BYTES
+    named = ", ".join(f"{name} {ranks}" for name, ranks in used.items())
+    return NcclBuffers(len(used) * per_communicator, (
+        f"NCCL: {len(used)} communicator(s) ({named}) × {channels} channels × "
+        f"{NCCL_CONNECTIONS_PER_CHANNEL} connections × {NCCL_CONNECTION_BYTES / 2**20:.2f} MiB "
+        "(Simple, LL, LL128 at NCCL's default sizes); NVLS buffers not counted"))
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ class Prediction:
     acts: Optional[memory.Activations]
     rounding_buffers: int
     cp_buffers: int
-    reserved: int  # fit.device_reserved_gib on a GPU: memory held outside PyTorch's tensors
+    reserved: int  # on a GPU, memory held outside PyTorch's allocator: fit.device_reserved_gib and NCCL's
+    nccl: memory.NcclBuffers  # NCCL's part of ``reserved``
     device_total: int  # what the verdict compares with the capacity (0 when oohm)
     device_capacity: int
     margin: int  # bytes of the capacity kept free for the fit's error (fit.memory_margin)
@@ -96,6 +97,8 @@ class Prediction:
             "predicted_peak_phase": a.peak_phase if a else None,
             "predicted_alloc_retries": a.alloc_retries if a else None,
             "predicted_reserved_bytes": self.reserved,
+            "predicted_nccl_bytes": self.nccl.bytes,
+            "predicted_nccl_assumption": self.nccl.assumption,
             "predicted_device_bytes": self.device_total,
             "predicted_device_capacity_bytes": self.device_capacity,
             "margin_bytes": self.margin,
@@ -185,9 +188,11 @@ class _Frame:
     def common(self) -> dict:
         w, hw, fit = self.workload, self.problem.hardware, self.problem.fit
         # a CPU's "device" memory is its tensors': no driver context, library workspaces or NCCL
-        reserved = int(fit.device_reserved_gib * GiB) if hw.device_type == "cuda" else 0
+        gpu = hw.device_type == "cuda"
+        nccl = memory.nccl_buffers(w.parallel, fit.nccl_channels) if gpu else memory.NcclBuffers(0, "")
+        reserved = int(fit.device_reserved_gib * GiB) + nccl.bytes if gpu else 0
         return dict(seq=w.seq, parallel=w.parallel, tile_tokens=w.layer_tile_tokens, states=self.states,
-                    cp_buffers=self.cp_buffers, reserved=reserved, device_capacity=hw.device_memory_bytes,
+                    cp_buffers=self.cp_buffers, reserved=reserved, nccl=nccl, device_capacity=hw.device_memory_bytes,
                     margin=math.ceil(fit.memory_margin * hw.device_memory_bytes),
                     host_capacity_per_node=self.host_capacity)
 

@@ -229,7 +229,8 @@ def report(p: Prediction, problem: Problem) -> str:
             if problem.plan
             else f" (caching allocator, {a.alloc_retries if a else 0} retries)"
         ),
-        f"  reserved (CUDA, NCCL)      {_gib(p.reserved)}",
+        f"  CUDA context, libraries    {_gib(p.reserved - p.nccl.bytes)}",
+        f"  NCCL buffers               {_gib(p.nccl.bytes)}" + (f"  ({p.nccl.assumption})" if p.nccl.bytes else ""),
         f"  total                      {_gib(p.device_total)} of {_gib(p.device_capacity)}"
         + (f"  (activations peak in {a.peak_phase})" if a else ""),
     ]
