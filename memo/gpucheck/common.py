@@ -141,16 +141,3 @@ def row_figures(row: dict, keys: Optional[list[str]] = None) -> dict:
     return {key: row.get(key) for key in keys}
 
 
-def mean_seconds(fn, device, repeat: int) -> float:
-    """Mean wall seconds of ``fn()`` over ``repeat`` runs after one warm-up, the device synchronized."""
-    import torch
-
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeat

@@ -24,7 +24,8 @@ import sys
 
 import torch
 
-from memo.gpucheck.common import arguments, mean_seconds, step_device, write_rows
+from memo.fit.rates import mean_seconds
+from memo.gpucheck.common import arguments, step_device, write_rows
 from memo.model import attention_blocks as blocks
 from memo.model.attention import causal_attention, select_backend
 from memo.model.context_parallel import rank_chunks

@@ -12,42 +12,9 @@
 
 import sys
 
-import torch
-
-from memo.gpucheck.common import arguments, mean_seconds, step_device, write_rows
-from memo.model.attention import causal_attention, select_backend
-
-
-def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, repeat: int) -> float:
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    return 2 * n**3 / mean_seconds(lambda: a @ b, device, repeat)
-
-
-def attention_flops(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int,
-                    backend: str, repeat: int) -> tuple[float, float]:
-    """Causal attention FLOP/s of the forward pass and of forward plus backward."""
-    q, k, v = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
-               for _ in range(3))
-    forward_flops = 2 * seq * seq * heads * head_dim  # QKᵀ and PV, causal half of 2·2·s²·h
-    forward = mean_seconds(lambda: causal_attention(q, k, v, backend), device, repeat)
-    both = mean_seconds(lambda: causal_attention(q, k, v, backend).sum().backward(), device, repeat)
-    return forward_flops / forward, 3.5 * forward_flops / both
-
-
-def host_bandwidth(device: torch.device, nbytes: int, repeat: int) -> tuple[float, float]:
-    """H2D and D2H bytes/s between registered host memory and the device."""
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)) != 0:
-        raise RuntimeError("cudaHostRegister failed")
-    try:
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        h2d = nbytes / mean_seconds(lambda: dev.copy_(host, non_blocking=True), device, repeat)
-        d2h = nbytes / mean_seconds(lambda: host.copy_(dev, non_blocking=True), device, repeat)
-    finally:
-        torch.cuda.synchronize()
-        cudart.cudaHostUnregister(host.data_ptr())
-    return h2d, d2h
+from memo.fit.rates import attention_flops, gemm_flops, host_bandwidth
+from memo.gpucheck.common import arguments, step_device, write_rows
+from memo.model.attention import select_backend
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from memo import hardware
 from memo.config import WHOLE_LAYERS, ConfigError, Run, resolve
+from memo.fit import rates
 from memo.fit.choice import candidates, evaluate, problem_of
 from memo.fit.predict import Prediction, Problem, prediction_hardware
 from memo.fit.search import Candidate, LayoutResult, candidate_label, layout_label
@@ -66,7 +67,9 @@ def fit_job(cfg: DictConfig, output_dir: Path, overrides=(), claimed: bool = Fal
 
 
 def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
-    problem = problem_of(run, _hardware(run))
+    run, hw, measured = rates.of_this_device(run, _hardware(run))  # hardware=auto on a GPU
+    row.update(measured)
+    problem = problem_of(run, hw)
     tried = candidates(run, problem)
     skipped = []
     if run.workload.parallel.search and run.fit.layouts == "runnable":

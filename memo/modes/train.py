@@ -26,7 +26,7 @@ from memo.data.batches import micro_batches, token_source
 from memo.execute.hooks import (ActivationAccounting, Checkpointing, MemoryReadings, Progress, StepLog,
                                  Throughput, Validation, validation_pass)
 from memo.execute.optimizer import StepOptimizer, build_optimizer, checkpoint_format
-from memo.fit import choice
+from memo.fit import choice, rates
 from memo.plan.runtime import ALLOCATOR_FIELDS, TENSOR_BYTES_FIELDS, PlanRuntime, measured_allocator_row
 from memo.plan.server import ServingStats
 from memo.execute.progress import step_progress
@@ -240,6 +240,15 @@ def _choose(run: Run, hw: hardware.Hardware, arena: Optional[object], info: dist
     held = 0
     if run.device_type == "cuda":
         torch.cuda.set_device(distributed.device_index(info))
+        # the rates the choice's times are predicted with (hardware=auto), measured outside the plan's
+        # arena, which serves the run's own requests only
+        if info.rank == 0 and arena is None:
+            try:
+                run, hw, measured = rates.of_this_device(run, hw)
+                job.row.update(measured)
+            except Exception as failed:  # (a run goes on with the table's rates)
+                log.warning("the rates of this device were not measured (%s): the fit takes fit.*_efficiency "
+                            "and the table's host link", failed)
         held = 0 if arena is not None else torch.cuda.memory_reserved()  # (the arena keeps no statistics)
     machine = hardware.available_now(hw, run.hardware, held)
     placement, made, error = run.train.optimizer_offload, None, None

@@ -1,0 +1,192 @@
+"""The rates the fit predicts time with, measured on this machine (``hardware=auto`` on a GPU).
+
+The fit's time is FLOPs over rates: weight GEMMs at ``fit.gemm_efficiency`` of the peak, causal
+attention's forward and backward at ``fit.attention_forward_efficiency`` and
+``fit.attention_backward_efficiency``, copies between host and device at the hardware's
+``host_link_bytes_per_s``. The table's figures stand for machines one does not have; on the machine
+itself they are measured once (a few seconds), cached in :data:`RATES_CACHE` under a key of the
+device, the software (PyTorch, CUDA, cuDNN), the dtype and the head size, and read back by every
+later run with that key.
+"""
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from memo.config import ConfigError, FitConfig, Run
+from memo.fit.timing import ATTENTION_BACKWARD_FLOPS
+from memo.hardware import Hardware
+from memo.model import torch_dtype
+from memo.model.attention import causal_attention, select_backend
+from memo.results import json_text, replace_file_atomic
+
+log = logging.getLogger("memo")
+
+RATES_CACHE = Path.home() / ".cache" / "memo" / "rates.json"
+# Attention is measured at one length, a tile's (memo's tiles run its kernels at about this size),
+# with the query heads of a 7-8B model.
+ATTENTION_TOKENS = 16384
+ATTENTION_HEADS = 32
+GEMM_SIZE = 8192  # square bf16 GEMMs at this size reach the sustained rate of a Hopper part
+HOST_COPY_BYTES = 1 << 30
+
+
+def mean_seconds(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Mean wall seconds of ``fn()`` over ``repeat`` runs after one warm-up, the device synchronized."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat
+
+
+def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, repeat: int) -> float:
+    """FLOP/s of an ``n``×``n`` by ``n``×``n`` matrix multiply."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / mean_seconds(lambda: a @ b, device, repeat)
+
+
+def attention_flops(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int,
+                    backend: str, repeat: int) -> tuple[float, float]:
+    """Causal attention FLOP/s of the forward pass and of forward plus backward, the backward
+    counted as 2.5 forwards (FlashAttention recomputes the scores)."""
+    q, k, v = (torch.randn(seq, 1, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    forward_flops = 2 * seq * seq * heads * head_dim  # QKᵀ and PV, causal half of 2·2·s²·h
+    forward = mean_seconds(lambda: causal_attention(q, k, v, backend), device, repeat)
+    both = mean_seconds(lambda: causal_attention(q, k, v, backend).sum().backward(), device, repeat)
+    return forward_flops / forward, (1 + ATTENTION_BACKWARD_FLOPS) * forward_flops / both
+
+
+def host_bandwidth(device: torch.device, nbytes: int, repeat: int) -> tuple[float, float]:
+    """H2D and D2H bytes/s between registered (page-locked) host memory and the device."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)) != 0:
+        raise RuntimeError("cudaHostRegister failed")
+    try:
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        h2d = nbytes / mean_seconds(lambda: dev.copy_(host, non_blocking=True), device, repeat)
+        d2h = nbytes / mean_seconds(lambda: host.copy_(dev, non_blocking=True), device, repeat)
+    finally:
+        torch.cuda.synchronize()
+        cudart.cudaHostUnregister(host.data_ptr())
+    return h2d, d2h
+
+
+def backward_flops(forward: float, both: float) -> float:
+    """The attention backward's own FLOP/s from the forward's and forward plus backward's (as
+    :func:`attention_flops` counts them): its FLOPs over the seconds it adds to the forward's."""
+    return ATTENTION_BACKWARD_FLOPS / ((1 + ATTENTION_BACKWARD_FLOPS) / both - 1 / forward)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What this machine's kernels reach: FLOP/s per device, bytes/s each way (None on a CPU, whose
+    tensors are host memory)."""
+
+    gemm_flops: float
+    attention_forward_flops: float
+    attention_backward_flops: float  # the backward alone, counted as 2.5 forwards
+    h2d_bytes_per_s: Optional[float]
+    d2h_bytes_per_s: Optional[float]
+
+    def row(self, key: str) -> dict:
+        """The result-row columns of these rates (``rates.*``)."""
+        return {"rates.key": key, **{f"rates.{k}": v for k, v in dataclasses.asdict(self).items()}}
+
+
+def measure(device: torch.device, dtype: torch.dtype, head_dim: int, small: bool = False) -> Rates:
+    """Measure :class:`Rates` on ``device`` (``small``: sizes a CPU does in about a second)."""
+    n, seq, heads, repeat = (256, 512, 2, 2) if small else (GEMM_SIZE, ATTENTION_TOKENS, ATTENTION_HEADS, 10)
+    h2d = d2h = None
+    try:
+        gemm = gemm_flops(device, dtype, n, repeat)
+        backend = select_backend(device.type, dtype, head_dim)
+        forward, both = attention_flops(device, dtype, seq, heads, head_dim, backend, repeat)
+        if device.type == "cuda":
+            h2d, d2h = host_bandwidth(device, HOST_COPY_BYTES, repeat)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # (about 2.5 GiB at most) back before the run's choice reads the free memory
+    return Rates(gemm, forward, backward_flops(forward, both), h2d, d2h)
+
+
+def rates_key(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """What the rates depend on: the device, the software that runs its kernels, dtype, head size."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        software = f"torch={torch.__version__}|cuda={torch.version.cuda}|cudnn={torch.backends.cudnn.version()}"
+    else:
+        name = "cpu"
+        software = f"torch={torch.__version__}|threads={torch.get_num_threads()}"
+    return f"{name}|{software}|{str(dtype).removeprefix('torch.')}|head_dim={head_dim}"
+
+
+def cached_rates(device: torch.device, dtype: torch.dtype, head_dim: int, cache: Path = RATES_CACHE,
+                 measure_rates: Optional[Callable[[], Rates]] = None) -> tuple[Rates, str, bool]:
+    """This machine's :class:`Rates` under :func:`rates_key`: read from ``cache``, or measured (by
+    ``measure_rates``, default :func:`measure`) and recorded there (atomically; an unreadable or
+    malformed cache is measured over). Returns the rates, their key and whether they were measured now."""
+    key = rates_key(device, dtype, head_dim)
+    try:
+        recorded = json.loads(cache.read_text())
+        known = recorded.get(key) if isinstance(recorded, dict) else None
+        if known is not None:
+            return Rates(**known), key, False
+    except (OSError, ValueError, TypeError):
+        recorded = {}
+    rates = (measure_rates or (lambda: measure(device, dtype, head_dim)))()
+    recorded = recorded if isinstance(recorded, dict) else {}
+    recorded[key] = dataclasses.asdict(rates)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        replace_file_atomic(cache, json_text(recorded).encode())
+    except OSError:
+        pass  # measured again by the next run
+    return rates, key, True
+
+
+def with_rates(fit: FitConfig, hw: Hardware, rates: Rates) -> tuple[FitConfig, Hardware]:
+    """``fit``'s efficiencies and ``hw``'s host link as ``rates`` measured them: each rate over the
+    device's peak, the slower copy direction (swapping moves the same bytes out and back).
+
+    Raises:
+        ConfigError: where ``hw`` has no peak to take the rates as shares of.
+    """
+    if not hw.peak_flops:
+        raise ConfigError(f"hardware={hw.name} has no peak FLOP/s to measure rates against; set hardware.peak_flops")
+    fit = dataclasses.replace(fit, gemm_efficiency=rates.gemm_flops / hw.peak_flops,
+                              attention_forward_efficiency=rates.attention_forward_flops / hw.peak_flops,
+                              attention_backward_efficiency=rates.attention_backward_flops / hw.peak_flops)
+    if rates.h2d_bytes_per_s is not None:
+        hw = dataclasses.replace(hw, host_link_bytes_per_s=min(rates.h2d_bytes_per_s, rates.d2h_bytes_per_s))
+    return fit, hw
+
+
+def of_this_device(run: Run, hw: Hardware, cache: Path = RATES_CACHE) -> tuple[Run, Hardware, dict]:
+    """``run``'s fit and ``hw`` with the rates of the current GPU (:func:`cached_rates` at the
+    model's head size and the run's dtype), and the row's ``rates.*`` columns, where
+    ``hardware=auto`` on a GPU; else as they are, with no columns."""
+    if run.hardware.name != "auto" or run.device_type != "cuda":
+        return run, hw, {}
+    model = run.workload.model
+    device = torch.device("cuda", torch.cuda.current_device())
+    rates, key, fresh = cached_rates(device, torch_dtype(run.workload),
+                                     model.hidden_size // model.num_attention_heads, cache)
+    fit, hw = with_rates(run.fit, hw, rates)
+    log.info("rates of this device (%s, %s): GEMM %.0f TFLOP/s, attention %.0f forward / %.0f backward TFLOP/s, "
+             "host copies %.1f GB/s", key, "measured now" if fresh else f"from {cache}", rates.gemm_flops / 1e12,
+             rates.attention_forward_flops / 1e12, rates.attention_backward_flops / 1e12,
+             hw.host_link_bytes_per_s / 1e9)
+    return dataclasses.replace(run, fit=fit), hw, rates.row(key) | {"rates.measured_now": fresh}
