@@ -133,7 +133,7 @@ def parameter_count(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
     replicates the projection and FC2 biases and the norms. Then the embedding ``V·h`` (V padded,
     split over tp), an output layer as large where untied, and the final norm (the last stage's).
     """
-    h, f = model.hidden_size, model.ffn_hidden_size
+    h = model.hidden_size
     q, qkv, fc1 = _widths(model)
     split = layer_matmul_weights(model)
     if model.add_bias_linear or model.add_qkv_bias:

@@ -422,7 +422,7 @@ def _ready_runtime(runtime: SwapRuntime, model, workload: Workload, alpha: Optio
     runtime.attach(layers)
     kwargs = _layer_arguments(model, workload, runtime)
     layout = runtime.discover(layers[0], kwargs)
-    layer_time = _best_seconds(lambda: layers[0].run(**kwargs), device)
+    layer_time = _best_seconds(functools.partial(layers[0].run, **kwargs), device)
     del kwargs
     sizes = SkeletalBytes(layout.bytes_of(INPUT), layout.bytes_of(ATTENTION), layout.bytes_of(TOKENS))
     n = len(layers)
