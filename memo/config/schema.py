@@ -266,6 +266,9 @@ class FitConfig:
     # Fractions of the device's peak FLOP/s reached by the weight GEMMs and by the attention
     # kernel (forward, backward); the attention backward does 2.5× its forward's FLOPs
     # (FlashAttention recomputes the scores), counted here, not in the model FLOPs.
+    # With hardware=auto on a GPU: the three efficiencies below and the host link measured on the
+    # device (memo.fit.rates, cached), in place of these figures and the table's; false keeps them.
+    measured_rates: bool = True
     gemm_efficiency: float = 0.7
     attention_forward_efficiency: float = 0.6
     attention_backward_efficiency: float = 0.5

@@ -16,6 +16,7 @@ from typing import Iterable, Mapping, Optional
 from memo.config import FitConfig, MethodConfig, ModelConfig, ParallelConfig, Workload
 from memo.config.method import method_of, training_loss
 from memo.fit.predict import Problem, predict, prediction_hardware
+from memo.fit.rates import Rates, with_rates
 from memo.hardware import Hardware
 from memo.model.gpt import DTYPES, dtype_label
 
@@ -77,10 +78,14 @@ def problem_of_row(row: Mapping) -> tuple[Problem, ParallelConfig, int]:
         loss_tile_tokens=train.loss_tile_tokens,
         layer_tile_tokens=tiles,
     )
+    fit, hw = _section(row, "fit.", FitConfig), _section(row, "hardware.", Hardware)
+    measured = Rates.of_row(row)
+    if measured is not None:  # the run's choice was predicted at its device's measured rates
+        fit, hw = with_rates(fit, hw, measured)
     problem = Problem(
         workload=workload,
-        hardware=prediction_hardware(_section(row, "hardware.", Hardware)),
-        fit=_section(row, "fit.", FitConfig),
+        hardware=prediction_hardware(hw),
+        fit=fit,
         micro_batches=int(train.micro_batches),
         distributed_optimizer=train.distributed_optimizer,
         optimizer_offload=train.optimizer_offload_fraction if train.optimizer_offload == "host" else 0.0,

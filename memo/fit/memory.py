@@ -56,15 +56,19 @@ class NcclBuffers:
     assumption: str
 
 
-def nccl_buffers(parallel: ParallelConfig, channels: int) -> NcclBuffers:
+def nccl_buffers(parallel: ParallelConfig, sharded_optimizer: bool, channels: int) -> NcclBuffers:
     """NCCL's buffers on one rank of ``parallel``: each communicator of more than one rank that a
-    step uses (tensor parallelism's, context parallelism's exchange, pipeline parallelism's
-    send/receive, and the gradients' reduction over data × context parallelism: PyTorch makes one
-    communicator per group, even where two groups hold the same ranks) holds ``channels`` ×
-    :data:`NCCL_CONNECTIONS_PER_CHANNEL` connections of the three protocols' default buffers.
-    NVLink SHARP's (NVLS) buffers are not counted: where it is on (NCCL_NVLS_ENABLE, the default
-    on NVSwitch systems) NCCL allocates more."""
-    groups = {"tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp, "dp×cp": parallel.dp * parallel.cp}
+    step uses holds ``channels`` × :data:`NCCL_CONNECTIONS_PER_CHANNEL` connections of the three
+    protocols' default buffers. PyTorch makes one communicator per process group, even where two
+    groups hold the same ranks; a step uses tensor parallelism's, context parallelism's exchange,
+    pipeline parallelism's sends, the gradients' and the loss's reduction over data × context
+    parallelism, the gradient norm's group (every rank of the distributed optimizer's instance where
+    ``sharded_optimizer``, else tensor × pipeline parallelism's) and the world's (the run's own
+    agreements). NVLink SHARP's (NVLS) buffers are not counted: where it is on (NCCL_NVLS_ENABLE,
+    the default on NVSwitch systems) NCCL allocates more."""
+    world = parallel.tp * parallel.cp * parallel.pp * parallel.dp
+    groups = {"tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp, "dp×cp": parallel.dp * parallel.cp,
+              "norm": world if sharded_optimizer else parallel.tp * parallel.pp, "world": world}
     used = {name: ranks for name, ranks in groups.items() if ranks > 1}
     if not used:
         return NcclBuffers(0, "")

@@ -12,7 +12,7 @@ from typing import Optional
 
 from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 
-from memo.config import FitConfig, ParallelConfig, Workload
+from memo.config import FitConfig, ParallelConfig, Workload, shards_optimizer
 from memo.fit import memory
 from memo.fit.timing import TimePrediction, layer_seconds, predict_time
 from memo.hardware import GiB, Hardware
@@ -189,7 +189,8 @@ class _Frame:
         w, hw, fit = self.workload, self.problem.hardware, self.problem.fit
         # a CPU's "device" memory is its tensors': no driver context, library workspaces or NCCL
         gpu = hw.device_type == "cuda"
-        nccl = memory.nccl_buffers(w.parallel, fit.nccl_channels) if gpu else memory.NcclBuffers(0, "")
+        sharded = shards_optimizer(self.problem.distributed_optimizer, w.parallel)
+        nccl = memory.nccl_buffers(w.parallel, sharded, fit.nccl_channels) if gpu else memory.NcclBuffers(0, "")
         reserved = int(fit.device_reserved_gib * GiB) + nccl.bytes if gpu else 0
         return dict(seq=w.seq, parallel=w.parallel, tile_tokens=w.layer_tile_tokens, states=self.states,
                     cp_buffers=self.cp_buffers, reserved=reserved, nccl=nccl, device_capacity=hw.device_memory_bytes,

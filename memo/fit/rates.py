@@ -64,7 +64,9 @@ def attention_flops(device: torch.device, dtype: torch.dtype, seq: int, heads: i
                for _ in range(3))
     forward_flops = 2 * seq * seq * heads * head_dim  # QKᵀ and PV, causal half of 2·2·s²·h
     forward = mean_seconds(lambda: causal_attention(q, k, v, backend), device, repeat)
-    both = mean_seconds(lambda: causal_attention(q, k, v, backend).sum().backward(), device, repeat)
+    # (gradients returned, not accumulated into q, k, v: the backward alone, as a step runs it)
+    both = mean_seconds(lambda: torch.autograd.grad(causal_attention(q, k, v, backend).sum(), (q, k, v)), device,
+                        repeat)
     return forward_flops / forward, (1 + ATTENTION_BACKWARD_FLOPS) * forward_flops / both
 
 
@@ -72,8 +74,10 @@ def host_bandwidth(device: torch.device, nbytes: int, repeat: int) -> tuple[floa
     """H2D and D2H bytes/s between registered (page-locked) host memory and the device."""
     host = torch.empty(nbytes, dtype=torch.uint8)
     cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)) != 0:
-        raise RuntimeError("cudaHostRegister failed")
+    status = int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0))
+    if status != 0:
+        cudart.cudaGetLastError()  # (cleared, or the next kernel launch would report it)
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (CUDA error {status})")
     try:
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         h2d = nbytes / mean_seconds(lambda: dev.copy_(host, non_blocking=True), device, repeat)
@@ -105,6 +109,13 @@ class Rates:
         """The result-row columns of these rates (``rates.*``)."""
         return {"rates.key": key, **{f"rates.{k}": v for k, v in dataclasses.asdict(self).items()}}
 
+    @classmethod
+    def of_row(cls, row) -> Optional["Rates"]:
+        """The rates a row's run was predicted with (:meth:`row`), or None where it has none."""
+        values = {f.name: row.get(f"rates.{f.name}") for f in dataclasses.fields(cls)}
+        values = {k: None if v is None or v != v else float(v) for k, v in values.items()}  # (NaN: pandas' none)
+        return None if values["gemm_flops"] is None else cls(**values)
+
 
 def measure(device: torch.device, dtype: torch.dtype, head_dim: int, small: bool = False) -> Rates:
     """Measure :class:`Rates` on ``device`` (``small``: sizes a CPU does in about a second)."""
@@ -119,18 +130,24 @@ def measure(device: torch.device, dtype: torch.dtype, head_dim: int, small: bool
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # (about 2.5 GiB at most) back before the run's choice reads the free memory
-    return Rates(gemm, forward, backward_flops(forward, both), h2d, d2h)
+    rates = Rates(gemm, forward, backward_flops(forward, both), h2d, d2h)
+    if not all(0 < r < float("inf") for r in (rates.gemm_flops, rates.attention_forward_flops,
+                                               rates.attention_backward_flops)):
+        raise RuntimeError(f"the timings are inconsistent (another process loads the device?): {rates}")
+    return rates
 
 
 def rates_key(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """What the rates depend on: the device, the software that runs its kernels, dtype, head size."""
+    """What the rates depend on: the device, the software that runs its kernels, the attention
+    kernel chosen, dtype, head size."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         software = f"torch={torch.__version__}|cuda={torch.version.cuda}|cudnn={torch.backends.cudnn.version()}"
     else:
         name = "cpu"
         software = f"torch={torch.__version__}|threads={torch.get_num_threads()}"
-    return f"{name}|{software}|{str(dtype).removeprefix('torch.')}|head_dim={head_dim}"
+    kernel = select_backend(device.type, dtype, head_dim)
+    return f"{name}|{software}|{kernel}|{str(dtype).removeprefix('torch.')}|head_dim={head_dim}"
 
 
 def cached_rates(device: torch.device, dtype: torch.dtype, head_dim: int, cache: Path = RATES_CACHE,
@@ -141,13 +158,14 @@ def cached_rates(device: torch.device, dtype: torch.dtype, head_dim: int, cache:
     key = rates_key(device, dtype, head_dim)
     try:
         recorded = json.loads(cache.read_text())
-        known = recorded.get(key) if isinstance(recorded, dict) else None
-        if known is not None:
-            return Rates(**known), key, False
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError):
         recorded = {}
-    rates = (measure_rates or (lambda: measure(device, dtype, head_dim)))()
     recorded = recorded if isinstance(recorded, dict) else {}
+    try:
+        return Rates(**recorded[key]), key, False
+    except (KeyError, TypeError):  # not there, or not rates: measured (again)
+        pass
+    rates = (measure_rates or (lambda: measure(device, dtype, head_dim)))()
     recorded[key] = dataclasses.asdict(rates)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -177,8 +195,8 @@ def with_rates(fit: FitConfig, hw: Hardware, rates: Rates) -> tuple[FitConfig, H
 def of_this_device(run: Run, hw: Hardware, cache: Path = RATES_CACHE) -> tuple[Run, Hardware, dict]:
     """``run``'s fit and ``hw`` with the rates of the current GPU (:func:`cached_rates` at the
     model's head size and the run's dtype), and the row's ``rates.*`` columns, where
-    ``hardware=auto`` on a GPU; else as they are, with no columns."""
-    if run.hardware.name != "auto" or run.device_type != "cuda":
+    ``hardware=auto`` on a GPU and ``fit.measured_rates``; else as they are, with no columns."""
+    if run.hardware.name != "auto" or run.device_type != "cuda" or not run.fit.measured_rates:
         return run, hw, {}
     model = run.workload.model
     device = torch.device("cuda", torch.cuda.current_device())

@@ -489,12 +489,13 @@ def test_fit_mode_prints_every_term_and_writes_a_training_row(tmp_path, caplog):
     ):
         assert term in log, term
     assert row["mode"] == "fit" and row["seq"] == S and row["world_size"] == 8
-    # NCCL's buffers, counted by hand: the tp, cp and dp×cp communicators, 32 channels of two connections,
-    # each 4 MiB (Simple) + 8·512·8·16 B (LL) + 120·640·8·8 B (LL128)
-    nccl = 3 * 32 * 2 * (4 * 2**20 + 524_288 + 4_915_200)
-    assert row["predicted_nccl_bytes"] == nccl == 1_849_688_064
+    # NCCL's buffers, counted by hand: the tp, cp, dp×cp, the distributed optimizer's norm (all 8) and the
+    # world's communicators, 32 channels of two connections, each 4 MiB (Simple) + 8·512·8·16 B (LL)
+    # + 120·640·8·8 B (LL128)
+    nccl = 5 * 32 * 2 * (4 * 2**20 + 524_288 + 4_915_200)
+    assert row["predicted_nccl_bytes"] == nccl == 3_082_813_440
     assert row["predicted_reserved_bytes"] == 2 * GiB + nccl
-    assert row["predicted_nccl_assumption"].startswith("NCCL: 3 communicator(s) (tp 4, cp 2, dp×cp 2)")
+    assert row["predicted_nccl_assumption"].startswith("NCCL: 5 communicator(s) (tp 4, cp 2, dp×cp 2, norm 8, world 8)")
     assert row["status"] in ("ok", "oom", "oohm")
     assert row["predicted_rounding_buffer_bytes"] == 2 * per_layer_kept_bytes(S, 4, 2)
     assert row["predicted_mfu"] > 0 and row["mfu"] is None  # nothing was measured

@@ -32,9 +32,12 @@ def test_rates_are_measured_once_per_key_and_read_back(tmp_path):
     other, other_key, fresh = cached_rates(cpu, torch.float32, 128, cache, measure)  # another head size
     assert fresh and measure.count == 2 and other.gemm_flops == 14e11 and other_key != key
     assert set(json.loads(cache.read_text())) == {key, other_key}
+    cache.write_text(json.dumps({key: {"gemm": 1}, other_key: json.loads(cache.read_text())[other_key]}))
+    _, _, fresh = cached_rates(cpu, torch.float32, 64, cache, measure)  # an entry that is not rates: measured
+    assert fresh and measure.count == 3 and set(json.loads(cache.read_text())) == {key, other_key}
     cache.write_text("{not json")  # a corrupt cache is measured over and written whole again
     _, _, fresh = cached_rates(cpu, torch.float32, 64, cache, measure)
-    assert fresh and measure.count == 3 and list(json.loads(cache.read_text())) == [key]
+    assert fresh and measure.count == 4 and list(json.loads(cache.read_text())) == [key]
 
 
 def test_the_backward_rate_is_its_flops_over_the_seconds_it_adds():
@@ -83,3 +86,15 @@ def test_a_run_on_a_gpu_with_hardware_auto_takes_the_devices_rates_into_its_fit_
         pytest.approx((0.5, 0.4, 0.3))
     assert hw.host_link_bytes_per_s == 40e9 and measured.workload == run.workload
     assert row["rates.gemm_flops"] == 494.5e12 and row["rates.measured_now"] is True
+
+
+def test_a_row_predicted_at_measured_rates_is_predicted_again_at_them():
+    rates_row = Rates(494.5e12, 395.6e12, 296.7e12, 50e9, 40e9).row("H100|...")
+    assert Rates.of_row(rates_row) == Rates(494.5e12, 395.6e12, 296.7e12, 50e9, 40e9)
+    assert Rates.of_row({"rates.gemm_flops": float("nan")}) is None and Rates.of_row({}) is None
+
+
+def test_fit_measured_rates_false_keeps_the_fits_figures(tmp_path):
+    run = resolve_config("mode=fit", "hardware=auto", "fit.measured_rates=false")
+    run = dataclasses.replace(run, device_type="cuda")
+    assert rates.of_this_device(run, HARDWARE["h100"], tmp_path / "rates.json") == (run, HARDWARE["h100"], {})
