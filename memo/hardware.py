@@ -8,7 +8,6 @@ its peak is measured at start-up with a matrix multiply in the run's dtype, and 
 
 import dataclasses
 import functools
-import json
 import os
 import platform
 import resource
@@ -20,7 +19,7 @@ from typing import Optional
 import torch
 
 from memo.config import ConfigError, HardwareConfig
-from memo.results import json_text, replace_file_atomic
+from memo.results import read_cache, write_cache
 
 GiB = 1024**3
 
@@ -257,19 +256,9 @@ def _best_recorded(cache: Path, key: str, measured: float) -> float:
 
     A cache that cannot be read or written is passed over (the measurement stands alone).
     """
-    try:
-        recorded = json.loads(cache.read_text())
-        if not isinstance(recorded, dict):
-            recorded = {}
-    except (OSError, ValueError):
-        recorded = {}
+    recorded = read_cache(cache)
     best = recorded.get(key)
     if isinstance(best, (int, float)) and best >= measured:
         return float(best)
-    recorded[key] = measured
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        replace_file_atomic(cache, json_text(recorded).encode())
-    except OSError:
-        pass
+    write_cache(cache, recorded | {key: measured})
     return measured

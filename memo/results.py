@@ -93,6 +93,25 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     replace_file_atomic(path, json_text(obj).encode())
 
 
+def read_cache(path: Path) -> dict:
+    """The entries of the JSON cache at ``path``: none where it is missing, unreadable or not an object."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def write_cache(path: Path, entries: dict) -> None:
+    """Record ``entries`` as the JSON cache at ``path`` (atomically, its folder made); a cache that
+    cannot be written is passed over: the next process measures again."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, entries)
+    except OSError:
+        pass
+
+
 def create_file_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a new file ``path`` in one step; an existing file is never replaced.
 

@@ -225,8 +225,7 @@ def _check_fit(fit) -> tuple[SeqSearch, tuple[Optional[int], ...]]:
     choice("fit.layouts", fit.layouts, ("runnable", "all"))
     if fit.device_reserved_gib < 0:
         raise ConfigError(f"fit.device_reserved_gib={fit.device_reserved_gib} must be at least 0 (GiB)")
-    if fit.nccl_channels < 1:
-        raise ConfigError(f"fit.nccl_channels={fit.nccl_channels} must be at least 1 (NCCL's channels per communicator)")
+    at_least("fit.nccl_channels", fit.nccl_channels)
     if fit.device_workspace_mib < 0:
         raise ConfigError(f"fit.device_workspace_mib={fit.device_workspace_mib} must be at least 0 (MiB)")
     if not 0 <= fit.memory_margin < 0.5:

@@ -79,7 +79,7 @@ def problem_of_row(row: Mapping) -> tuple[Problem, ParallelConfig, int]:
         layer_tile_tokens=tiles,
     )
     fit, hw = _section(row, "fit.", FitConfig), _section(row, "hardware.", Hardware)
-    measured = Rates.of_row(row)
+    measured = rates_of_row(row)
     if measured is not None:  # the run's choice was predicted at its device's measured rates
         fit, hw = with_rates(fit, hw, measured)
     problem = Problem(
@@ -93,6 +93,12 @@ def problem_of_row(row: Mapping) -> tuple[Problem, ParallelConfig, int]:
         pytorch_adam=bool(_value(row.get("optimizer_pytorch_adam", True))),
     )
     return problem, parallel, seq
+
+
+def rates_of_row(row: Mapping) -> Optional[Rates]:
+    """The measured rates a row's run was predicted with (its ``rates.*``), or None where it has none."""
+    measured = _section(row, "rates.", Rates)
+    return None if measured.gemm_flops is None else measured
 
 
 def compare(rows: Iterable[Mapping]) -> list[dict]:

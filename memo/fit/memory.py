@@ -56,6 +56,9 @@ class NcclBuffers:
     assumption: str
 
 
+NO_NCCL = NcclBuffers(0, "")  # one device, or a CPU's gloo
+
+
 def nccl_buffers(parallel: ParallelConfig, sharded_optimizer: bool, channels: int) -> NcclBuffers:
     """NCCL's buffers on one rank of ``parallel``: each communicator of more than one rank that a
     step uses holds ``channels`` × :data:`NCCL_CONNECTIONS_PER_CHANNEL` connections of the three
@@ -71,7 +74,7 @@ def nccl_buffers(parallel: ParallelConfig, sharded_optimizer: bool, channels: in
               "norm": world if sharded_optimizer else parallel.tp * parallel.pp, "world": world}
     used = {name: ranks for name, ranks in groups.items() if ranks > 1}
     if not used:
-        return NcclBuffers(0, "")
+        return NO_NCCL
     per_communicator = channels * NCCL_CONNECTIONS_PER_CHANNEL * NCCL_CONNECTION_BYTES
     named = ", ".join(f"{name} {ranks}" for name, ranks in used.items())
     return NcclBuffers(len(used) * per_communicator, (

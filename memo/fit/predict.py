@@ -190,7 +190,7 @@ class _Frame:
         # a CPU's "device" memory is its tensors': no driver context, library workspaces or NCCL
         gpu = hw.device_type == "cuda"
         sharded = shards_optimizer(self.problem.distributed_optimizer, w.parallel)
-        nccl = memory.nccl_buffers(w.parallel, sharded, fit.nccl_channels) if gpu else memory.NcclBuffers(0, "")
+        nccl = memory.nccl_buffers(w.parallel, sharded, fit.nccl_channels) if gpu else memory.NO_NCCL
         reserved = int(fit.device_reserved_gib * GiB) + nccl.bytes if gpu else 0
         return dict(seq=w.seq, parallel=w.parallel, tile_tokens=w.layer_tile_tokens, states=self.states,
                     cp_buffers=self.cp_buffers, reserved=reserved, nccl=nccl, device_capacity=hw.device_memory_bytes,

@@ -10,7 +10,6 @@ later run with that key.
 """
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from memo.fit.timing import ATTENTION_BACKWARD_FLOPS
 from memo.hardware import Hardware
 from memo.model import torch_dtype
 from memo.model.attention import causal_attention, select_backend
-from memo.results import json_text, replace_file_atomic
+from memo.results import read_cache, write_cache
 
 log = logging.getLogger("memo")
 
@@ -109,13 +108,6 @@ class Rates:
         """The result-row columns of these rates (``rates.*``)."""
         return {"rates.key": key, **{f"rates.{k}": v for k, v in dataclasses.asdict(self).items()}}
 
-    @classmethod
-    def of_row(cls, row) -> Optional["Rates"]:
-        """The rates a row's run was predicted with (:meth:`row`), or None where it has none."""
-        values = {f.name: row.get(f"rates.{f.name}") for f in dataclasses.fields(cls)}
-        values = {k: None if v is None or v != v else float(v) for k, v in values.items()}  # (NaN: pandas' none)
-        return None if values["gemm_flops"] is None else cls(**values)
-
 
 def measure(device: torch.device, dtype: torch.dtype, head_dim: int, small: bool = False) -> Rates:
     """Measure :class:`Rates` on ``device`` (``small``: sizes a CPU does in about a second)."""
@@ -156,22 +148,13 @@ def cached_rates(device: torch.device, dtype: torch.dtype, head_dim: int, cache:
     ``measure_rates``, default :func:`measure`) and recorded there (atomically; an unreadable or
     malformed cache is measured over). Returns the rates, their key and whether they were measured now."""
     key = rates_key(device, dtype, head_dim)
-    try:
-        recorded = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        recorded = {}
-    recorded = recorded if isinstance(recorded, dict) else {}
+    recorded = read_cache(cache)
     try:
         return Rates(**recorded[key]), key, False
     except (KeyError, TypeError):  # not there, or not rates: measured (again)
         pass
     rates = (measure_rates or (lambda: measure(device, dtype, head_dim)))()
-    recorded[key] = dataclasses.asdict(rates)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        replace_file_atomic(cache, json_text(recorded).encode())
-    except OSError:
-        pass  # measured again by the next run
+    write_cache(cache, recorded | {key: dataclasses.asdict(rates)})
     return rates, key, True
 
 
@@ -195,14 +178,21 @@ def with_rates(fit: FitConfig, hw: Hardware, rates: Rates) -> tuple[FitConfig, H
 def of_this_device(run: Run, hw: Hardware, cache: Path = RATES_CACHE) -> tuple[Run, Hardware, dict]:
     """``run``'s fit and ``hw`` with the rates of the current GPU (:func:`cached_rates` at the
     model's head size and the run's dtype), and the row's ``rates.*`` columns, where
-    ``hardware=auto`` on a GPU and ``fit.measured_rates``; else as they are, with no columns."""
+    ``hardware=auto`` on a GPU and ``fit.measured_rates``; else, or where the measurement fails
+    (one warning), as they are, with no columns. Raises nothing: a choosing rank must reach the
+    process group."""
     if run.hardware.name != "auto" or run.device_type != "cuda" or not run.fit.measured_rates:
         return run, hw, {}
     model = run.workload.model
-    device = torch.device("cuda", torch.cuda.current_device())
-    rates, key, fresh = cached_rates(device, torch_dtype(run.workload),
-                                     model.hidden_size // model.num_attention_heads, cache)
-    fit, hw = with_rates(run.fit, hw, rates)
+    try:
+        device = torch.device("cuda", torch.cuda.current_device())
+        rates, key, fresh = cached_rates(device, torch_dtype(run.workload),
+                                         model.hidden_size // model.num_attention_heads, cache)
+        fit, hw = with_rates(run.fit, hw, rates)
+    except Exception as failed:
+        log.warning("the rates of this device were not measured (%s): the fit takes fit.*_efficiency "
+                    "and the table's host link", failed)
+        return run, hw, {}
     log.info("rates of this device (%s, %s): GEMM %.0f TFLOP/s, attention %.0f forward / %.0f backward TFLOP/s, "
              "host copies %.1f GB/s", key, "measured now" if fresh else f"from {cache}", rates.gemm_flops / 1e12,
              rates.attention_forward_flops / 1e12, rates.attention_backward_flops / 1e12,

@@ -67,13 +67,8 @@ def fit_job(cfg: DictConfig, output_dir: Path, overrides=(), claimed: bool = Fal
 
 
 def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
-    hw = _hardware(run)
-    try:  # hardware=auto on a GPU
-        run, hw, measured = rates.of_this_device(run, hw)
-        row.update(measured)
-    except Exception as failed:  # (predicted with the table's rates)
-        log.warning("the rates of this device were not measured (%s): the fit takes fit.*_efficiency "
-                    "and the table's host link", failed)
+    run, hw, measured = rates.of_this_device(run, _hardware(run))  # hardware=auto on a GPU
+    row.update(measured)
     problem = problem_of(run, hw)
     tried = candidates(run, problem)
     skipped = []

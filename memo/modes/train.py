@@ -243,12 +243,8 @@ def _choose(run: Run, hw: hardware.Hardware, arena: Optional[object], info: dist
         # the rates the choice's times are predicted with (hardware=auto), measured outside the plan's
         # arena, which serves the run's own requests only
         if info.rank == 0 and arena is None:
-            try:
-                run, hw, measured = rates.of_this_device(run, hw)
-                job.row.update(measured)
-            except Exception as failed:  # (a run goes on with the table's rates)
-                log.warning("the rates of this device were not measured (%s): the fit takes fit.*_efficiency "
-                            "and the table's host link", failed)
+            run, hw, measured = rates.of_this_device(run, hw)
+            job.row.update(measured)
         held = 0 if arena is not None else torch.cuda.memory_reserved()  # (the arena keeps no statistics)
     machine = hardware.available_now(hw, run.hardware, held)
     placement, made, error = run.train.optimizer_offload, None, None

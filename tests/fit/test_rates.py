@@ -9,6 +9,7 @@ import torch
 from conftest import resolve_config
 from memo.config import FitConfig
 from memo.fit import rates
+from memo.fit.calibration import rates_of_row
 from memo.fit.rates import Rates, backward_flops, cached_rates, with_rates
 from memo.hardware import HARDWARE
 
@@ -90,8 +91,8 @@ def test_a_run_on_a_gpu_with_hardware_auto_takes_the_devices_rates_into_its_fit_
 
 def test_a_row_predicted_at_measured_rates_is_predicted_again_at_them():
     rates_row = Rates(494.5e12, 395.6e12, 296.7e12, 50e9, 40e9).row("H100|...")
-    assert Rates.of_row(rates_row) == Rates(494.5e12, 395.6e12, 296.7e12, 50e9, 40e9)
-    assert Rates.of_row({"rates.gemm_flops": float("nan")}) is None and Rates.of_row({}) is None
+    assert rates_of_row(rates_row) == Rates(494.5e12, 395.6e12, 296.7e12, 50e9, 40e9)
+    assert rates_of_row({"rates.gemm_flops": float("nan")}) is None and rates_of_row({}) is None
 
 
 def test_fit_measured_rates_false_keeps_the_fits_figures(tmp_path):
