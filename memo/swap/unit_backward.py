@@ -41,9 +41,9 @@ class UnitBackward:
             self._prefetch(self._states[ahead], released)
         state = self._states.pop(index)
         if not self.resident(index):
-            if state.prefetched is None:
+            if not state.prefetched:
                 self._prefetch(state, released)
-            s.wait(s.compute, state.prefetched)
+            s.wait(s.compute, state.arrived)
             if state.keep < self.layout.segment_tokens:
                 self._recompute(state)
         state.ready = True
@@ -59,7 +59,7 @@ class UnitBackward:
         for j, slot in enumerate(self.layout.slots):
             if slot.kind not in BYTELESS:
                 copy_blocks(s, s.h2d, self.swapped_part(state, j), self._host_view(state.index, slot))
-        state.prefetched = s.record(s.h2d)
+        state.prefetched, state.arrived = True, s.record(s.h2d)
 
     def input_of(self, state: UnitState) -> torch.Tensor:
         """Unit ``state``'s input, as its backward pass reads it: its buffer's or its caller's."""

@@ -23,7 +23,8 @@ class UnitState:
     kwargs: dict  # the forward's arguments but ``hidden_states``, for recomputation
     # an EXTERNAL input: the unit's input rows, where its caller keeps them for the backward pass
     external_input: Optional[Callable[[], torch.Tensor]] = None
-    prefetched: object = None  # event: H2D of this unit finished
+    prefetched: bool = False  # its H2D copy issued (once: an inline stream's event is None)
+    arrived: object = None  # event: that copy finished
     ready: bool = False  # prefetched and recomputed: its backward may read the buffer
 
 
