@@ -130,5 +130,5 @@ def test_a_vocabulary_larger_than_the_models_is_refused(tmp_path):
 def test_a_corrupt_index_is_named(tmp_path):
     prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=20)
     prefix.with_suffix(".idx").write_bytes(b"not an index")
-    with pytest.raises(ConfigError, match=r"megatron-core cannot build its dataset .*check the .bin/.idx pair") as error:
+    with pytest.raises(ConfigError, match=r"megatron-core cannot build its dataset .*check the .bin/.idx pair"):
         MegatronCorpus(_train(prefix, tokenizer, tmp_path), 64, 16)

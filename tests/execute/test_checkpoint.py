@@ -142,6 +142,7 @@ def test_a_process_killed_during_a_save_leaves_the_earlier_checkpoint_to_go_on_f
     assert [c.step for c in checkpoints(save_dir)] == [2, 4]
     assert not (save_dir / ".step_0000004.partial").exists()
     whole = run_in_process(tmp_path / "whole", *common, "train.save_interval=null")
+    assert whole["status"] == "ok", whole["error"]
     assert [s["loss"] for s in _steps(tmp_path / "again")] == [s["loss"] for s in _steps(tmp_path / "whole")[2:]]
 
 
