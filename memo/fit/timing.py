@@ -133,11 +133,10 @@ def layer_seconds(workload: Workload, hw: Hardware, fit: FitConfig, exchange: st
     else:
         cp_fwd = (cp - 1) * block / cp_link
         cp_bwd = 2 * cp_fwd
-    # the token-wise GEMMs up to FC2's input (QKV, projection, FC1); the QKV GEMM alone
+    # the token-wise GEMMs up to FC2's input (QKV, projection, FC1); the QKV GEMM's keys and values
     f = model.ffn_hidden_size
     token_wise = 2 * b * t * (weights - f * h) / tp / gemm_rate
-    qkv = h * (h + 2 * h // model.num_attention_heads * groups)
-    keys_values = 2 * b * t * qkv / tp / gemm_rate
+    keys_values = 2 * b * t * h * 2 * (h // model.num_attention_heads * groups) / tp / gemm_rate
     return LayerSeconds(gemm, attention, attention_bwd, tp_pass, cp_fwd, cp_bwd, token_wise, keys_values)
 
 

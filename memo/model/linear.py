@@ -27,7 +27,9 @@ into the tile's output rows, and in the backward pass gathers one tile of the ou
 writes its rows of the input gradient and adds its share of the weight gradient (fp32).
 """
 
-from typing import Optional
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,7 +41,7 @@ from memo.model.tiles import accumulate_product, eighth_tile_tokens, gather, spa
 
 class _SequenceTiledLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, tile, placement):
+    def forward(ctx, x, weight, bias, group, tile, placement, channels):
         size = dist.get_world_size(group)
         tokens = x.shape[0]
         out = new_output(placement, (size * tokens, *x.shape[1:-1], weight.shape[0]), x.dtype, x.device)
@@ -47,13 +49,14 @@ class _SequenceTiledLinear(torch.autograd.Function):
         for start, end in spans(tokens, tile):
             gathered = gather(x[start:end], group, size).unflatten(0, (size, -1))
             for rank in range(size):
-                _linear_into(rows[rank, start:end], gathered[rank], weight, bias)
+                _linear_into(rows[rank, start:end], gathered[rank], weight, bias, channels)
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.tile, ctx.has_bias = group, tile, bias is not None
+        ctx.group, ctx.tile, ctx.has_bias, ctx.partial = group, tile, bias is not None, channels is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        _no_partial_backward(ctx)
         x, weight = ctx.saved_tensors
         group, size, tokens = ctx.group, dist.get_world_size(ctx.group), x.shape[0]
         grad_rows = tile_rows(grad_out, 0, tokens, size)
@@ -69,7 +72,7 @@ class _SequenceTiledLinear(torch.autograd.Function):
             del gathered
             dist.reduce_scatter_tensor(grad_x[start:end], partial.flatten(0, 1), group=group)
         grad_bias = grad_out.flatten(0, -2).sum(dim=0) if ctx.has_bias else None
-        return grad_x, grad_weight.to(weight.dtype), grad_bias, None, None, None
+        return grad_x, grad_weight.to(weight.dtype), grad_bias, None, None, None, None
 
 
 class _SequenceTiledRowLinear(torch.autograd.Function):
@@ -112,15 +115,17 @@ class _PlacedLinear(torch.autograd.Function):
     (Megatron's ``allreduce_dgrad``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, allreduce_dgrad, placement):
+    def forward(ctx, x, weight, bias, group, allreduce_dgrad, placement, channels):
         out = new_output(placement, (*x.shape[:-1], weight.shape[0]), x.dtype, x.device)
-        _linear_into(out, x, weight, bias)
+        _linear_into(out, x, weight, bias, channels)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.allreduce_dgrad, ctx.has_bias = group, allreduce_dgrad, bias is not None
+        ctx.partial = channels is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        _no_partial_backward(ctx)
         x, weight = ctx.saved_tensors
         g = grad_out.flatten(0, -2)
         grad_x = (g @ weight).view(x.shape)
@@ -128,14 +133,16 @@ class _PlacedLinear(torch.autograd.Function):
             dist.all_reduce(grad_x, group=ctx.group)
         grad_weight = g.t() @ x.flatten(0, -2)
         grad_bias = g.sum(dim=0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 def column_parallel_tiled(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                          tile: int, placement: Optional[Placement] = None) -> torch.Tensor:
+                          tile: int, placement: Optional[Placement] = None,
+                          channels: Optional["GroupChannels"] = None) -> torch.Tensor:
     """``x`` (``[S, b, h]``, this rank's tokens) gathered over ``group`` and multiplied by
-    ``weightᵀ`` (plus ``bias``), ``tile`` tokens of each rank at a time: ``[tp·S, b, o/tp]``."""
-    return _SequenceTiledLinear.apply(x, weight, bias, group, tile, placement)
+    ``weightᵀ`` (plus ``bias``), ``tile`` tokens of each rank at a time: ``[tp·S, b, o/tp]``
+    (``channels``: those output channels only, the others left undefined)."""
+    return _SequenceTiledLinear.apply(x, weight, bias, group, tile, placement, channels)
 
 
 def row_parallel_tiled(x: torch.Tensor, weight: torch.Tensor, group, tile: int) -> torch.Tensor:
@@ -144,12 +151,46 @@ def row_parallel_tiled(x: torch.Tensor, weight: torch.Tensor, group, tile: int) 
     return _SequenceTiledRowLinear.apply(x, weight, group, tile)
 
 
-def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
-    """``out = x @ weightᵀ (+ bias)``, written into ``out`` (contiguous rows). The bias is added
-    after the product, rounded as Megatron's ``output + bias`` is, not inside the GEMM."""
-    torch.matmul(x.flatten(0, -2), weight.t(), out=out.view(-1, weight.shape[0]))
-    if bias is not None:
-        out.add_(bias)
+@dataclass(frozen=True)
+class GroupChannels:
+    """Output channels ``start .. stop`` of each of ``groups`` equal blocks of a column-parallel
+    product's channels: the queries, or the keys and values, of Megatron's fused QKV projection,
+    whose channels are ``[groups, (heads/groups + 2)·d]`` (each group's query heads, its key, its
+    value)."""
+
+    groups: int
+    start: int
+    stop: int
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """These channels of ``t`` (``[..., channels]``) as ``[..., groups, stop − start]`` (a view)."""
+        return t.unflatten(-1, (self.groups, -1))[..., self.start:self.stop]
+
+
+def _no_partial_backward(ctx) -> None:
+    if ctx.partial:
+        raise RuntimeError("a product of some of its output channels only (the keys and values made again, or "
+                           "a recomputation's queries) has no backward pass")
+
+
+def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias,
+                 channels: Optional[GroupChannels] = None) -> None:
+    """``out = x @ weightᵀ (+ bias)``, written into ``out`` (contiguous rows); with ``channels``,
+    those channels of ``out`` only, one product per group on the weight's own rows (no copy of
+    them). The bias is added after the product, rounded as Megatron's ``output + bias`` is, not
+    inside the GEMM."""
+    x = x.flatten(0, -2)
+    if channels is None:
+        torch.matmul(x, weight.t(), out=out.view(-1, weight.shape[0]))
+        if bias is not None:
+            out.add_(bias)
+        return
+    target, rows = channels.of(out.view(x.shape[0], -1)), channels.of(weight.t())  # [tokens | in, groups, part]
+    for group in range(channels.groups):
+        part = torch.matmul(x, rows[:, group])
+        if bias is not None:
+            part.add_(channels.of(bias)[group])
+        target[:, group].copy_(part)
 
 
 class TiledColumnParallelLinear(Placed, ColumnParallelLinear):
@@ -171,6 +212,19 @@ class TiledColumnParallelLinear(Placed, ColumnParallelLinear):
         if matmul_tile_tokens is not None and matmul_tile_tokens < 1:
             raise ValueError(f"matmul_tile_tokens={matmul_tile_tokens} must be at least 1")
         self.matmul_tile_tokens = matmul_tile_tokens
+        # set by a walk in tiles around a pass that needs some of the channels only (:meth:`only`)
+        self.channels: Optional[GroupChannels] = None
+
+    @contextlib.contextmanager
+    def only(self, channels: GroupChannels) -> Iterator[None]:
+        """Compute ``channels`` of the output only, the others left undefined, while inside: the
+        tensors saved for the backward pass are the whole product's, and a backward pass through
+        such a product is refused."""
+        self.channels = channels
+        try:
+            yield
+        finally:
+            self.channels = None
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         ours = (
@@ -180,10 +234,13 @@ class TiledColumnParallelLinear(Placed, ColumnParallelLinear):
         bias, group = kwargs.get("bias"), kwargs.get("tp_group")
         if ours and kwargs.get("sequence_parallel"):
             tile = self.matmul_tile_tokens or eighth_tile_tokens(input.shape[0])
-            return column_parallel_tiled(input, weight, bias, group, tile, self.placement)
-        if ours and self.placement is not None:
+            return column_parallel_tiled(input, weight, bias, group, tile, self.placement, self.channels)
+        if ours and (self.placement is not None or self.channels is not None):
             return _PlacedLinear.apply(input, weight, bias, group, bool(kwargs.get("allreduce_dgrad")),
-                                       self.placement)
+                                       self.placement, self.channels)
+        if self.channels is not None:
+            raise RuntimeError("some output channels only were asked of a product Megatron runs itself "
+                               "(a frozen weight, or fused or deferred weight gradients)")
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 

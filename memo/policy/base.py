@@ -35,7 +35,7 @@ class LayerSeconds:
     cp_forward: float  # context-parallel exchange of the forward, exposed
     cp_backward: float
     token_wise: float  # the GEMMs up to FC2's input (QKV, projection, FC1), forward: MEMO's recomputation
-    keys_values: float  # the QKV GEMM, forward: what a walk in tiles runs again before its backward tiles
+    keys_values: float  # the QKV GEMM's keys and values, forward: what a walk in tiles makes again before its backward tiles
 
     @property
     def forward(self) -> float:

@@ -134,8 +134,9 @@ class SequenceTiles(ActivationPolicy):
 
     def recompute_seconds(self, workload: Workload, seconds: LayerSeconds, alpha: float = 1.0,
                           checkpoint_every: int = 1) -> float:
-        """The keys and values made again before the backward tiles (the norm and QKV of every
-        tile); recomputing, every tile's forward again with a graph; swapped, a layer between
+        """The keys and values made again before the backward tiles (the norm and the QKV
+        projection's keys and values of every tile; the last layer's, whose keys the store still
+        holds, are counted too); recomputing, every tile's forward again with a graph; swapped, a layer between
         checkpoints made again from the one below, attention's output kept: (k − 1)/2 layers'
         token-wise work on average. (A tile's dropped tokens are not counted: every tile's α is
         taken as 1 here.)"""

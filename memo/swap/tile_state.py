@@ -3,10 +3,12 @@ in, the tile at hand, the stores of the whole sequence, and the ends a tile's at
 its run short with."""
 
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 
 from memo.model import attention_blocks as blocks
+from memo.model.linear import GroupChannels
 
 # the walk's modes, named as its phases are: a tile's forward, the keys and values made again
 # before the backward tiles, a tile's forward again with a graph for its backward, and (context
@@ -36,6 +38,28 @@ class TileStores:
         wide = blocks.wide(dtype)
         return cls(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(2)),
                    *(torch.empty(shape, dtype=wide, device=device) for _ in range(2)))
+
+
+def keys_and_values_only(layer) -> ContextManager[None]:
+    """``layer``'s QKV projection making the keys and values alone (their remaking before the
+    backward tiles: the queries are made again with the tile's graph). Products of fewer columns
+    may sum in another order than the forward's did: the keys made again equal the forward's up to
+    rounding."""
+    return _only(layer, keys_values=True)
+
+
+def queries_only(layer) -> ContextManager[None]:
+    """``layer``'s QKV projection making the queries alone (a tile's dropped tokens made again:
+    their keys and values are in the store)."""
+    return _only(layer, keys_values=False)
+
+
+def _only(layer, keys_values: bool) -> ContextManager[None]:
+    attention = layer.self_attention
+    groups, d = attention.num_query_groups_per_partition, attention.hidden_size_per_attention_head
+    queries = attention.num_attention_heads_per_partition // groups * d
+    channels = GroupChannels(groups, queries, queries + 2 * d) if keys_values else GroupChannels(groups, 0, queries)
+    return attention.linear_qkv.only(channels)
 
 
 @dataclass

@@ -8,17 +8,21 @@ import torch
 import torch.distributed as dist
 
 from memo.model.tiled_attention import block
-from memo.swap.tile_state import BACKWARD, CHAIN, KEYS, REBUILD, KeysMade, Rebuilt, Tile
+from memo.swap.tile_state import (BACKWARD, CHAIN, KEYS, REBUILD, KeysMade, Rebuilt, Tile, keys_and_values_only,
+                                  queries_only)
 
 
 class TileBackward:
     """:class:`memo.swap.tiled_layer.TiledLayers`' backward pass (its state is the walk's)."""
 
-    def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor) -> torch.Tensor:
+    def run_backward(self, layer, index: int, x: torch.Tensor, kwargs: dict, grad: torch.Tensor,
+                     keys_held: bool = False) -> torch.Tensor:
         """The gradient of the layer's input ``x`` from that of its output, adding the layer's
-        weight gradients tile by tile."""
+        weight gradients tile by tile; ``keys_held``: the store holds the layer's keys and values
+        still (nothing wrote it since the layer's forward)."""
         grad_x = torch.empty_like(x)  # the gradient stream below this layer
-        self._make_keys(layer, index, x, kwargs)
+        if not keys_held:
+            self._make_keys(layer, index, x, kwargs)
         self.stores.key_grads.zero_()
         self.stores.value_grads.zero_()
         for t, rows, j in reversed(self._tiles(x.shape[0])):
@@ -34,24 +38,27 @@ class TileBackward:
         return grad_x
 
     def run_backward_swapped(self, layer, index: int, kwargs: dict, grad: torch.Tensor,
-                             ends: list[torch.Tensor]) -> torch.Tensor:
+                             ends: list[torch.Tensor], keys_held: bool = False) -> torch.Tensor:
         """The gradient of the layer's input from that of its output: the input back from the
-        host, the keys and values made again, then the tiles in reverse, each brought back (its
-        dropped tokens recomputed) by the swap runtime and taken back through its kept graph."""
+        host, the keys and values made again (unless ``keys_held``: as :meth:`run_backward`),
+        then the tiles in reverse, each brought back (its dropped tokens recomputed, their
+        queries alone) by the swap runtime and taken back through its kept graph."""
         grad_x = torch.empty_like(grad)  # the gradient stream below this layer
         if index in self.inputs.kept:
             x = self.inputs.current = self.inputs.kept.pop(index)
         else:
             x = self.inputs.reload(index // self.checkpoint_every, self.swap.streams)
             self._chain(index, x, kwargs)
-        self._make_keys(layer, index, x, kwargs)
+        if not keys_held:
+            self._make_keys(layer, index, x, kwargs)
         self.stores.key_grads.zero_()
         self.stores.value_grads.zero_()
         try:
             for t, rows, j in reversed(self._tiles(x.shape[0])):
                 self.on_phase(index, f"{BACKWARD}.t{t}")
                 self._tile = Tile(BACKWARD, index, t, j)
-                self.swap.backward_started(index * self._count + t)
+                with queries_only(layer):
+                    self.swap.backward_started(index * self._count + t)
                 self._input_grad, self._output_grad = grad_x[rows], grad[rows]
                 ends[t].backward(torch.empty(0, dtype=x.dtype, device=x.device))
                 ends[t] = None  # the tile's graph, before the next one's
@@ -82,9 +89,10 @@ class TileBackward:
                         self._chain_output = None
 
     def _make_keys(self, layer, index: int, x: torch.Tensor, kwargs: dict) -> None:
-        """Every tile's keys and values into the store, without a graph, then (under context
-        parallelism) the other ranks' from them."""
-        with torch.no_grad():
+        """Every tile's keys and values into the store, without a graph (the projection's queries
+        not made), then (under context parallelism) the other ranks' from them."""
+        self.store_writes += 1
+        with torch.no_grad(), keys_and_values_only(layer):
             for t, rows, j in self._tiles(x.shape[0]):
                 try:
                     self._run(layer, kwargs, x[rows], Tile(REBUILD, index, t, j))

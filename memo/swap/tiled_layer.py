@@ -111,6 +111,9 @@ class TiledLayers(TileForward, TileBackward, TileAttention):
         self._output_grad: Optional[torch.Tensor] = None  # rows of the layer output's gradient
         self._chain_output: Optional[torch.Tensor] = None  # attention's kept output, in a CHAIN tile
         self.stores: Optional[TileStores] = None
+        # passes that wrote the stores' keys and values so far: a layer's backward finds the
+        # count its forward left when nothing wrote them since (the last layer's, as a rule)
+        self.store_writes = 0
         self.cp_group = None  # the context-parallel group of the layers' attention, if any
         self.cp, self.cp_rank = 1, 0  # its size and this rank's place in it
         self.layers: list = []
@@ -337,6 +340,7 @@ class TiledLayers(TileForward, TileBackward, TileAttention):
         if self.stores is None or tuple(self.stores.keys.shape) != shape or self.stores.keys.dtype != x.dtype:
             self.stores = None  # the old ones go first
             self.stores = TileStores.empty(shape, x.dtype, x.device)
+        self.store_writes += 1  # (every pass that writes keys and values into the stores begins here)
 
     @property
     def _count(self) -> int:
@@ -352,16 +356,20 @@ class _TiledLayer(torch.autograd.Function):
         ctx.walk, ctx.layer, ctx.index, ctx.kwargs = walk, layer, index, kwargs
         if walk.swap is not None:  # the input goes to the host
             out, ctx.ends = walk.run_forward_swapped(layer, index, hidden, kwargs)
-            return out
-        ctx.save_for_backward(hidden)
-        return walk.run_forward(layer, index, hidden, kwargs)
+        else:
+            ctx.save_for_backward(hidden)
+            out = walk.run_forward(layer, index, hidden, kwargs)
+        ctx.store_writes = walk.store_writes
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         ctx.walk.documents = documents_of(ctx.kwargs)  # (the tiles' recomputations attend with them)
+        keys_held = ctx.walk.store_writes == ctx.store_writes
         if ctx.walk.swap is not None:
             ends, ctx.ends = ctx.ends, None  # the tiles' graphs, freed as the layer's backward goes
-            grad_x = ctx.walk.run_backward_swapped(ctx.layer, ctx.index, ctx.kwargs, grad.contiguous(), ends)
+            grad_x = ctx.walk.run_backward_swapped(ctx.layer, ctx.index, ctx.kwargs, grad.contiguous(), ends, keys_held)
             return grad_x, None, None, None, None
         (hidden,) = ctx.saved_tensors
-        return ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous()), None, None, None, None
+        grad_x = ctx.walk.run_backward(ctx.layer, ctx.index, hidden, ctx.kwargs, grad.contiguous(), keys_held)
+        return grad_x, None, None, None, None

@@ -60,3 +60,21 @@ def test_memos_layers_make_no_whole_sequence_partial_product_or_gathered_gradien
     # its reduce-scatter in each forward, the gathered output gradient in each backward
     assert counts["megatron"].count("fwd") >= 2 * 2 and counts["megatron"].count("bwd") >= 2 * 2
     assert counts["keep"] == []
+
+
+def test_a_product_of_some_channels_makes_those_and_has_no_backward(single_process):
+    import torch
+    import torch.distributed as dist
+
+    from memo.model.linear import GroupChannels, column_parallel_tiled
+
+    # a fused QKV projection of 2 groups, each 4 query rows, a key and a value row of 2: [2·8, 16]
+    x = torch.randn(6, 1, 16)
+    weight, bias = torch.randn(16, 16, requires_grad=True), torch.randn(16)
+    whole = column_parallel_tiled(x, weight, bias, dist.group.WORLD, 4)
+    for channels in (GroupChannels(2, 0, 4), GroupChannels(2, 4, 8)):  # the queries; the keys and values
+        part = column_parallel_tiled(x, weight, bias, dist.group.WORLD, 4, channels=channels)
+        # (the same sums, by GEMMs of other widths: equal up to their order)
+        torch.testing.assert_close(channels.of(part), channels.of(whole), rtol=1e-6, atol=1e-6)
+        with pytest.raises(RuntimeError, match="has no backward pass"):
+            part.sum().backward()
