@@ -37,6 +37,15 @@ Kernels (:func:`choose`), and what their entry points need in PyTorch 2.11 (the 
 
 Without dropout none of the backward kernels reads its random state: seeds and offsets are
 ``None``.
+
+Keys and values may have fewer heads than queries (grouped-query attention: each of ``g`` heads
+serves ``heads/g`` query heads). cuDNN's, FlashAttention's (its variable-length entry point
+too) and ATen's CPU kernel take them as they are and give their gradients with ``g`` heads, each
+summed over its query heads inside the kernel (PyTorch 2.11: ``cudnn/MHA.cpp``,
+``flash_attn/flash_api.cpp``'s ``mha_fwd``/``mha_bwd``, ``cpu/FlashAttentionKernel.cpp``): no copy
+of a block's keys and values per query head is made for them. For the memory-efficient kernel
+and ``math`` each block's keys and values are repeated per query head (:func:`expand_kv`) and
+their gradients summed back in float32 (:func:`fold_kv`).
 """
 
 import functools
@@ -114,9 +123,26 @@ def token_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def takes_grouped(kernel: str) -> bool:
+    """Whether ``kernel`` takes keys and values with fewer heads than the queries as they are (see
+    the module docstring)."""
+    return kernel in ("cudnn", "flash")
+
+
+def _heads_for(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``k`` and ``v`` as ``kernel`` takes them beside ``q``, and the query heads per key head
+    they were repeated for (1: as they are)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1 or takes_grouped(kernel):
+        return k, v, 1
+    return expand_kv(k, groups), expand_kv(v, groups), groups
+
+
 def forward(kernel: str, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of one block: ``out`` in ``q``'s dtype, ``lse`` ``[b, heads, tokens]``."""
+    """``(out, lse)`` of one block: ``out`` in ``q``'s dtype, ``lse`` ``[b, heads, tokens]``;
+    ``k`` and ``v`` with as many heads as ``q`` or fewer (grouped)."""
     _check_block(kernel, q, k, causal)
+    k, v, _ = _heads_for(kernel, q, k, v)
     if kernel == "math":
         return _math_forward(q, k, v, causal, scale)
     if q.device.type == "cpu":
@@ -137,9 +163,24 @@ def forward(kernel: str, q, k, v, causal: bool, scale: float) -> tuple[torch.Ten
     return out, lse[..., : q.shape[2]]
 
 
-def backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
-    """``(dq, dk, dv)`` of one block, given ``out`` and ``lse`` of the attention it is part of."""
+def backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float,
+             grad_dtype: Optional[torch.dtype] = None):
+    """``(dq, dk, dv)`` of one block, given ``out`` and ``lse`` of the attention it is part of:
+    ``dk`` and ``dv`` with ``k``'s heads, in ``grad_dtype`` where given, else as made: in ``k``'s
+    dtype by a kernel that takes grouped heads, in :func:`wide` precision where a group's query
+    heads' gradients are summed here (:func:`fold_kv`), so that a caller adding them into wider
+    accumulators rounds them nowhere."""
     _check_block(kernel, q, k, causal)
+    expanded_k, expanded_v, groups = _heads_for(kernel, q, k, v)
+    dq, dk, dv = _block_backward(kernel, dout, q, expanded_k, expanded_v, out, lse, causal, scale)
+    if groups > 1:
+        dk, dv = (fold_kv(d.to(wide(d.dtype)), groups) for d in (dk, dv))
+    if grad_dtype is not None:
+        dk, dv = dk.to(grad_dtype), dv.to(grad_dtype)
+    return dq, dk, dv
+
+
+def _block_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float):
     if kernel == "math":
         return _math_backward(dout, q, k, v, out, lse, causal, scale)
     if q.device.type == "cpu":
@@ -206,8 +247,7 @@ def segments_forward(kernel: str, q, k, v, bounds: Sequence[int], scale: float) 
     :func:`forward`, ``out`` laid out ``[tokens, b, heads, dim]`` in memory.
 
     FlashAttention on CUDA runs every segment in one call of its variable-length entry point
-    (cumulative sequence lengths, int32; grouped heads as they are); other kernels run a causal
-    block per segment, keys and values expanded per block."""
+    (cumulative sequence lengths, int32); other kernels run a causal block per segment."""
     if _variable_length(kernel, q):
         cu, longest = _cu_seqlens(tuple(bounds), q.device)
         out, lse, *_ = _aten._flash_attention_forward(_packed(q), _packed(k), _packed(v), cu, cu, longest, longest,
@@ -217,12 +257,10 @@ def segments_forward(kernel: str, q, k, v, bounds: Sequence[int], scale: float) 
                                f"{(q.shape[1], q.shape[2])} (heads, tokens): this PyTorch's build pads it")
         return _unpacked(out), lse.unsqueeze(0)
     b, n, tokens, d = q.shape
-    groups = n // k.shape[1]
     out = torch.empty((tokens, b, n, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
     lse = torch.empty((b, n, tokens), dtype=wide(q.dtype), device=q.device)
     for span in _spans(bounds):
-        part_out, part_lse = forward(kernel, rows(q, span), expand_kv(rows(k, span), groups),
-                                     expand_kv(rows(v, span), groups), True, scale)
+        part_out, part_lse = forward(kernel, rows(q, span), rows(k, span), rows(v, span), True, scale)
         rows(out, span).copy_(part_out)
         lse[..., span].copy_(part_lse)
     return out, lse
@@ -231,11 +269,10 @@ def segments_forward(kernel: str, q, k, v, bounds: Sequence[int], scale: float) 
 def segments_backward(kernel: str, dout, q, k, v, out, lse, bounds: Sequence[int], scale: float,
                       grad_dtype: Optional[torch.dtype] = None):
     """``(dq, dk, dv)`` of :func:`segments_forward`, ``dk`` and ``dv`` with ``k``'s heads in
-    ``grad_dtype`` (``k``'s unless given): grouped heads' gradients summed in float32 or wider and
-    rounded once by the block kernels, rounded per query head and then summed by FlashAttention's
-    variable-length backward, which also holds,
-    for the call, a float32 accumulator of ``(tokens + 128·segments)·heads·dim`` elements (dim
-    rounded up to a multiple of 32): 128 rows more per document."""
+    ``grad_dtype`` (``k``'s unless given), grouped heads' gradients summed as :func:`backward`
+    sums them; FlashAttention's variable-length backward rounds them per query head, then sums,
+    and holds, for the call, a float32 accumulator of ``(tokens + 128·segments)·heads·dim``
+    elements (dim rounded up to a multiple of 32): 128 rows more per document."""
     if _variable_length(kernel, q):
         cu, longest = _cu_seqlens(tuple(bounds), q.device)
         # (without dropout the kernel reads no random state: placeholders of the forward's shapes)
@@ -246,22 +283,22 @@ def segments_backward(kernel: str, dout, q, k, v, out, lse, bounds: Sequence[int
             lse[0].to(wide(q.dtype)).contiguous(), cu, cu, longest, longest, 0.0, True, rng_state, unused, scale=scale)
         dq, dk, dv = (_unpacked(g) for g in grads)
         return dq, dk.to(grad_dtype or k.dtype), dv.to(grad_dtype or v.dtype)
-    groups = q.shape[1] // k.shape[1]
     dq = torch.empty_like(q)
     dk, dv = (torch.empty_like(t, dtype=grad_dtype or t.dtype) for t in (k, v))
     dout = token_major(dout)
     for span in _spans(bounds):
-        dqb, dkb, dvb = backward(kernel, rows(dout, span), rows(q, span), expand_kv(rows(k, span), groups),
-                                 expand_kv(rows(v, span), groups), rows(out, span), lse[..., span], True, scale)
+        dqb, dkb, dvb = backward(kernel, rows(dout, span), rows(q, span), rows(k, span), rows(v, span),
+                                 rows(out, span), lse[..., span], True, scale)
         rows(dq, span).copy_(dqb)
-        rows(dk, span).copy_(fold_kv(dkb.to(wide(dkb.dtype)), groups))
-        rows(dv, span).copy_(fold_kv(dvb.to(wide(dvb.dtype)), groups))
+        rows(dk, span).copy_(dkb)
+        rows(dv, span).copy_(dvb)
     return dq, dk, dv
 
 
 def expand_kv(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped-query attention: each key/value head of ``[b, heads, tokens, dim]`` repeated for
-    the ``groups`` query heads it serves (a copy; ``kv`` itself when ``groups`` is 1)."""
+    """Grouped-query attention for a kernel that takes one key/value head per query head: each
+    key/value head of ``[b, heads, tokens, dim]`` repeated for the ``groups`` query heads it
+    serves (a copy; ``kv`` itself when ``groups`` is 1)."""
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
 

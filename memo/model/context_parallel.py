@@ -231,7 +231,6 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, kernel: str, scale: float, comm_type: str, documents: Optional[Documents]):
         ctx.group, ctx.kernel, ctx.scale, ctx.comm_type = group, kernel, scale, comm_type
         ctx.documents, ctx.chunk = documents, q.shape[2] // 2
-        ctx.groups = q.shape[1] // k.shape[1]
         out, lse = _FORWARD[comm_type](ctx, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -291,7 +290,7 @@ def _ring_forward(ctx, q, k, v):
         owner = (rank - step) % cp
         if step < cp - 1:
             incoming, works = ring.start(held, tag=1)
-        keys, values = (blocks.expand_kv(_heads_first(t), ctx.groups) for t in held)
+        keys, values = (_heads_first(t) for t in held)
         for qh, kh, rows, cols, causal in _blocks(ctx, rank_chunks(owner, cp)):
             block = blocks.forward(ctx.kernel, _part(q, qh, c, rows), _part(keys, kh, c, cols),
                                    _part(values, kh, c, cols), causal, ctx.scale)
@@ -312,7 +311,7 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
         owner = (rank - step) % cp
         if step < cp - 1:
             incoming, works = ring.start(held, tag=1)
-        keys, values = (blocks.expand_kv(_heads_first(t), ctx.groups) for t in held)
+        keys, values = (_heads_first(t) for t in held)
         # the gradient of the held keys and values
         grads = torch.zeros(held.shape, dtype=blocks.wide(k.dtype), device=q.device)
         for qh, kh, rows, cols, causal in _blocks(ctx, rank_chunks(owner, cp)):
@@ -321,7 +320,7 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
                 _part(values, kh, c, cols), _part(out, qh, c, rows), _part(lse, qh, c, rows), causal, ctx.scale)
             _part(dq, qh, c, rows).add_(dqb)
             for i, d in enumerate((dkb, dvb)):
-                _part(_heads_first(grads[i]), kh, c, cols).add_(blocks.fold_kv(d, ctx.groups))
+                _part(_heads_first(grads[i]), kh, c, cols).add_(d)
         if passing is not None:  # what the ranks before added to these keys' and values' gradient
             _wait(passing[1])
             grads += passing[0]
@@ -338,7 +337,7 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
 
 def _gather_forward(ctx, q, k, v):
     cp, c = dist.get_world_size(ctx.group), ctx.chunk
-    keys, values = (blocks.expand_kv(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
+    keys, values = (_gather_tokens(t, ctx.group) for t in (k, v))
     merged: list[Optional[tuple]] = [None, None]
     for qh, p, rows, cols, causal in _blocks(ctx, _rank_order(cp)):
         block = blocks.forward(ctx.kernel, _part(q, qh, c, rows), _part(keys, p, c, cols), _part(values, p, c, cols),
@@ -358,7 +357,7 @@ def _joined(q, merged: list[tuple], c: int):
 
 def _gather_backward(ctx, dout, q, k, v, out, lse):
     cp, c = dist.get_world_size(ctx.group), ctx.chunk
-    keys, values = (blocks.expand_kv(_gather_tokens(t, ctx.group), ctx.groups) for t in (k, v))
+    keys, values = (_gather_tokens(t, ctx.group) for t in (k, v))
     dq = torch.zeros(q.shape, dtype=blocks.wide(q.dtype), device=q.device)
     # in the keys' dtype: each key's gradient sums at most two blocks here, then cp ranks'
     dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
@@ -370,7 +369,7 @@ def _gather_backward(ctx, dout, q, k, v, out, lse):
         _part(dkeys, p, c, cols).add_(dkb)
         _part(dvalues, p, c, cols).add_(dvb)
     del keys, values
-    dk, dv = (_reduce_scatter_tokens(blocks.fold_kv(d, ctx.groups), ctx.group) for d in (dkeys, dvalues))
+    dk, dv = (_reduce_scatter_tokens(d, ctx.group) for d in (dkeys, dvalues))
     return dq.to(q.dtype), dk, dv
 
 
@@ -381,8 +380,7 @@ def _ulysses_forward(ctx, q, k, v):
                          f"{k.shape[1]} key heads per rank do not divide")
     qh, kh, vh = (_to_heads(t, ctx.group) for t in (q, k, v))
     if ctx.documents is None:
-        o, lse = blocks.forward(ctx.kernel, qh, blocks.expand_kv(kh, ctx.groups), blocks.expand_kv(vh, ctx.groups), True,
-                                ctx.scale)
+        o, lse = blocks.forward(ctx.kernel, qh, kh, vh, True, ctx.scale)
     else:  # every document of the whole sequence in a causal block of its own
         o, lse = blocks.segments_forward(ctx.kernel, qh, kh, vh, ctx.documents.bounds(), ctx.scale)
     return _to_tokens(o, ctx.group), _to_tokens(lse.unsqueeze(-1), ctx.group).squeeze(-1)
@@ -392,9 +390,7 @@ def _ulysses_backward(ctx, dout, q, k, v, out, lse):
     qh, kh, vh, oh, dh = (_to_heads(t, ctx.group) for t in (q, k, v, out, dout))
     lh = _to_heads(lse.unsqueeze(-1), ctx.group).squeeze(-1)
     if ctx.documents is None:
-        dq, dk, dv = blocks.backward(ctx.kernel, dh, qh, blocks.expand_kv(kh, ctx.groups), blocks.expand_kv(vh, ctx.groups),
-                                     oh, lh, True, ctx.scale)
-        dk, dv = blocks.fold_kv(dk, ctx.groups), blocks.fold_kv(dv, ctx.groups)
+        dq, dk, dv = blocks.backward(ctx.kernel, dh, qh, kh, vh, oh, lh, True, ctx.scale, kh.dtype)
     else:
         dq, dk, dv = blocks.segments_backward(ctx.kernel, dh, qh, kh, vh, oh, lh, ctx.documents.bounds(), ctx.scale)
     return (_to_tokens(d, ctx.group) for d in (dq, dk, dv))

@@ -6,8 +6,9 @@ QKV projection lays them out). Tile ``t``'s queries attend to the store's blocks
 earlier ones in full, their own causally (a square block, so every kernel puts its diagonal in
 the same place), merged by log-sum-exp (:mod:`memo.model.attention_blocks`, the block entry
 points context parallelism uses). No ``[tokens, tokens]`` and no whole-sequence query or output
-exists: a tile's work holds its queries, one block (expanded to every query head where keys and
-values are grouped) and the running merge in float32.
+exists: a tile's work holds its queries, one block's output and the running merge in float32 (and
+a copy of the block's keys and values per query head where they are grouped and the kernel takes
+them only so, :func:`memo.model.attention_blocks.takes_grouped`).
 
 The backward pass of tile ``t`` is given the tile's merged output and log-sum-exp; every block's
 key and value gradients are added into float32 accumulators of the store's shape. Tiles taken in
@@ -48,7 +49,7 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
         in memory as Megatron's attention output is, rounded once from the float32 merge;
         ``lse`` ``[b, heads, c]`` in float32 (float64 for float64 input).
     """
-    c, groups, acc = q.shape[2], q.shape[1] // keys.shape[2], blocks.wide(q.dtype)
+    c, acc = q.shape[2], blocks.wide(q.dtype)
     on_block = on_block or _no_blocks
     out = torch.empty(q.shape, dtype=acc, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
@@ -58,7 +59,7 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
     for j in range(tile + 1):
         on_block(j)
         parts = chunk_blocks(documents, tile, j, c)
-        if not parts:  # keys wholly of other documents: nothing to expand or attend
+        if not parts:  # keys wholly of other documents: nothing to attend
             continue
         if documents is not None and j == tile:  # the tile's own documents, causal segments of it
             part = blocks.segments_forward(kernel, q, block(keys, j, c), block(values, j, c), _segments(parts, c),
@@ -66,7 +67,7 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
             blocks.merge_into(out, lse, *part)
             del part
             continue
-        k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
+        k, v = block(keys, j, c), block(values, j, c)
         for rows, cols, causal in parts:
             part = blocks.forward(kernel, blocks.rows(q, rows), blocks.rows(k, cols), blocks.rows(v, cols), causal, scale)
             if j == 0 and documents is None:
@@ -75,7 +76,6 @@ def tile_forward(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch
             else:
                 blocks.merge_into(blocks.rows(out, rows), lse[..., rows], *part)
             del part
-        del k, v
     on_block(None)
     token_major = torch.empty((c, q.shape[0], q.shape[1], q.shape[3]), dtype=q.dtype, device=q.device)
     token_major.permute(1, 2, 0, 3).copy_(out)
@@ -90,7 +90,7 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
     block's key and value gradients into ``key_grads`` and ``value_grads`` (float32 or wider,
     the store's shape). Each block's tensors are freed before the next begins; ``on_block`` is
     told as in :func:`tile_forward`; ``documents`` as there."""
-    c, groups = q.shape[2], q.shape[1] // keys.shape[2]
+    c = q.shape[2]
     on_block = on_block or _no_blocks
     # in the layouts the kernels take, once for all the tile's blocks rather than per block
     dout, out = blocks.token_major(dout), blocks.token_major(out)
@@ -110,16 +110,14 @@ def tile_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, keys: torch.
             block(value_grads, j, c).add_(dvb)
             del dqb, dkb, dvb
             continue
-        k, v = (blocks.expand_kv(block(store, j, c), groups) for store in (keys, values))
+        k, v = block(keys, j, c), block(values, j, c)
         for rows, cols, causal in parts:
-            dqb, dkb, dvb = blocks.backward(kernel, blocks.rows(dout, rows), blocks.rows(q, rows), blocks.rows(k, cols), blocks.rows(v, cols),
-                                            blocks.rows(out, rows), lse[..., rows], causal, scale)
+            dqb, dkb, dvb = blocks.backward(kernel, blocks.rows(dout, rows), blocks.rows(q, rows), blocks.rows(k, cols),
+                                            blocks.rows(v, cols), blocks.rows(out, rows), lse[..., rows], causal, scale)
             blocks.rows(dq, rows).add_(dqb)
-            # grouped heads' gradients summed in the accumulators' precision
-            blocks.rows(block(key_grads, j, c), cols).add_(blocks.fold_kv(dkb.to(key_grads.dtype), groups))
-            blocks.rows(block(value_grads, j, c), cols).add_(blocks.fold_kv(dvb.to(value_grads.dtype), groups))
+            blocks.rows(block(key_grads, j, c), cols).add_(dkb)
+            blocks.rows(block(value_grads, j, c), cols).add_(dvb)
             del dqb, dkb, dvb
-        del k, v
     on_block(None)
     return dq.to(q.dtype)
 
