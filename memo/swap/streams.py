@@ -12,6 +12,7 @@ at construction, so a wait can never silently land on the wrong stream.
   when someone waits for them, and must be ordered after the compute work before them. A
   missing wait then shows up as wrong data or an :class:`OrderingError` on the CPU, which is how
   the tests check the runtime's ordering.
+* :class:`CountedStreams`: any of them, with the bytes copied each way counted.
 """
 
 from typing import Optional, Protocol
@@ -165,6 +166,29 @@ class DeferredStreams:
     def synchronize(self) -> None:
         for stream, queue in self._queues.items():
             self._run(stream, self._done[stream] + len(queue))
+
+
+class CountedStreams:
+    """Another :class:`Streams`, with the bytes it copies each way counted (``copied[d2h]``,
+    ``copied[h2d]``; copies on compute, within the device, under ``copied[compute]``)."""
+
+    def __init__(self, streams: Streams):
+        self.inner = streams
+        self.compute, self.d2h, self.h2d = streams.compute, streams.d2h, streams.h2d
+        self.copied = {self.compute: 0, self.d2h: 0, self.h2d: 0}
+
+    def record(self, stream):
+        return self.inner.record(stream)
+
+    def wait(self, stream, event) -> None:
+        self.inner.wait(stream, event)
+
+    def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copied[stream] += src.numel() * src.element_size()
+        self.inner.copy(stream, dst, src)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
 
 
 def streams_for(device: torch.device) -> Streams:

@@ -1,0 +1,71 @@
+"""One training step's work counted on the CPU (:class:`memo.metrics.work.WorkCounter`): the
+real Megatron-core GPT, its layers run by the activation policy as training runs them, on fake
+tensors at any size or on real ones."""
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memo.config import Workload
+from memo.metrics.work import StepWork, WorkCounter, linear_weights
+from memo.model import LayerBuild, build_gpt, torch_dtype
+from memo.model.attention import select_backend
+from memo.model.gpt import transformer_config
+from memo.model.placement import LayerRuntime, RuntimeReport
+from memo.profile.iteration import process_group, unchecked_rng_forks
+from memo.swap.streams import CountedStreams, Streams, streams_for
+
+
+class Counted(Protocol):
+    """How the counted step's layers are built and run: an activation policy
+    (:class:`memo.policy.ActivationPolicy`) is one."""
+
+    @property
+    def layers(self) -> LayerBuild:
+        ...
+
+    def prepare(self, model, workload: Workload, device: torch.device, host_budget: float,
+                streams: Optional[Streams] = None, group=None) -> LayerRuntime:
+        ...
+
+
+@dataclass
+class CountedStep:
+    """One training step's counted work and copies, and what the layers' runtime decided."""
+
+    work: StepWork
+    copied: dict  # bytes copied by the swap runtime: {"d2h": …, "h2d": …, "compute": …}
+    report: RuntimeReport  # what the runtime decided: a walk in tiles its α and tokens kept per tile, k, R
+
+
+def count_step(workload: Workload, policy: Counted, fake: bool = True, seed: int = 0) -> CountedStep:
+    """Count the work of one step of ``workload`` (forward, loss, backward; one micro-batch) on
+    rank 0, as training runs it on the CPU: its layers' runtime made by ``policy`` (the workload's
+    activation policy, :func:`memo.policy.policy_of`) beforehand, their discovery and timing not
+    counted; the copies of a swap runtime counted where it issues them. ``fake``: on fake tensors
+    (any size, in seconds; tensor and context parallelism played by a fake process group), else on
+    real ones (one process)."""
+    device = torch.device("cpu")
+    config = transformer_config(workload, "cpu")
+    grouped = config.num_query_groups not in (None, config.num_attention_heads)
+    attention = select_backend("cpu", torch_dtype(workload), config.kv_channels, "auto", grouped)
+    streams = CountedStreams(streams_for(device))
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with process_group(workload.parallel, "fake" if fake else "cpu"), mode, unchecked_rng_forks():
+        torch.manual_seed(seed)
+        gpt = build_gpt(workload, "cpu", attention, layers=policy.layers).module
+        runtime = policy.prepare(gpt, workload, device, host_budget=2**60, streams=streams)
+        b, seq = workload.micro_batch_size, workload.seq // workload.parallel.cp
+        tokens = torch.zeros(b, seq, dtype=torch.long)
+        positions = torch.arange(seq).unsqueeze(0).expand(b, seq)
+        streams.copied = dict.fromkeys(streams.copied, 0)  # (the runtime's own measurements left out)
+        try:
+            with WorkCounter(linear_weights(gpt)) as counter:
+                gpt(tokens, positions, None, labels=tokens).float().mean().backward()
+        finally:
+            runtime.release()
+    copied = {str(stream): n for stream, n in streams.copied.items()}
+    return CountedStep(counter.work, copied, runtime.report())
