@@ -18,7 +18,7 @@ from memo.config import TrainConfig
 from memo.execute import checkpoint
 from memo.execute.evaluate import validation_loss
 from memo.execute.progress import StepProgress, format_seconds
-from memo.metrics import PeakMemory, mfu, model_flops, tgs
+from memo.metrics import PeakMemory, mfu, mfu_ceiling, model_flops, tgs
 from memo.model.placement import LayerRuntime
 from memo.results import ResultWriter
 
@@ -50,6 +50,14 @@ class Throughput:
     layers: int
     hidden_size: int
     peak_flops: float  # per device
+
+    def ceiling(self, gemm_flops: float, attention_forward_flops: float, attention_backward_flops: float) -> float:
+        """The MFU a step would reach running only its model FLOPs at these kernel rates (FLOP/s;
+        :func:`memo.metrics.flops.mfu_ceiling`), by the paper's formula (whole sequences)."""
+        sequences = self.global_batch
+        return mfu_ceiling(sequences * self.seq, sequences * self.seq**2, self.flops_parameters, self.layers,
+                           self.hidden_size, gemm_flops, attention_forward_flops, attention_backward_flops,
+                           self.peak_flops)
 
     def __call__(self, record: dict) -> None:
         seconds = record["iter_time_s"]

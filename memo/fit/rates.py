@@ -19,8 +19,8 @@ from typing import Callable, Optional
 import torch
 
 from memo.config import ConfigError, FitConfig, Run
-from memo.fit.timing import ATTENTION_BACKWARD_FLOPS
 from memo.hardware import Hardware
+from memo.metrics import ATTENTION_BACKWARD_FLOPS
 from memo.model import torch_dtype
 from memo.model.attention import causal_attention, select_backend
 from memo.results import read_cache, write_cache
@@ -175,6 +175,28 @@ def with_rates(fit: FitConfig, hw: Hardware, rates: Rates) -> tuple[FitConfig, H
     return fit, hw
 
 
+def _of_the_run(run: Run, cache: Path) -> tuple[Rates, str, bool]:
+    """:func:`cached_rates` of the current GPU at the model's head size and the run's dtype."""
+    model = run.workload.model
+    device = torch.device("cuda", torch.cuda.current_device())
+    return cached_rates(device, torch_dtype(run.workload), model.hidden_size // model.num_attention_heads, cache)
+
+
+def row_of_this_device(run: Run, cache: Path = RATES_CACHE) -> dict:
+    """The ``rates.*`` columns of the current GPU (:func:`cached_rates` at the model's head size and
+    the run's dtype), whatever hardware the run names: what the row's MFU ceiling is taken at
+    (:func:`memo.metrics.flops.mfu_ceiling`). None on the CPU, or where the measurement fails (one
+    warning). Raises nothing."""
+    if run.device_type != "cuda":
+        return {}
+    try:
+        rates, key, fresh = _of_the_run(run, cache)
+    except Exception as failed:
+        log.warning("the rates of this device were not measured (%s): the row has no MFU ceiling", failed)
+        return {}
+    return rates.row(key) | {"rates.measured_now": fresh}
+
+
 def of_this_device(run: Run, hw: Hardware, cache: Path = RATES_CACHE) -> tuple[Run, Hardware, dict]:
     """``run``'s fit and ``hw`` with the rates of the current GPU (:func:`cached_rates` at the
     model's head size and the run's dtype), and the row's ``rates.*`` columns, where
@@ -183,11 +205,8 @@ def of_this_device(run: Run, hw: Hardware, cache: Path = RATES_CACHE) -> tuple[R
     process group."""
     if run.hardware.name != "auto" or run.device_type != "cuda" or not run.fit.measured_rates:
         return run, hw, {}
-    model = run.workload.model
     try:
-        device = torch.device("cuda", torch.cuda.current_device())
-        rates, key, fresh = cached_rates(device, torch_dtype(run.workload),
-                                         model.hidden_size // model.num_attention_heads, cache)
+        rates, key, fresh = _of_the_run(run, cache)
         fit, hw = with_rates(run.fit, hw, rates)
     except Exception as failed:
         log.warning("the rates of this device were not measured (%s): the fit takes fit.*_efficiency "

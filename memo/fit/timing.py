@@ -40,11 +40,10 @@ from typing import Optional
 
 from memo.config import ConfigError, FitConfig, Workload
 from memo.hardware import Hardware
-from memo.metrics import mfu, model_flops, tgs
+from memo.metrics import ATTENTION_BACKWARD_FLOPS, mfu, model_flops, tgs
 from memo.model.gpt import layer_matmul_weights, model_flops_parameters, padded_vocab_size
 from memo.policy import LayerSeconds, Placed, policy_of
 
-ATTENTION_BACKWARD_FLOPS = 2.5  # FlashAttention's backward over its forward
 # Adam on the host reads a gradient (fp32), reads and writes a main weight and two moments (fp32)
 HOST_ADAM_BYTES_PER_PARAM = 4 + 3 * 2 * 4
 

@@ -134,10 +134,13 @@ def _finished_rows(run_dir: Path, multirun: bool) -> list[dict]:
 
 
 def row_figures(row: dict, keys: Optional[list[str]] = None) -> dict:
-    """The columns of a training row the pack's tables keep."""
-    keys = keys or ["method.name", "model.name", "seq", "alpha", "plan", "status", "error", "mfu", "tgs",
+    """The columns of a training row the pack's tables keep, with ``mfu_of_ceiling``: the share of
+    what the kernels allow the run got (``mfu / mfu_ceiling``)."""
+    keys = keys or ["method.name", "model.name", "seq", "alpha", "plan", "status", "error", "mfu", "mfu_ceiling", "tgs",
                     "iter_time_s", "peak_allocated_bytes", "peak_reserved_bytes", "alloc_retries",
                     "swap.alpha", "device_name", "result_path"]
-    return {key: row.get(key) for key in keys}
+    figures = {key: row.get(key) for key in keys}
+    mfu, ceiling = row.get("mfu"), row.get("mfu_ceiling")
+    return figures | {"mfu_of_ceiling": mfu / ceiling if mfu and ceiling else None}
 
 

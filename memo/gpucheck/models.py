@@ -52,7 +52,8 @@ def main(argv=None) -> int:
                                                       "predicted_peak_bytes", "memory_error")}
             rows.append(figures)
             write_rows(args.out, "models", rows)  # a step cut short by its budget keeps its table
-            print(f"models: {name}: {row.get('status')} MFU {row.get('mfu')}", flush=True)
+            print(f"models: {name}: {row.get('status')} MFU {row.get('mfu')} of a ceiling of {row.get('mfu_ceiling')}",
+                  flush=True)
     return 0
 
 

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
                         "declared_share_of_peak": declared / peak if peak else None}
         rows.append(figures)
         write_rows(args.out, "tiles", rows)  # a step cut short by its budget keeps its table
-        print(f"tiles: {name}: {row.get('status')} MFU {row.get('mfu')} alpha {row.get('tiles.alpha_mean')}",
+        print(f"tiles: {name}: {row.get('status')} MFU {row.get('mfu')} of a ceiling of {row.get('mfu_ceiling')} "
+              f"alpha {row.get('tiles.alpha_mean')}",
               flush=True)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

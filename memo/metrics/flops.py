@@ -13,11 +13,23 @@ same two s×s products).
 attention matmuls at half density (the causal mask). Recomputation adds no model FLOPs, so a
 method that recomputes more scores a lower MFU for the same work.
 
+**The ceiling** (:func:`mfu_ceiling`): the MFU a step would reach if it ran nothing but the model's
+FLOPs, each at the rate its kernels reach on the device (:mod:`memo.fit.rates` measures them): the
+weights' GEMMs, 6·s·P, at the GEMM rate; attention's forward, 2·n·h·s², at the attention forward's,
+and its backward, counted as 2.5 forwards (FlashAttention's backward makes the scores again, as
+the rates count it), at the backward's. MFU counts attention's backward as 2 forwards, so even a
+step that runs nothing else reaches only the ceiling; ``mfu / mfu_ceiling`` is the share of what
+the kernels allow a run gets.
+
 Where a sequence's documents are kept apart (``train.document_mask``) attention computes only
 each document's own square: s² becomes Σ nᵢ² over the documents' lengths nᵢ
 (:func:`model_flops`). A run then reports both: ``mfu`` by the paper's formula, as if the whole
 sequence were attended, and ``mfu_documents`` by the attention computed.
 """
+
+# FlashAttention's backward over its forward: the two gradient products of each of QKᵀ and PV,
+# and QKᵀ again to make the scores
+ATTENTION_BACKWARD_FLOPS = 2.5
 
 
 def model_flops(tokens: int, squared_spans: int, params: int, num_layers: int, hidden_size: int) -> float:
@@ -48,3 +60,16 @@ def mfu(flops_per_iter: float, iter_time_s: float, num_devices: int, peak_flops:
 def tgs(tokens_per_iter: int, iter_time_s: float, num_devices: int) -> float:
     """Tokens per GPU (device) per second: the global batch's tokens over time and devices."""
     return tokens_per_iter / (iter_time_s * num_devices)
+
+
+def mfu_ceiling(tokens: int, squared_spans: int, params: int, num_layers: int, hidden_size: int,
+                gemm_flops: float, attention_forward_flops: float, attention_backward_flops: float,
+                peak_flops: float) -> float:
+    """The MFU of a step that ran only the model's FLOPs at its kernels' rates (see the module
+    docstring): ``model_flops / (peak · seconds)``, ``seconds`` the GEMMs' and attention's at
+    ``gemm_flops``, ``attention_forward_flops`` and ``attention_backward_flops`` (FLOP/s of one
+    device, the backward's counted as 2.5 forwards); arguments as :func:`model_flops`."""
+    attention = 2.0 * num_layers * hidden_size * squared_spans  # the forward's, causal
+    seconds = (6.0 * tokens * params / gemm_flops + attention / attention_forward_flops
+               + ATTENTION_BACKWARD_FLOPS * attention / attention_backward_flops)
+    return model_flops(tokens, squared_spans, params, num_layers, hidden_size) / (peak_flops * seconds)

@@ -27,6 +27,7 @@ from memo.execute.hooks import (ActivationAccounting, Checkpointing, MemoryReadi
                                  Throughput, Validation, validation_pass)
 from memo.execute.optimizer import StepOptimizer, build_optimizer, checkpoint_format
 from memo.fit import choice, rates
+from memo.fit.calibration import rates_of_row
 from memo.plan.runtime import ALLOCATOR_FIELDS, TENSOR_BYTES_FIELDS, PlanRuntime, measured_allocator_row
 from memo.plan.server import ServingStats
 from memo.execute.progress import step_progress
@@ -54,8 +55,8 @@ log = logging.getLogger("memo")
 # Fields every row carries, so that a table of ok and failed runs has the same columns.
 METRIC_FIELDS = (
     "params", "global_batch_size", "tokens_per_iter", "flops_per_iter", "resumed_from_step",
-    "checkpoint_last", "steps_timed", "iter_time_s", "iter_time_s_median", "tgs", "mfu", "mfu_documents", "loss_first",
-    "loss_last",
+    "checkpoint_last", "steps_timed", "iter_time_s", "iter_time_s_median", "tgs", "mfu", "mfu_ceiling", "mfu_documents",
+    "loss_first", "loss_last",
     *report_columns(),
     "valid_loss", "valid_loss_by_position", *ALLOCATOR_FIELDS, *TENSOR_BYTES_FIELDS, "plan.serving", *choice.ROW_FIELDS,
     *(f"plan.{f.name}" for f in dataclasses.fields(ServingStats)),
@@ -144,6 +145,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     run = _of_processes(run, info)
     _check_runtime_support(run, policy_of(run.workload))  # what no choice changes: refused in seconds
     chosen = _choose(run, hw, arena, info, job)  # before the process group: the fit traces with its own
+    if run.device_type == "cuda" and info.rank == 0 and arena is None and "rates.gemm_flops" not in job.row:
+        job.row.update(rates.row_of_this_device(run))  # what the kernels reach here: the row's MFU ceiling
     if chosen is None:
         distributed.check_world_size(run.workload.parallel, info.world_size)  # refused before joining
     distributed.join(run.device_type, info)
@@ -399,6 +402,10 @@ def _run(run: Run, policy: ActivationPolicy, started: Started, built: Built, run
                flops_per_iter=throughput.flops_per_step, layer_spec=built.model.layer_spec,
                attention_backend=built.model.attention_backend,
                attention_block_kernel=built.model.attention_block_kernel, optimizer=built.optimizer.name)
+    kernel_rates = rates_of_row(row)
+    if kernel_rates is not None and started.hw.peak_flops:
+        row["mfu_ceiling"] = throughput.ceiling(kernel_rates.gemm_flops, kernel_rates.attention_forward_flops,
+                                                kernel_rates.attention_backward_flops)
     log.info("%s: %s params, seq %d, %s on %s (%s, %s attention, %s blocks), %d process(es)", model.name,
              f"{built.model.params:,}", seq, workload.method.name, started.hw.name, row["dtype"],
              built.model.attention_backend, built.model.attention_block_kernel, info.world_size)

@@ -89,6 +89,22 @@ def test_a_run_on_a_gpu_with_hardware_auto_takes_the_devices_rates_into_its_fit_
     assert row["rates.gemm_flops"] == 494.5e12 and row["rates.measured_now"] is True
 
 
+def test_a_gpu_runs_row_gets_the_devices_rates_whatever_hardware_it_names(tmp_path, monkeypatch):
+    named = dataclasses.replace(resolve_config("mode=fit", "hardware=h100", "model=tiny_llama"), device_type="cuda")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(rates, "cached_rates", lambda *_: (Rates(494.5e12, 395.6e12, 296.7e12, 50e9, 40e9), "H100|…",
+                                                           False))
+    row = rates.row_of_this_device(named, tmp_path / "rates.json")
+    assert row["rates.gemm_flops"] == 494.5e12 and row["rates.key"] == "H100|…" and row["rates.measured_now"] is False
+    assert rates.row_of_this_device(resolve_config("mode=fit"), tmp_path / "rates.json") == {}  # the CPU
+
+    def failing(*_):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(rates, "cached_rates", failing)
+    assert rates.row_of_this_device(named, tmp_path / "rates.json") == {}  # warned, no ceiling
+
+
 def test_a_row_predicted_at_measured_rates_is_predicted_again_at_them():
     rates_row = Rates(494.5e12, 395.6e12, 296.7e12, 50e9, 40e9).row("H100|...")
     assert rates_of_row(rates_row) == Rates(494.5e12, 395.6e12, 296.7e12, 50e9, 40e9)

@@ -8,7 +8,7 @@ import torch
 
 from memo import hardware
 from memo.config import ConfigError
-from memo.metrics import PeakMemory, mfu, model_flops, model_flops_per_sample, tgs
+from memo.metrics import PeakMemory, mfu, mfu_ceiling, model_flops, model_flops_per_sample, tgs
 from memo.model import padded_vocab_size, parameter_count
 from memo.policy import build_model
 
@@ -45,6 +45,17 @@ def test_mfu_and_tgs_7b_at_1m_on_8_a800():
     assert peak == 312e12
     assert mfu(FLOPS_7B_1M, 1000.0, 8, peak) == pytest.approx(0.363193, abs=1e-6)
     assert tgs(S_1M, 1000.0, 8) == pytest.approx(131.072)
+
+
+def test_the_mfu_ceiling_is_the_model_flops_over_the_kernels_time():
+    # 10 tokens, P = 100, 2 layers of width 8, squared spans 100: GEMMs 6·10·100 = 6000 FLOPs,
+    # attention's forward 2·2·8·100 = 3200, MFU counting 3·3200 = 9600 of it: 15,600 model FLOPs
+    peak = 1000.0
+    # every kernel at the peak: the backward's 2.5 forwards still cost more than MFU's 2
+    assert mfu_ceiling(10, 100, 100, 2, 8, peak, peak, peak, peak) == pytest.approx(15_600 / (6000 + 3200 + 8000))
+    # GEMMs at 80% of the peak, attention forward at 50%, backward at 40%:
+    # 6000/800 + 3200/500 + 2.5·3200/400 = 7.5 + 6.4 + 20 = 33.9 s, against 15.6 s at the peak
+    assert mfu_ceiling(10, 100, 100, 2, 8, 800.0, 500.0, 400.0, peak) == pytest.approx(15.6 / 33.9)
 
 
 def test_flops_grow_quadratically_with_sequence_at_fixed_params():
