@@ -112,8 +112,8 @@ def write_cache(path: Path, entries: dict) -> None:
         pass
 
 
-def create_file_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a new file ``path`` in one step; an existing file is never replaced.
+def create_file_atomic(path: Path, text: Union[str, bytes]) -> None:
+    """Write ``text`` (or bytes) to a new file ``path`` in one step; an existing file is never replaced.
 
     Raises:
         FileExistsError: if ``path`` exists (also if it appears while writing).
@@ -122,7 +122,7 @@ def create_file_atomic(path: Path, text: str) -> None:
     if path.exists():
         raise FileExistsError(f"{path} exists and is kept; choose another path")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _write_beside(path, text.encode())
+    tmp = _write_beside(path, text.encode() if isinstance(text, str) else text)
     try:
         os.link(tmp, path)  # unlike a rename, fails if the path appeared meanwhile
     finally:

@@ -6,8 +6,8 @@ Without ``--all`` or ``--only`` the pack runs its first steps, the most informat
 budgets together keep it inside one command of eight minutes: ``smoke`` (every place the GPU path
 can break, quickly), ``cp_kernels`` (each block kernel against a float64 reference, then timed),
 ``numerics`` (every method's gradients against keeping everything) and ``probe`` (the physical
-bounds). The others (``throughput``, ``overlap``, ``longest``, ``calibration``, ``tiles``, ``boundary``, ``frontier``,
-``checkpoints``, ``documents``) run with
+bounds). The others (``timeline``, ``models``, ``throughput``, ``overlap``, ``longest``, ``calibration``, ``tiles``,
+``boundary``, ``frontier``, ``checkpoints``, ``documents``) run with
 ``--all`` or by name with ``--only``, when device time is left.
 
 A step whose finished result (``<step>.csv``) in ``DIR`` was made by the code checked out now
@@ -51,6 +51,7 @@ STEPS = [
     Step("cp_kernels", ("memo.gpucheck.cp_kernels",), 55, first=True),
     Step("numerics", ("memo.gpucheck.numerics",), 110, first=True),
     Step("probe", ("memo.gpucheck.probe",), 60, first=True),
+    Step("timeline", ("memo.gpucheck.timeline",), 300),
     Step("models", ("memo.gpucheck.models",), 300),
     Step("throughput", ("memo.gpucheck.jobs", "throughput"), 360),
     Step("overlap", ("memo.gpucheck.overlap",), 150),

@@ -32,6 +32,7 @@ from memo.plan.runtime import ALLOCATOR_FIELDS, TENSOR_BYTES_FIELDS, PlanRuntime
 from memo.plan.server import ServingStats
 from memo.execute.progress import step_progress
 from memo.execute.schedule import schedule_settings
+from memo.execute.timeline import StepTimeline, combined
 from memo.execute.train import TrainingStep, rank_tokens, run_steps, untimed_steps
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import (
@@ -433,7 +434,9 @@ def _run(run: Run, policy: ActivationPolicy, started: Started, built: Built, run
                           started.facts, built.consumed, built.start_step, global_batch, row),
             Progress(progress, job.stop_if_signalled, train.steps, speaks),
         ]
-        run_steps(step, batches, train, hooks, plan.step, built.start_step)
+        timeline = StepTimeline(train.timeline_step, built.start_step, job.writer.output_dir, device_type,
+                                job.writer.enabled and info.rank == 0)
+        run_steps(step, batches, train, hooks, combined(plan.step, timeline.around), built.start_step)
     row.update(plan.finish())
     return log_records.records
 
