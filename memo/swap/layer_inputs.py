@@ -28,6 +28,9 @@ class LayerInputs:
     # that end (at the end of the layer's forward), since an allocator that ignores record_stream
     # (the plan's arena) would hand its memory to compute as soon as the caller frees it
     sending: Optional[tuple[torch.Tensor, object]] = None
+    # a checkpoint's input coming into the store ahead of its layer's backward, rows by rows as the
+    # layer above frees them: (its index, rows copied so far, the end of the last copy)
+    coming: Optional[tuple[int, int, object]] = None
 
     @classmethod
     def empty(cls, layers: int, x: torch.Tensor, pin: bool) -> "LayerInputs":
@@ -60,20 +63,34 @@ class LayerInputs:
             streams.wait(streams.compute, self.sending[1])
             self.sending = None
 
+    def prefetch_rows(self, index: int, rows: slice, streams: Streams) -> None:
+        """Bring ``rows`` of checkpoint ``index``'s input into the store once compute is done with
+        them: the layer above's tile that read them has finished its backward (its tiles go from
+        the last, so the rows come in from the end of the sequence). Its copy to the host needs no
+        wait (:meth:`reload`)."""
+        streams.wait(streams.h2d, streams.record(streams.compute))
+        streams.copy(streams.h2d, self.store[rows], self.host[index][rows])
+        done = self.coming[1] if self.coming is not None and self.coming[0] == index else 0
+        self.coming = (index, done + rows.stop - rows.start, streams.record(streams.h2d))
+
     def reload(self, index: int, streams: Streams) -> torch.Tensor:
         """Checkpoint ``index``'s input in the store, for compute, once the store's previous
-        layer's backward is done. Its copy to the host needs no wait: the layer's first tile
-        swaps (else the input would have stayed on the device), and the tile that reused that
-        tile's buffer waited for its copy out, which the D2H stream ran after the input's."""
-        streams.wait(streams.h2d, streams.record(streams.compute))
-        streams.copy(streams.h2d, self.store, self.host[index])
-        streams.wait(streams.compute, streams.record(streams.h2d))
+        layer's backward is done: compute waits for its copy, made now or already on its way
+        (:meth:`prefetch_rows`). Its copy to the host needs no wait: the layer's first tile swaps
+        (else the input would have stayed on the device), and the tile that reused that tile's
+        buffer waited for its copy out, which the D2H stream ran after the input's."""
+        coming, self.coming = self.coming, None
+        if coming is None or coming[:2] != (index, self.store.shape[0]):  # (the H2D stream runs any part after)
+            streams.wait(streams.h2d, streams.record(streams.compute))
+            streams.copy(streams.h2d, self.store, self.host[index])
+            coming = (index, self.store.shape[0], streams.record(streams.h2d))
+        streams.wait(streams.compute, coming[2])
         self.current = self.store
         return self.store
 
     def release(self) -> None:
         self.kept.clear()
-        self.current = self.sending = None
+        self.current = self.sending = self.coming = None
         if self.pinned:
             unregister(self.host)
             self.pinned = False

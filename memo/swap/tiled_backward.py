@@ -4,6 +4,8 @@ again into the store, then the tiles in reverse, each taking its gradient back t
 (made again, or kept and brought back by the swap runtime); under context parallelism the key and
 value gradients summed over the ranks and taken back through each tile's keys and values."""
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -53,6 +55,7 @@ class TileBackward:
             self._make_keys(layer, index, x, kwargs)
         self.stores.key_grads.zero_()
         self.stores.value_grads.zero_()
+        below = self._reloaded_below(index, x)
         try:
             for t, rows, j in reversed(self._tiles(x.shape[0])):
                 self.on_phase(index, f"{BACKWARD}.t{t}")
@@ -62,12 +65,25 @@ class TileBackward:
                 self._input_grad, self._output_grad = grad_x[rows], grad[rows]
                 ends[t].backward(torch.empty(0, dtype=x.dtype, device=x.device))
                 ends[t] = None  # the tile's graph, before the next one's
+                if below is not None:  # the tile's rows of the store are free: the input below comes in
+                    self.inputs.prefetch_rows(below, rows, self.swap.streams)
         finally:
             self._tile = self._input_grad = self._output_grad = None
         if self.cp > 1:
             self._key_gradients(layer, index, x, kwargs, grad_x)
         self.on_phase(index, BACKWARD)
         return grad_x
+
+    def _reloaded_below(self, index: int, x: torch.Tensor) -> Optional[int]:
+        """The checkpoint whose input the layer below reloads into the store for its backward,
+        where the store's rows may take it as this layer's tiles finish (this layer's input ``x``
+        is the store, or one kept on the device): None where no layer is below, its input is kept
+        on the device, or (context parallelism) ``x``, the store, is read again after the tiles,
+        for the key and value gradients."""
+        below = index - 1
+        if below < 0 or below in self.inputs.kept or (self.cp > 1 and x is self.inputs.store):
+            return None
+        return below // self.checkpoint_every
 
     def _chain(self, index: int, x: torch.Tensor, kwargs: dict) -> None:
         """Layer ``index``'s input made in ``x`` (the input store, holding the input of the

@@ -92,7 +92,8 @@ def test_the_host_holds_exactly_its_formula_and_the_device_r_tile_buffers(parall
 # the kept attention outputs a chain of layers brings back
 WALK_WAITS = [
     ("offload", "d2h", "compute"),  # an input copied out before compute made it
-    ("reload", "h2d", "compute"),  # an input copied into the store the layer above still reads
+    ("prefetch_rows", "h2d", "compute"),  # an input's rows copied into the store the layer above still reads
+    ("reload", "h2d", "compute"),  # the top layer's input copied into the store without a prefetch, too early
     ("reload", "compute", "h2d"),  # the keys made from the store before the input is back
     ("kept_output", "h2d", "compute"),  # a tile's output copied over the previous tile's in use
     ("kept_output", "compute", "h2d"),  # a chain reading a tile's output before it is back
@@ -103,12 +104,15 @@ WALK_WAITS = [
 def test_each_missing_wait_of_the_walk_would_corrupt_the_gradients_or_fail_the_ordering_check(
         reference, site, waiter, producer):
     """Tiles of 128: two per layer, both of the last layer's in the buffers (its input stays on
-    the device); k = 3 for the chains (layer 2's input made from layer 0's)."""
+    the device), every other layer's input brought back as the layer above frees the store; k = 3
+    for the chains (layer 2's input made from layer 0's). For the top layer's own reload, tiles of
+    64: four a layer, two of the last layer's sent out, so its input is too."""
     k = 3 if site == "kept_output" else 1
+    tile = 64 if (site, waiter) == ("reload", "h2d") else 128
 
     def train(streams):
-        return train_gradients("memo", *SHAPES["tiny"], *FP64, "method.tile_tokens=128", seq=SEQ, steps=1,
-                               streams=streams, tile_alphas=[0.5, 0.5], checkpoint_every=k)[1]
+        return train_gradients("memo", *SHAPES["tiny"], *FP64, f"method.tile_tokens={tile}", seq=SEQ, steps=1,
+                               streams=streams, tile_alphas=[0.5] * (SEQ // tile), checkpoint_every=k)[1]
 
     assert missing_wait_shows(train, reference("tiny")[1], site, waiter, producer), "nothing sees this missing wait"
 
