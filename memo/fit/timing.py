@@ -119,9 +119,9 @@ def layer_seconds(workload: Workload, hw: Hardware, fit: FitConfig, exchange: st
     cp_link = _link(tp * cp, hw, fit.link_efficiency)
     if cp == 1:
         cp_fwd = cp_bwd = 0.0
-    elif exchange == "stores":  # the rank's keys and values gathered into the store; their gradients summed
+    elif exchange == "stores":  # the rank's keys and values gathered into the store; their gradients reduce-scattered
         cp_fwd = (cp - 1) * block / cp_link
-        cp_bwd = cp_fwd + 2 * (cp - 1) / cp * (cp * block * 4 / element_bytes) / cp_link
+        cp_bwd = cp_fwd + (cp - 1) / cp * (cp * block * 4 / element_bytes) / cp_link
     elif exchange == "a2a":  # q, k, v to heads, the output back
         cp_fwd = (cp - 1) / cp * (2 * qo + 2 * kv) / cp_link
         cp_bwd = 2 * cp_fwd

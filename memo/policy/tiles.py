@@ -120,9 +120,10 @@ class SequenceTiles(ActivationPolicy):
         """Bytes a context-parallel rank's walk holds beyond a rank alone with its tokens: the
         stores of keys, values and their float32 accumulators hold the whole sequence on every
         rank (``2·b·(s − s/cp)·g·(e + 4)`` more, ``g`` the key/value channels of a tensor-parallel
-        rank), and the gather of keys and values stages one chunk (``b·s/(2·cp)·g·e``); 0 without
-        context parallelism. The all-reduce of the accumulators runs in place (gloo and NCCL may
-        stage parts of it, not counted)."""
+        rank), and one chunk of scratch (``b·s/(2·cp)·g·4``): the gather of keys and values
+        stages one chunk of them (``e`` bytes an element), the reduce-scatter of their float32
+        gradients one chunk of those, apart; 0 without context parallelism (gloo and NCCL may
+        stage parts of the collectives, not counted)."""
         model, parallel, b, e = workload.model, workload.parallel, workload.micro_batch_size, workload.dtype_bytes
         cp, s = parallel.cp, workload.seq
         if cp == 1:
@@ -130,7 +131,7 @@ class SequenceTiles(ActivationPolicy):
         groups = model.num_query_groups or model.num_attention_heads
         g = model.hidden_size // model.num_attention_heads * groups // parallel.tp
         wide = 8 if e == 8 else 4
-        return 2 * b * (s - s // cp) * g * (e + wide) + b * s // (2 * cp) * g * e
+        return 2 * b * (s - s // cp) * g * (e + wide) + b * s // (2 * cp) * g * wide
 
     def recompute_seconds(self, workload: Workload, seconds: LayerSeconds, alpha: float = 1.0,
                           checkpoint_every: int = 1) -> float:

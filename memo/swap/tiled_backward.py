@@ -158,9 +158,20 @@ class TileBackward:
         _reverse_chunks(back)
 
     def _sum_gradients(self) -> None:
-        """The key and value gradients of every rank's queries, summed over the ranks."""
+        """The key and value gradients of every rank's queries summed over the ranks into this
+        rank's two chunks of the accumulators, the only ones its tiles take back (the others' are
+        left as they are): a reduce-scatter of each half, half the bytes an all-reduce moves. The
+        second half's chunks are put in rank order first (rank ``r``'s, ``cp − 1 − r``, at ``r``);
+        besides the accumulators, one chunk exists at a time."""
+        cp, rank = self.cp, self.cp_rank
         for grads in (self.stores.key_grads, self.stores.value_grads):
-            dist.all_reduce(grads, group=self.cp_group)
+            front, back = self._halves(grads)
+            _reverse_chunks(back)
+            for half, own in ((front, rank), (back, cp - 1 - rank)):
+                mine = torch.empty_like(half[rank])
+                dist.reduce_scatter_tensor(mine, half.flatten(0, 1), group=self.cp_group)
+                half[own].copy_(mine)  # (the second half's own chunk back at its place in the sequence)
+                del mine
 
 
 def _reverse_chunks(chunks: torch.Tensor) -> None:
