@@ -187,9 +187,9 @@ class TrainConfig:
     # Refuse up front, as a run that chooses its settings (auto) is, a run whose own settings the
     # fit predicts not to fit this machine (memo.fit.choice); false: explicit settings are tried as given
     fit_check: bool = False
-    # This step (1-based) run under torch.profiler (None: none): its trace, timeline.json.gz, and its
-    # device time by category, timeline.csv, go into the run's directory (memo.execute.timeline);
-    # a warm-up step keeps the profiler's cost out of the timed ones
+    # This warm-up step (1-based) run under torch.profiler (None: none): its trace, timeline.json.gz,
+    # and its device time by category, timeline.csv, go into the run's directory (memo.execute.timeline);
+    # a warm-up step, so that the profiler's cost stays out of the timed ones
     timeline_step: Optional[int] = None
     # Validation (memo.execute.evaluate): every eval_interval steps and after the last step (None:
     # never), the loss on eval_iters global batches of held-out samples, whole and in eval_buckets

@@ -101,9 +101,11 @@ def validate(cfg) -> Settings:
     at_least("train.micro_batch_size", t.micro_batch_size)
     at_least("train.micro_batches", t.micro_batches)
     at_least("train.lr_warmup_steps", t.lr_warmup_steps, minimum=0)
-    if t.timeline_step is not None and not 1 <= t.timeline_step <= t.steps:
-        raise ConfigError(f"train.timeline_step={t.timeline_step} is not one of the run's steps 1..{t.steps}; "
-                          "set it to one of them, or null")
+    if t.timeline_step is not None and not 1 <= t.timeline_step <= min(t.warmup_steps, t.steps - 1):
+        raise ConfigError(f"train.timeline_step={t.timeline_step} is not one of the run's warm-up steps "
+                          f"1..{min(t.warmup_steps, t.steps - 1)} (the profiler slows the step it watches, and a "
+                          "timed step's time is the run's figure); choose one of them, raise train.warmup_steps "
+                          "and train.steps, or set it to null")
     if not t.lr > 0:
         raise ConfigError(f"train.lr={t.lr} must be positive")
     _check_schedule(t)

@@ -45,16 +45,21 @@ class StepTimeline:
     def _profiled(self) -> Iterator[None]:
         with profile(activities=self.activities) as profiler:
             yield
-        if self.writes:
+        if not self.writes:
+            return
+        try:
             self._write(profiler)
+        except (OSError, ValueError) as failed:  # (a full disk, a file there already): the run goes on
+            log.warning("the timeline of step %d was not written: %s", self.step, failed)
 
     def _write(self, profiler) -> None:
         with tempfile.TemporaryDirectory(dir=self.out) as scratch:
             raw = Path(scratch) / "trace.json"
             profiler.export_chrome_trace(str(raw))
-            text = raw.read_text()
-        trace = json.loads(text)
-        create_file_atomic(self.out / "timeline.json.gz", gzip.compress(text.encode(), compresslevel=6))
+            data = raw.read_bytes()
+        create_file_atomic(self.out / "timeline.json.gz", gzip.compress(data, compresslevel=6))
+        trace = json.loads(data)
+        del data
         rows = table(trace)
         create_file_atomic(self.out / "timeline.csv", pd.DataFrame(rows).to_csv(index=False))
         create_file_atomic(self.out / "timeline_kernels.csv", pd.DataFrame(top_kernels(trace)).to_csv(index=False))

@@ -95,9 +95,10 @@ def problem_of_row(row: Mapping) -> tuple[Problem, ParallelConfig, int]:
     return problem, parallel, seq
 
 
-def rates_of_row(row: Mapping) -> Optional[Rates]:
-    """The measured rates a row's run was predicted with (its ``rates.*``), or None where it has none."""
-    measured = _section(row, "rates.", Rates)
+def rates_of_row(row: Mapping, section: str = "rates.") -> Optional[Rates]:
+    """The measured rates a row's run was predicted with (its ``rates.*``; or those of another
+    ``section``, :data:`memo.fit.rates.KERNEL_RATES`), or None where it has none."""
+    measured = _section(row, section, Rates)
     return None if measured.gemm_flops is None else measured
 
 

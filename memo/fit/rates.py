@@ -104,9 +104,14 @@ class Rates:
     h2d_bytes_per_s: Optional[float]
     d2h_bytes_per_s: Optional[float]
 
-    def row(self, key: str) -> dict:
-        """The result-row columns of these rates (``rates.*``)."""
-        return {"rates.key": key, **{f"rates.{k}": v for k, v in dataclasses.asdict(self).items()}}
+    def row(self, key: str, prefix: str = "rates.") -> dict:
+        """The result-row columns of these rates: ``rates.*`` where the fit predicted the run with
+        them, :data:`KERNEL_RATES` where they measure its kernels only (its MFU ceiling)."""
+        return {f"{prefix}key": key, **{f"{prefix}{k}": v for k, v in dataclasses.asdict(self).items()}}
+
+
+# the row's section of the rates its MFU ceiling was taken at, where the fit did not use them
+KERNEL_RATES = "kernel_rates."
 
 
 def measure(device: torch.device, dtype: torch.dtype, head_dim: int, small: bool = False) -> Rates:
@@ -183,10 +188,11 @@ def _of_the_run(run: Run, cache: Path) -> tuple[Rates, str, bool]:
 
 
 def row_of_this_device(run: Run, cache: Path = RATES_CACHE) -> dict:
-    """The ``rates.*`` columns of the current GPU (:func:`cached_rates` at the model's head size and
-    the run's dtype), whatever hardware the run names: what the row's MFU ceiling is taken at
-    (:func:`memo.metrics.flops.mfu_ceiling`). None on the CPU, or where the measurement fails (one
-    warning). Raises nothing."""
+    """The :data:`KERNEL_RATES` columns of the current GPU (:func:`cached_rates` at the model's
+    head size and the run's dtype), whatever hardware the run names: what the row's MFU ceiling is
+    taken at (:func:`memo.metrics.flops.mfu_ceiling`), not what its fit was predicted with (a
+    row's ``rates.*``, which its calibration predicts it again at). None on the CPU, or where the
+    measurement fails (one warning). Raises nothing."""
     if run.device_type != "cuda":
         return {}
     try:
@@ -194,7 +200,7 @@ def row_of_this_device(run: Run, cache: Path = RATES_CACHE) -> dict:
     except Exception as failed:
         log.warning("the rates of this device were not measured (%s): the row has no MFU ceiling", failed)
         return {}
-    return rates.row(key) | {"rates.measured_now": fresh}
+    return rates.row(key, KERNEL_RATES) | {f"{KERNEL_RATES}measured_now": fresh}
 
 
 def of_this_device(run: Run, hw: Hardware, cache: Path = RATES_CACHE) -> tuple[Run, Hardware, dict]:

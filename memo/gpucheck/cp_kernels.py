@@ -5,8 +5,10 @@ Whole-sequence attention (one ``scaled_dot_product_attention`` call with each SD
 context-parallel attention cut into blocks (:mod:`memo.model.attention_blocks`: each query chunk
 against every earlier key chunk whole and its own causally, merged by log-sum-exp, the backward
 given the merged output and log-sum-exp) are first compared with textbook attention in float64:
-the output and dq, dk, dv as normwise relative errors (``error``, against ``tolerance``). A
-kernel that fails the check is not timed.
+the output and dq, dk, dv as normwise relative errors (``error``, against ``tolerance``), with one
+key/value head per query head and again with grouped ones, as Llama's (``whole-grouped``,
+``blocks-grouped``: handed to the kernels as they are where they take them). A kernel that fails
+the check is not timed.
 
 Then each kernel that passed is timed at 64k tokens, and the two a run here would use (its
 whole-sequence kernel and the block kernel that follows it) at 128k. The blocks one
@@ -59,12 +61,15 @@ def rank_blocks(q, k, v, rank: int, cp: int, kernel: str, scale: float):
 
 
 def _textbook(q, k, v, dout, scale: float):
-    """Output and (dq, dk, dv) of causal attention in float64, ``[b, n, s, d]``."""
+    """Output and (dq, dk, dv) of causal attention in float64, ``[b, n, s, d]`` (keys and values
+    with as many heads or fewer, each serving a group of query heads)."""
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
-    scores = (q @ k.transpose(-1, -2)) * scale
+    groups = q.shape[1] // k.shape[1]
+    keys, values = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = (q @ keys.transpose(-1, -2)) * scale
     s = q.shape[2]
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), -math.inf)
-    out = scores.softmax(-1) @ v
+    out = scores.softmax(-1) @ values
     out.backward(dout.double())
     return out.detach(), (q.grad, k.grad, v.grad)
 
@@ -95,33 +100,38 @@ def _in_blocks(kernel: str, q, k, v, dout, scale: float, chunks: int):
 
 
 def kernel_errors(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int,
-                  chunks: int = 4, batch: int = 2) -> list[dict]:
+                  chunks: int = 4, batch: int = 2, groups: int = 1) -> list[dict]:
     """A row per kernel (whole: each SDPA backend that runs here; blocks: each block kernel that
     runs here) with the normwise relative errors of its output and gradients against float64.
     Two sequences a micro-batch and chunks of ``seq / chunks`` tokens: with a chunk not a multiple
-    of 32 tokens, the layouts and paddings that one sequence of round lengths would not show."""
+    of 32 tokens, the layouts and paddings that one sequence of round lengths would not show.
+    ``groups``: query heads per key/value head (grouped heads, handed to the kernels as they are
+    where they take them; rows ``whole-grouped`` and ``blocks-grouped``)."""
     scale = head_dim ** -0.5
     generator = torch.Generator(device.type).manual_seed(0)
     # Megatron's [s, b, n, d], seen as the kernels take it
-    q, k, v, dout = (torch.randn(seq, batch, heads, head_dim, device=device, dtype=dtype, generator=generator)
-                     .permute(1, 2, 0, 3) for _ in range(4))
+    q, dout = (torch.randn(seq, batch, heads, head_dim, device=device, dtype=dtype, generator=generator)
+               .permute(1, 2, 0, 3) for _ in range(2))
+    k, v = (torch.randn(seq, batch, heads // groups, head_dim, device=device, dtype=dtype, generator=generator)
+            .permute(1, 2, 0, 3) for _ in range(2))
     expected, expected_grads = _textbook(q, k, v, dout, scale)
-    rows = []
+    rows, grouped = [], groups > 1
+    label = "-grouped" if grouped else ""
     for name in ("cudnn", "flash", "efficient", "math"):
         try:
-            select_backend(device.type, dtype, head_dim, name)
+            select_backend(device.type, dtype, head_dim, name, grouped)
         except Exception:  # noqa: BLE001 - a kernel that cannot run here has no row
             continue
         whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = causal_attention(*(t.permute(2, 0, 1, 3) for t in whole), name, scale=scale)
+        out = causal_attention(*(t.permute(2, 0, 1, 3) for t in whole), name, scale=scale, grouped=grouped)
         out.backward(dout.permute(2, 0, 1, 3).reshape(out.shape))
-        rows.append(_row("whole", name, out.view(seq, batch, heads, head_dim).permute(1, 2, 0, 3),
+        rows.append(_row(f"whole{label}", name, out.view(seq, batch, heads, head_dim).permute(1, 2, 0, 3),
                          [t.grad for t in whole], expected, expected_grads, dtype))
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     for kernel in blocks.BLOCK_KERNELS:
         if blocks.supports(kernel, device.type, capability, dtype, head_dim):
             out, grads = _in_blocks(kernel, q, k, v, dout, scale, chunks)
-            rows.append(_row("blocks", kernel, out, grads, expected, expected_grads, dtype))
+            rows.append(_row(f"blocks{label}", kernel, out, grads, expected, expected_grads, dtype))
     return rows
 
 
@@ -176,11 +186,14 @@ def main(argv=None) -> int:
     short, long, repeat = (256, 512, 1) if args.cpu else (64 * 1024, 128 * 1024, 3)
     # the float64 reference holds [b, heads, s, s] scores: a short sequence and few heads
     checked = kernel_errors(device, dtype, 200 if args.cpu else 2000, 2 if args.cpu else 8, head_dim)
+    # and grouped keys and values, as Llama's (four query heads a key head; two on the CPU's two heads)
+    checked += kernel_errors(device, dtype, 200 if args.cpu else 2000, 2 if args.cpu else 8, head_dim,
+                             groups=2 if args.cpu else 4)
     for row in checked:
         print(f"cp_kernels: {row}", flush=True)
     rows = list(checked)
     write_rows(args.out, "cp_kernels", rows)  # kept if the timings run past the step's budget
-    rows += timings(device, dtype, short, heads, head_dim, checked, repeat)
+    rows += timings(device, dtype, short, heads, head_dim, checked, repeat)  # (the rows of one head a key)
     write_rows(args.out, "cp_kernels", rows)
     # the longer length for the kernels a run here would use only
     whole = select_backend(device.type, dtype, head_dim)

@@ -146,7 +146,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     run = _of_processes(run, info)
     _check_runtime_support(run, policy_of(run.workload))  # what no choice changes: refused in seconds
     chosen = _choose(run, hw, arena, info, job)  # before the process group: the fit traces with its own
-    if run.device_type == "cuda" and info.rank == 0 and arena is None and "rates.gemm_flops" not in job.row:
+    if run.device_type == "cuda" and info.rank == 0 and arena is None and rates_of_row(job.row) is None:
         job.row.update(rates.row_of_this_device(run))  # what the kernels reach here: the row's MFU ceiling
     if chosen is None:
         distributed.check_world_size(run.workload.parallel, info.world_size)  # refused before joining
@@ -403,7 +403,7 @@ def _run(run: Run, policy: ActivationPolicy, started: Started, built: Built, run
                flops_per_iter=throughput.flops_per_step, layer_spec=built.model.layer_spec,
                attention_backend=built.model.attention_backend,
                attention_block_kernel=built.model.attention_block_kernel, optimizer=built.optimizer.name)
-    kernel_rates = rates_of_row(row)
+    kernel_rates = rates_of_row(row) or rates_of_row(row, rates.KERNEL_RATES)
     if kernel_rates is not None and started.hw.peak_flops:
         row["mfu_ceiling"] = throughput.ceiling(kernel_rates.gemm_flops, kernel_rates.attention_forward_flops,
                                                 kernel_rates.attention_backward_flops)

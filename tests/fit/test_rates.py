@@ -95,7 +95,11 @@ def test_a_gpu_runs_row_gets_the_devices_rates_whatever_hardware_it_names(tmp_pa
     monkeypatch.setattr(rates, "cached_rates", lambda *_: (Rates(494.5e12, 395.6e12, 296.7e12, 50e9, 40e9), "H100|…",
                                                            False))
     row = rates.row_of_this_device(named, tmp_path / "rates.json")
-    assert row["rates.gemm_flops"] == 494.5e12 and row["rates.key"] == "H100|…" and row["rates.measured_now"] is False
+    assert row["kernel_rates.gemm_flops"] == 494.5e12 and row["kernel_rates.key"] == "H100|…"
+    assert row["kernel_rates.measured_now"] is False
+    # not what the fit was predicted with: a calibration predicts the row at its hardware's figures
+    assert rates_of_row(row) is None and rates_of_row(row, rates.KERNEL_RATES) == Rates(494.5e12, 395.6e12, 296.7e12,
+                                                                                          50e9, 40e9)
     assert rates.row_of_this_device(resolve_config("mode=fit"), tmp_path / "rates.json") == {}  # the CPU
 
     def failing(*_):

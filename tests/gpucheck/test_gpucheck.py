@@ -81,7 +81,7 @@ def test_a_step_of_this_code_is_kept_and_one_of_other_code_is_set_aside_then_run
     assert fake.ran[7:] == ["probe"]  # its result of this code failed: run again, not kept
     assert pack.main(["--cpu", "--out", str(tmp_path), "--all"]) == 0
     # every step but probe, whose result is this code's
-    assert fake.ran[8:] == ["smoke", "cp_kernels", "numerics", "models", "throughput", "overlap", "longest",
+    assert fake.ran[8:] == ["smoke", "cp_kernels", "numerics", "timeline", "models", "throughput", "overlap", "longest",
                             "calibration", "tiles", "boundary", "frontier", "checkpoints", "documents"]
 
 

@@ -66,6 +66,7 @@ def test_a_run_writes_the_timeline_of_the_step_it_names(tmp_path):
     assert len(pd.read_csv(tmp_path / "timeline_kernels.csv")) > 0
 
 
-def test_a_timeline_step_outside_the_run_is_refused():
-    with pytest.raises(ConfigError, match="train.timeline_step=5 is not one of the run's steps 1..3"):
-        resolve_config("train.steps=3", "train.timeline_step=5")
+def test_a_timeline_step_that_is_not_a_warm_up_step_is_refused():
+    for step in (3, 5):  # a timed step, and none of the run's
+        with pytest.raises(ConfigError, match=f"train.timeline_step={step} is not one of the run's warm-up steps 1..2"):
+            resolve_config("train.steps=3", "train.warmup_steps=2", f"train.timeline_step={step}")
