@@ -135,6 +135,29 @@ def test_a_step_cut_short_by_its_budget_keeps_the_rows_of_its_finished_jobs(tmp_
     assert list(table["job"]) == ["none-8k", "megatron_selective-8k"] and list(table["mfu"]) == [0.5, 0.5]
 
 
+def test_the_timeline_step_gathers_each_jobs_table_and_says_which_did_not_run(tmp_path, monkeypatch):
+    import memo.gpucheck.timeline as timeline
+
+    def run_job(run_dir, *overrides):
+        if "method=none" in overrides:  # keeping everything does not fit
+            return [{"status": "oom", "error": "CUDA out of memory"}]
+        run_dir.mkdir(parents=True)
+        pd.DataFrame([{"category": "attention_forward", "seconds": 0.5}, {"category": "idle", "seconds": 0.1}]
+                     ).to_csv(run_dir / "timeline.csv", index=False)
+        pd.DataFrame([{"name": "flash_fwd_kernel", "category": "attention_forward", "calls": 2, "seconds": 0.5}]
+                     ).to_csv(run_dir / "timeline_kernels.csv", index=False)
+        (run_dir / "timeline.json.gz").write_bytes(b"trace")
+        return [{"status": "ok", "iter_time_s": 1.0, "mfu": 0.3, "mfu_ceiling": 0.5}]
+
+    monkeypatch.setattr(timeline, "run_job", run_job)
+    assert timeline.main(["--out", str(tmp_path)]) == 1  # one job did not run
+    table = pd.read_csv(tmp_path / "timeline.csv")
+    assert list(table["job"]) == ["memo-layers"] * 2 + ["memo-tiles"] * 2 + ["megatron_full_recompute"] * 2 + ["none"]
+    assert list(table["category"].fillna("-")) == ["attention_forward", "idle"] * 3 + ["-"]
+    assert table["status"].tolist()[-1] == "oom" and (table["trace_bytes"].dropna() == 5).all()
+    assert len(pd.read_csv(tmp_path / "timeline_kernels.csv")) == 3
+
+
 @pytest.mark.slow
 def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     def pack_run(*args):
@@ -153,7 +176,8 @@ def test_the_pack_rehearsed_on_the_cpu_leaves_every_steps_rows(tmp_path):
     kernels = pd.read_csv(tmp_path / "cp_kernels.csv")
     checked = kernels[kernels["status"].notna()]
     assert set(zip(checked["attention"], checked["kernel"])) == {
-        ("whole", "flash"), ("whole", "math"), ("blocks", "flash"), ("blocks", "math")}
+        (attention, kernel) for attention in ("whole", "blocks", "whole-grouped", "blocks-grouped")
+        for kernel in ("flash", "math")}
     errors = checked.filter(like="error_")
     assert (errors.max(axis=1) <= checked["tolerance"]).all() and (errors.min(axis=1) > 0).all()
     timed = kernels[kernels["status"].isna()]
