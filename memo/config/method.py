@@ -16,6 +16,7 @@ from memo.config.values import ConfigError, choice, parse_alpha, parse_seq
 WHOLE_LAYERS = "whole"  # method.tile_tokens=whole: each layer runs on all its tokens at once
 AUTO = "auto"  # method.tile_tokens and train.optimizer_offload: the run chooses (memo.fit.choice)
 LAYER_ACTIVATIONS = ("megatron", "swap", "recompute", "keep")
+KEEP_ALL = ("auto", "never")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 LOSSES = ("tiled", "megatron")
@@ -65,6 +66,11 @@ class Method:
         """Runs Megatron-core's fine-grained activation offloading (``offload_modules``)."""
         return self.offload_modules is not None
 
+    def keeping_all(self) -> "Method":
+        """This method's layers keeping every activation instead (what ``method.keep_all=auto``
+        may choose): memo's own layer, nothing swapped or recomputed."""
+        return dataclasses.replace(self, layer_activations="keep", alpha=None)
+
     @property
     def walks_tiles(self) -> bool:
         """Can walk its layers in sequence tiles: memo, full_swap and full_recompute."""
@@ -107,6 +113,10 @@ def method_of(config, alpha_setting: object) -> tuple[Method, Optional[int], boo
         **lists,
     )
     _check_combination(method)
+    choice("method.keep_all", config.keep_all, KEEP_ALL)
+    if config.keep_all == AUTO and method.layer_activations not in ("swap", "keep"):  # (keep: as a row records the choice)
+        raise ConfigError(f"method.keep_all=auto chooses between keeping every activation and memo's swapping, "
+                          f"and method={method.name} does not swap; set method.keep_all=never")
     if str(config.tile_tokens).strip() == AUTO:
         return dataclasses.replace(method, alpha=_alpha(method, config.alpha, alpha_setting)), None, method.walks_tiles
     tiles = parse_layer_tiles(config.tile_tokens)

@@ -69,6 +69,10 @@ class Workload:
         """The same work with its layers walked in tiles of ``tile_tokens`` (None: whole layers)."""
         return dataclasses.replace(self, layer_tile_tokens=tile_tokens)
 
+    def keeping_all(self) -> "Workload":
+        """The same work with whole layers keeping every activation (:meth:`Method.keeping_all`)."""
+        return dataclasses.replace(self, method=self.method.keeping_all(), layer_tile_tokens=None)
+
 
 @dataclass(frozen=True)
 class Choices:
@@ -82,11 +86,14 @@ class Choices:
     loss_tile: bool = False  # train.loss_tile_tokens unset, under the tiled loss
     check: bool = False  # train.fit_check: the run's own settings are checked against the fit
     layout: bool = False  # parallel=auto in a training run: its layout among its processes'
+    # method.keep_all=auto in a training run on a GPU, α left to solve: keeping every activation
+    # where it fits, before memo's swapping
+    keep_all: bool = False
 
     @property
     def any(self) -> bool:
         """Whether the fit is asked: the loss's tile is chosen with the layers' tiles only."""
-        return self.layer_tiles or self.optimizer_offload or self.check or self.layout
+        return self.layer_tiles or self.optimizer_offload or self.check or self.layout or self.keep_all
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,9 @@ def resolve(cfg, gpu_visible: bool) -> Run:
     loss = training_loss(cfg.method, cfg.train.loss)
     choices = Choices(layer_tiles=settings.chooses_layer_tiles, optimizer_offload=offload_choice,
                       loss_tile=loss == "tiled" and train.loss_tile_tokens is None, check=train.fit_check,
-                      layout=cfg.parallel.search and cfg.mode == "train")
+                      layout=cfg.parallel.search and cfg.mode == "train",
+                      keep_all=(cfg.method.keep_all == AUTO and settings.method.alpha is None and cfg.mode == "train"
+                                and device_type == "cuda"))
     workload = Workload(
         model=OmegaConf.to_object(cfg.model),
         method=settings.method,

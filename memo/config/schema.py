@@ -86,6 +86,11 @@ class MethodConfig:
     # "whole" runs each layer on all its tokens; "auto" (memo, full_swap and full_recompute's
     # default) whole layers where the fit says they fit this machine, else its fastest tile.
     tile_tokens: str = "whole"
+    # memo: "auto" (memo's default) keeps every activation on the device where the fit says that
+    # fits this GPU while α is left to solve (nothing is faster: no copy, no recomputation), else
+    # swaps; "never" always swaps. A CPU run swaps as asked: its device's memory is the host's,
+    # which swapping frees none of, so it runs to rehearse MEMO, not to be fast.
+    keep_all: str = "never"
 
 
 @dataclass

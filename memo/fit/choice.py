@@ -1,9 +1,11 @@
 """What to predict for a run, and a run that plans itself: the fastest way to train it that fits
 this machine, chosen from the fit's own predictions before the model is built.
 
-A run's ``auto`` settings (:class:`memo.config.Choices`: ``method.tile_tokens``,
+A run's ``auto`` settings (:class:`memo.config.Choices`: ``method.keep_all``, ``method.tile_tokens``,
 ``train.optimizer_offload``, ``train.loss_tile_tokens``) are candidates here, its explicit
-settings fixed. Whole layers with Adam on the device come first: the time model charges tiles
+settings fixed. Keeping every activation comes first where memo may choose it (on a GPU, α left
+to solve): no copy and no recomputation, so where it fits nothing is faster. Then whole layers
+with Adam on the device: the time model charges tiles
 their recomputation and Adam on the host its copies and its CPU step, so where that candidate
 fits nothing is faster and no other is predicted. Otherwise every candidate is predicted at the
 run's length and the fastest that fits wins; the layers' tiles tried are the powers of two
@@ -84,6 +86,8 @@ def evaluate(problem: Problem, candidate: Candidate, seq: int, search: Optional[
 
 def _of_candidate(problem: Problem, candidate: Candidate) -> Problem:
     workload = problem.workload.in_layer_tiles(candidate.tile_tokens)
+    if candidate.keeps_all:
+        workload = workload.keeping_all()
     if candidate.tile_tokens is not None and problem.workload.loss == "tiled" and candidate.loss_tile_tokens:
         workload = dataclasses.replace(workload, loss_tile_tokens=candidate.loss_tile_tokens)
     return dataclasses.replace(problem, workload=workload, optimizer_offload=candidate.optimizer_offload)
@@ -106,6 +110,7 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
         shares = (0.0, offload_share(run, "host")) if run.choices.optimizer_offload else (problem.optimizer_offload,)
         found = []
         for share in shares:
+            found += _keeping_all(run, parallel, share)
             for tile in tiles:
                 tiled = workload.in_layer_tiles(tile)
                 if tile is not None and not _runs_as_laid_out(tiled, fixed_seq):
@@ -125,6 +130,7 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
                                      problem.optimizer_offload]))
     found = []
     for p in _layouts(run, problem, policy):
+        found += [c for share in shares for c in _keeping_all(run, p, share)]
         for tile in tiles:
             tiled = workload.in_layer_tiles(tile)
             candidate = policy_of(tiled)
@@ -139,6 +145,16 @@ def candidates(run: Run, problem: Problem) -> list[Candidate]:
             f"no valid layout of cluster.gpus={run.cluster.gpus} for model={workload.model.name}"
         )
     return found
+
+
+def _keeping_all(run: Run, parallel, share: float) -> list[Candidate]:
+    """The candidate of whole layers keeping every activation under ``parallel`` with ``share`` of
+    Adam's states on the host, where the run may choose it (``method.keep_all=auto``)."""
+    if not run.choices.keep_all:
+        return []
+    kept = run.workload.keeping_all()
+    refusal = policy_of(kept).training_refusal(parallel) or _unrunnable(run, share)
+    return [Candidate(parallel, refusal, None, share, run.workload.loss_tile_tokens, keeps_all=True)]
 
 
 def _runs_as_laid_out(tiled, seq: Optional[int]) -> bool:
@@ -218,8 +234,8 @@ class Choice:
     def apply(self, run: Run) -> Run:
         """``run`` with the choice written into its settings."""
         c = self.candidate
-        workload = dataclasses.replace(run.workload.in_layer_tiles(c.tile_tokens),
-                                       loss_tile_tokens=c.loss_tile_tokens, parallel=c.parallel)
+        workload = run.workload.keeping_all() if c.keeps_all else run.workload.in_layer_tiles(c.tile_tokens)
+        workload = dataclasses.replace(workload, loss_tile_tokens=c.loss_tile_tokens, parallel=c.parallel)
         train = dataclasses.replace(run.train, loss_tile_tokens=c.loss_tile_tokens,
                                     optimizer_offload="host" if c.optimizer_offload else "none")
         return dataclasses.replace(run, workload=workload, train=train)
@@ -229,6 +245,7 @@ class Choice:
         the settings under their own keys, as a run given them explicitly records them."""
         c, p = self.candidate, self.prediction
         return {
+            **({"method.layer_activations": "keep"} if c.keeps_all else {}),
             "method.tile_tokens": c.tile_tokens or WHOLE_LAYERS,
             "train.optimizer_offload": "host" if c.optimizer_offload else "none",
             "train.loss_tile_tokens": c.loss_tile_tokens,
@@ -329,7 +346,8 @@ def _binding(p: Prediction) -> str:
 def _described(c: Candidate) -> str:
     p = c.parallel
     layout = f"{layout_label(p)}, " if p.tp * p.cp * p.pp * p.dp > 1 else ""
-    layers = f"tiles of {c.tile_tokens} tokens" if c.tile_tokens else "whole layers"
+    layers = ("whole layers keeping every activation" if c.keeps_all
+              else f"tiles of {c.tile_tokens} tokens" if c.tile_tokens else "whole layers")
     return f"{layout}{layers}, Adam on the {'host' if c.optimizer_offload else 'device'}"
 
 

@@ -81,14 +81,16 @@ def longest(
 @dataclass(frozen=True)
 class Candidate:
     """A way to run the job to try: a layout, the layers' tiles (None: whole layers), the share
-    of Adam's states on the host, the loss's tile; and why training cannot run it for the method
-    (None: it can)."""
+    of Adam's states on the host, the loss's tile, whether its whole layers keep every activation
+    instead of running the method's own way; and why training cannot run it for the method (None:
+    it can)."""
 
     parallel: ParallelConfig
     unrunnable: Optional[str] = None
     tile_tokens: Optional[int] = None
     optimizer_offload: float = 0.0
     loss_tile_tokens: Optional[int] = None  # the tiled loss's tile (None: the run's own)
+    keeps_all: bool = False
 
 
 @dataclass(frozen=True)

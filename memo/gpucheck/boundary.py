@@ -47,10 +47,10 @@ def settings(cpu: bool) -> tuple[list[str], int, int, float]:
     """The overrides every job shares, the tile (tokens; lengths are multiples of it), the length
     first timed and the seconds a step may take."""
     if cpu:
-        return (["model=tiny_llama", f"model.num_layers={LAYERS}", "method=memo", "method.tile_tokens=512",
+        return (["model=tiny_llama", f"model.num_layers={LAYERS}", "method=memo", "method.keep_all=never", "method.tile_tokens=512",
                  "train.loss_tile_tokens=256", "train.optimizer_offload=none", "train.dtype=fp32", "hardware=cpu"],
                 512, 4096, 20.0)
-    return (["model=llama3_8b", f"model.num_layers={LAYERS}", "method=memo", "method.tile_tokens=16k",
+    return (["model=llama3_8b", f"model.num_layers={LAYERS}", "method=memo", "method.keep_all=never", "method.tile_tokens=16k",
              "train.loss_tile_tokens=4096", "train.optimizer_offload=none", "train.dtype=bf16", "hardware=auto",
              f"hardware.host_memory_gib={HOST_GIB}"],
             16384, PROBE_TOKENS, STEP_S)

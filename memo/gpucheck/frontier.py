@@ -36,7 +36,7 @@ FRONTIER_ROWS = ("results/cpu/frontier/1gpu", "results/cpu/frontier/8gpu")
 
 def settings(cpu: bool) -> tuple[list[str], list[str], int]:
     """The overrides of the fit and of the run, and the tile (tokens; lengths are multiples of it)."""
-    shared = [f"model.num_layers={LAYERS}", "method=memo", "train.optimizer_offload=none"]
+    shared = [f"model.num_layers={LAYERS}", "method=memo", "method.keep_all=never", "train.optimizer_offload=none"]
     if cpu:
         shared = ["model=tiny_llama", *shared, "method.tile_tokens=512", "train.dtype=fp32", "hardware=cpu",
                   "hardware.device_memory_gib=0.25"]

@@ -1,7 +1,9 @@
 """Pack steps ``throughput`` and ``longest``: training jobs, each in a process of its own.
 
 * ``throughput``: MFU, TGS, peak allocated and reserved memory and allocator retries of every
-  method at several lengths (1.3B on a GPU: 8k, 32k, 64k, 128k; ``memo`` also with ``plan=true``).
+  method as such at several lengths (1.3B on a GPU: 8k, 32k, 64k, 128k; ``memo`` also with
+  ``plan=true``), and of ``memo`` as a run of it chooses (``memo-chosen``: keeping everything
+  where that fits, else its tiles and Adam's place).
   ``--cpu`` rehearses the step with the last of them, ``memo`` with ``plan=true``: CPU figures
   say nothing, and every method trains on the CPU in the test suite.
 * ``longest``: for a 7B-shaped model with as many layers as one GPU holds, the longest sequence
@@ -17,8 +19,12 @@ from memo.gpucheck.common import CPU_TINY, arguments, row_figures, run_job, runs
 
 METHODS = [["method=none"], ["method=megatron_selective"], ["method=megatron_full_recompute"],
            ["method=full_recompute"], ["method=memo"], ["method=memo", "plan=true"]]
-# each method as such: whole layers and Adam on the device, not the run's own choice of them
-AS_SUCH = ["method.tile_tokens=whole", "train.optimizer_offload=none"]
+# each method as such: whole layers and Adam on the device, memo swapping, not the run's own choice of them
+AS_SUCH = ["method.tile_tokens=whole", "train.optimizer_offload=none", "method.keep_all=never"]
+# and memo as a run of it chooses (memo.fit.choice): keeping everything where that fits, else its
+# layers' tiles and Adam's place, the fastest that fits
+CHOSEN = ("memo-chosen", ["method=memo", "method.tile_tokens=auto", "train.optimizer_offload=auto",
+                          "method.keep_all=auto"])
 
 
 def throughput(out, cpu: bool) -> list[dict]:
@@ -28,11 +34,13 @@ def throughput(out, cpu: bool) -> list[dict]:
     else:
         common = ["model=1.3b", "train.steps=5", "train.warmup_steps=2"]
         lengths = ["8k", "32k", "64k", "128k"]
+    jobs = [("-".join(m.split("=")[1] for m in method), [*AS_SUCH, *method]) for method in methods]
+    jobs += [] if cpu else [CHOSEN]
     rows = []
     for seq in lengths:
-        for method in methods:
-            name = "-".join(m.split("=")[1] for m in method) + f"-{seq}"
-            row = run_job(runs_dir(out) / f"throughput-{name}", *common, f"seq={seq}", *method, *AS_SUCH)[0]
+        for label, overrides in jobs:
+            name = f"{label}-{seq}"
+            row = run_job(runs_dir(out) / f"throughput-{name}", *common, f"seq={seq}", *overrides)[0]
             rows.append(row_figures(row) | {"job": name})
             write_rows(out, "throughput", rows)  # a step cut short by its budget keeps its table
             print(f"throughput: {name}: {row.get('status')} MFU {row.get('mfu')}", flush=True)
@@ -49,7 +57,7 @@ def longest(out, layers: int = 8, step_tokens: int = 32 * 1024, top: int = 1024 
             seq = mid * step_tokens
             name = "-".join(m.split("=")[1] for m in method) + f"-{seq // 1024}k"
             row = run_job(runs_dir(out) / f"longest-{name}", "model=7b", f"model.num_layers={layers}",
-                          f"seq={seq}", "train.steps=2", "train.warmup_steps=1", *method, *AS_SUCH)[0]
+                          f"seq={seq}", "train.steps=2", "train.warmup_steps=1", *AS_SUCH, *method)[0]
             rows.append(row_figures(row) | {"job": name})
             write_rows(out, "longest", rows)
             low, high = (mid, high) if row.get("status") == "ok" else (low, mid)

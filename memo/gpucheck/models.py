@@ -15,7 +15,7 @@ import sys
 
 from memo.gpucheck.common import arguments, row_figures, run_job, runs_dir, write_rows
 
-METHODS = (("memo",), ("megatron_full_recompute", "train.loss=tiled"))
+METHODS = (("memo", "method.keep_all=never"), ("megatron_full_recompute", "train.loss=tiled"))
 
 
 def layers_here() -> int:

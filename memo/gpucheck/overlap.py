@@ -78,7 +78,7 @@ def _profiled_steps(overrides: tuple[str, ...]):
     from memo.data.batches import SyntheticTokens, micro_batches
 
     device = torch.device("cuda", 0)
-    run = resolve(compose("model=1.3b", "method=memo", "train.dtype=bf16", "train.loss=tiled", *overrides),
+    run = resolve(compose("model=1.3b", "method=memo", "method.keep_all=never", "train.dtype=bf16", "train.loss=tiled", *overrides),
                   gpu_visible=True)
     workload = run.workload
     distributed.initialize(workload.parallel, "cuda", ProcessInfo(0, 1, 0))

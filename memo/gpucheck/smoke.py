@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         return ("failed" if bad else "ok"), ("; ".join(bad) or f"kernels {', '.join(names)} within tolerance")
 
     _check(rows, "memo gradients against none, each kernel, whole layers and tiles", gradients)
-    _jobs(rows, args.out, "two memo jobs in one process", *small, "method=memo", "train.seed=1,2",
+    _jobs(rows, args.out, "two memo jobs in one process", *small, "method=memo", "method.keep_all=never", "train.seed=1,2",
           "method.tile_tokens=whole", multirun=True)
     # the plan's solve bounded: the smoke is about the GPU path, not the planner's optimality
     planner = ["planner.time_limit_s=10", "planner.mip=none"]
@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     else:
         for method in ("memo", "full_recompute", "none"):
             _jobs(rows, args.out, f"plan=true {method}", *small, f"method={method}", "plan=true",
-                  "method.tile_tokens=whole", *planner)
-        _jobs(rows, args.out, "plan=true memo in tiles", *small, "method=memo", "method.tile_tokens=64", "plan=true",
+                  "method.tile_tokens=whole", "method.keep_all=never", *planner)
+        _jobs(rows, args.out, "plan=true memo in tiles", *small, "method=memo", "method.keep_all=never", "method.tile_tokens=64", "plan=true",
               *planner)
         _jobs(rows, args.out, "profile.backend=cuda", "model=tiny", "seq=1k", "mode=profile",
               "profile.backend=cuda")

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     rows = []
     for model, seq, layers in each:
         name = f"memo-{model}-{seq}-{layers}l"
-        row = run_job(runs_dir(args.out) / f"tiles-{name}", *common, f"model={model}", "method=memo", f"seq={seq}",
+        row = run_job(runs_dir(args.out) / f"tiles-{name}", *common, f"model={model}", "method=memo", "method.keep_all=never", f"seq={seq}",
                       f"model.num_layers={layers}")[0]
         figures = row_figures(row) | {key: row.get(key) for key in TILE_FIGURES} | {"job": name, "layers": layers}
         if row.get("status") == "ok":

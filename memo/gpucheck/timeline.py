@@ -23,8 +23,8 @@ from memo.gpucheck.common import arguments, run_job, runs_dir, write_rows
 
 TRACE_LIMIT_BYTES = 20 * 2**20  # a gzipped trace above this is reported: narrow the window
 # job name, method overrides
-METHODS = (("memo-layers", ["method=memo", "method.tile_tokens=whole"]),
-           ("memo-tiles", ["method=memo"]),
+METHODS = (("memo-layers", ["method=memo", "method.keep_all=never", "method.tile_tokens=whole"]),
+           ("memo-tiles", ["method=memo", "method.keep_all=never"]),
            ("megatron_full_recompute", ["method=megatron_full_recompute", "train.loss=tiled"]),
            ("none", ["method=none", "train.loss=tiled"]))
 

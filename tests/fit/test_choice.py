@@ -7,10 +7,10 @@ import re
 import time
 
 import pytest
-from conftest import resolve_config, run_in_process
+from conftest import compose_config, resolve_config, run_in_process
 
 from memo import hardware
-from memo.config import ConfigError
+from memo.config import ConfigError, resolve
 from memo.fit import choice
 from memo.fit.predict import predict
 from memo.hardware import GiB
@@ -47,6 +47,38 @@ def test_whole_layers_where_they_fit_predicting_nothing_else():
     made = choice.choose(run, _machine(run))
     assert made.candidate.tile_tokens is None and made.tried == 1 and made.prediction.fits
     assert made.apply(run).workload == run.workload  # nothing changes: whole layers, the loss's own tile
+
+
+def _on_a_gpu(*overrides: str):
+    """A memo run as a GPU machine resolves it (an H100, with a device memory of its own), and
+    that machine as the run sees it."""
+    run = resolve(compose_config("model=tiny_llama", f"seq={SEQ}", "method=memo", "hardware=h100", *overrides),
+                  gpu_visible=True)
+    return run, _machine(run)
+
+
+def test_on_a_gpu_memo_keeps_every_activation_where_that_fits_and_swaps_where_not():
+    run, machine = _on_a_gpu()
+    assert run.choices.keep_all  # α left to solve, on a GPU
+    made = choice.choose(run, machine)
+    assert made.candidate.keeps_all and made.tried == 1 and made.prediction.fits  # nothing else predicted
+    kept = made.apply(run).workload
+    assert kept.method.layer_activations == "keep" and kept.method.alpha is None and kept.layer_tile_tokens is None
+    assert made.row()["method.layer_activations"] == "keep" and "keeping every activation" in made.summary()
+    # where keeping does not fit, memo's own swapping, as before: its 2.34 GiB (2 of them CUDA's
+    # context) and the margin are more than 2.3 GiB, where memo's tiles fit
+    small, machine = _on_a_gpu("hardware.device_memory_gib=2.3")
+    made = choice.choose(small, machine)
+    assert not made.candidate.keeps_all and made.apply(small).workload.method.layer_activations == "swap"
+    # α given, method.keep_all=never, or the CPU: memo swaps as asked
+    assert not _on_a_gpu("alpha=0.5")[0].choices.keep_all
+    assert not _on_a_gpu("method.keep_all=never")[0].choices.keep_all
+    assert not resolve_config("method=memo").choices.keep_all
+    # a row of the choice (memo's layers keeping, keep_all=auto) reads back, as a calibration reads it
+    assert resolve_config("method=memo", "method.layer_activations=keep").workload.method.layer_activations == "keep"
+    with pytest.raises(ConfigError, match="method.keep_all=auto chooses between keeping every activation and "
+                                          "memo's swapping, and method=full_recompute does not swap"):
+        resolve_config("method=full_recompute", "method.keep_all=auto")
 
 
 def test_a_run_trains_in_the_tiles_it_chose_within_its_device_budget(tmp_path):
