@@ -31,7 +31,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
 _aten = torch.ops.aten
 
 GEMMS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.mm.out,
@@ -56,7 +55,7 @@ ATTENTION_BACKWARD = {
 _NO_KERNEL = {
     "view", "_unsafe_view", "_reshape_alias", "reshape", "t", "transpose", "permute", "expand", "slice",
     "select", "unsqueeze", "squeeze", "as_strided", "detach", "alias", "unbind", "split", "split_with_sizes",
-    "unflatten", "flatten", "narrow", "movedim", "diagonal", "lift_fresh", "is_same_size", "_to_copy_noop",
+    "unflatten", "flatten", "narrow", "movedim", "diagonal", "lift_fresh", "is_same_size",
     "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "empty", "empty_strided", "empty_like",
     "new_empty", "new_empty_strided", "_local_scalar_dense", "set_", "resize_", "view_as_real",
     "view_as_complex", "_neg_view", "_conj", "is_pinned", "record_stream", "promote_types", "result_type",
