@@ -39,7 +39,7 @@ import pandas  # noqa: E402
 
 from memo.config import resolve  # noqa: E402
 from memo.gpucheck.common import compose  # noqa: E402
-from memo.metrics.work import FORWARD  # noqa: E402
+from memo.model import padded_vocab_size  # noqa: E402
 from memo.policy import policy_of  # noqa: E402
 from memo.profile.work import count_step  # noqa: E402
 from memo.results import create_file_atomic  # noqa: E402
@@ -83,22 +83,11 @@ def minimum(shape: Shape, seq: int, tile: int, alpha: float) -> dict:
     return {"recomputed_flops": keys_values + dropped + logits, "copied_bytes": inputs + sent * per_tile}
 
 
-def counted_recomputation(work) -> int:
-    """GEMM FLOPs of the forward products beyond one of each per token (``2·s·o·i`` a weight, as
-    many as its weight gradient's), and every GEMM of no weight."""
-    extra = work.other_gemm_flops
-    for (weight, kind), flops in work.gemm_flops.items():
-        if kind == FORWARD:
-            extra += flops - work.weight_flops(weight, "weight_grad")  # (one of each: the same FLOPs)
-    return extra
-
-
 def shape_of(workload) -> Shape:
     m = workload.model
     d = m.hidden_size // m.num_attention_heads
-    vocab = -(-m.vocab_size // m.make_vocab_size_divisible_by) * m.make_vocab_size_divisible_by
     return Shape(m.hidden_size, m.num_attention_heads, m.num_query_groups or m.num_attention_heads, d,
-                 m.ffn_hidden_size, vocab, m.num_layers, workload.dtype_bytes)
+                 m.ffn_hidden_size, padded_vocab_size(m, 1), m.num_layers, workload.dtype_bytes)
 
 
 def run(model: str, seq: int, tile: int, layers: int, alpha: float) -> dict:
@@ -109,7 +98,7 @@ def run(model: str, seq: int, tile: int, layers: int, alpha: float) -> dict:
     step = count_step(workload, policy_of(workload), fake=True)
     seconds = time.perf_counter() - start
     least = minimum(shape_of(workload), seq, tile, alpha)
-    recomputed = counted_recomputation(step.work)
+    recomputed = step.work.recomputed_flops
     copied = step.copied["d2h"]
     return {"model": model, "seq": seq, "tile_tokens": tile, "layers": layers, "alpha": alpha,
             "recomputed_flops": recomputed, "minimum_recomputed_flops": least["recomputed_flops"],

@@ -16,34 +16,20 @@ import sys
 import torch
 
 from memo.gpucheck.common import arguments, placed_model, skip, write_rows
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _covered(interval: tuple[float, float], union: list[tuple[float, float]]) -> float:
-    start, end = interval
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
+from memo.metrics.timeline import covered, union
 
 
 def overlap_rows(copies: dict[str, list[tuple[float, float]]],
                  kernels: list[tuple[float, float]]) -> list[dict]:
     """Rows of copy time, the fraction of it under compute, and compute-idle time during copies
     (all times in the same unit, microseconds from the profiler)."""
-    busy = _union(kernels)
+    busy = union(kernels)
     rows = []
     for direction, spans in copies.items():
         total = sum(b - a for a, b in spans)
-        hidden = sum(_covered(span, busy) for span in spans)
-        in_flight = _union(spans)
-        idle = sum(b - a for a, b in in_flight) - sum(_covered(span, busy) for span in in_flight)
+        hidden = sum(covered(span, busy) for span in spans)
+        in_flight = union(spans)
+        idle = sum(b - a for a, b in in_flight) - sum(covered(span, busy) for span in in_flight)
         rows.append({"direction": direction, "copies": len(spans), "copy_us": total,
                      "overlap_fraction": hidden / total if total else None, "compute_idle_us": idle})
     return rows

@@ -23,6 +23,7 @@ time, by the same rules on their names; copies are not told apart by direction t
 """
 
 import bisect
+import math
 import re
 from collections import defaultdict
 from typing import Iterable, Optional
@@ -87,7 +88,8 @@ def gemm_pass(node: Optional[str]) -> str:
     return "gemm_recompute" if node in RECOMPUTING_NODES else "gemm_backward"
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``intervals`` (``(start, end)``) merged where they overlap, in order."""
     merged = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -97,11 +99,11 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
-def _overlap(interval: tuple[float, float], union: list[tuple[float, float]], starts: list[float]) -> float:
+def covered(interval: tuple[float, float], merged: list[tuple[float, float]]) -> float:
+    """How much of ``interval`` the intervals of ``merged`` (:func:`union`'s) cover."""
     start, end = interval
     total = 0.0
-    for i in range(max(bisect.bisect_right(starts, start) - 1, 0), len(union)):
-        a, b = union[i]
+    for a, b in merged[max(bisect.bisect_right(merged, (start, math.inf)) - 1, 0):]:
         if a >= end:
             break
         total += max(0.0, min(b, end) - max(a, start))
@@ -138,10 +140,9 @@ def _device_table(device: list[dict], events: list[dict], ranges: _Ranges) -> li
             kernels.append((start, start + dur))
         seconds[category] += dur / 1e6
         counts[category] += 1
-    busy = _union(kernels)
-    starts = [a for a, _ in busy]
+    busy = union(kernels)
     for category, interval in copies:
-        overlapped[category] += _overlap(interval, busy, starts) / 1e6
+        overlapped[category] += covered(interval, busy) / 1e6
     span = (max(float(e["ts"]) + float(e["dur"]) for e in device) - min(float(e["ts"]) for e in device)) / 1e6
     for (_, end), (start, _) in zip(busy, busy[1:]):
         gap = start - end

@@ -101,6 +101,13 @@ class StepWork:
     def weight_flops(self, name: str, kind: str) -> int:
         return self.gemm_flops[(name, kind)]
 
+    @property
+    def recomputed_flops(self) -> int:
+        """GEMM FLOPs of the forward products beyond one of each per token (as many as the
+        weight's gradient product, ``2·t·o·i``), and every GEMM of no weight."""
+        return self.other_gemm_flops + sum(flops - self.weight_flops(w, WEIGHT_GRAD)
+                                           for (w, kind), flops in self.gemm_flops.items() if kind == FORWARD)
+
     def attention_pairs(self, backward: bool) -> int:
         """Query–key pairs the forward (or backward) kernels attended, every call, per head."""
         return sum(call.pairs * call.batch * n for call, n in self.attention.items() if call.backward == backward)
@@ -205,16 +212,4 @@ def _causal(func, args, kwargs, backward: bool) -> bool:
     names = [a.name for a in schema.arguments]
     position = names.index("is_causal") if "is_causal" in names else names.index("causal")
     return bool(args[position]) if position < len(args) else bool(schema.arguments[position].default_value)
-
-
-def as_row(work: StepWork) -> dict:
-    """``work`` flattened into columns (``gemm.<weight>.<pass>``, attention pairs, bytes, kernels)."""
-    row = {f"gemm.{w}.{kind}": flops for (w, kind), flops in sorted(work.gemm_flops.items())}
-    return row | {"gemm.other": work.other_gemm_flops,
-                  "attention.forward_pairs": work.attention_pairs(False),
-                  "attention.backward_pairs": work.attention_pairs(True),
-                  "attention.forward_calls": sum(n for c, n in work.attention.items() if not c.backward),
-                  "attention.backward_calls": sum(n for c, n in work.attention.items() if c.backward),
-                  "attention.key_value_bytes_read": work.key_value_bytes_read,
-                  "kernels": work.kernels_launched}
 

@@ -123,19 +123,8 @@ def trace_iteration(workload: Workload, traced: Traced, backend: str = "fake", s
     """
     _check_traceable(workload, traced, backend)
     device = "cuda" if backend == "cuda" else "cpu"
-    config = transformer_config(workload, device)
-    grouped = config.num_query_groups not in (None, config.num_attention_heads)
-    # a real probe, outside fake mode
-    attention = select_backend(device, torch_dtype(workload), config.kv_channels, "auto", grouped)
-    mode = contextlib.nullcontext()
-    if backend == "fake":
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
     figures, gradients, buffers = {}, None, None
-    with process_group(workload.parallel, backend), mode:
-        torch.manual_seed(seed)
-        gpt = build_gpt(workload, device, attention, layers=traced.layers).module
+    with built_gpt(workload, traced.layers, backend, seed) as (gpt, attention):
         run, runtime = _iteration(gpt, workload, traced, device)
         if backend == "cuda":
             from memo.profile.cuda import record_cuda_iteration
@@ -175,6 +164,35 @@ def trace_iteration(workload: Workload, traced: Traced, backend: str = "fake", s
     return Trace(events, meta)
 
 
+@contextlib.contextmanager
+def built_gpt(workload: Workload, layers: LayerBuild, backend: str = "fake",
+              seed: int = 1234) -> Iterator[tuple[torch.nn.Module, str]]:
+    """``workload``'s GPT for rank 0 of its layout, its layers built as ``layers`` says, on a
+    back-end of :data:`BACKENDS` (fake tensors, real CPU ones, the GPU), inside that back-end's
+    process group (and fake mode) until the block ends; with the SDPA kernel its attention runs."""
+    device = "cuda" if backend == "cuda" else "cpu"
+    config = transformer_config(workload, device)
+    grouped = config.num_query_groups not in (None, config.num_attention_heads)
+    # a real probe, outside fake mode
+    attention = select_backend(device, torch_dtype(workload), config.kv_channels, "auto", grouped)
+    mode = contextlib.nullcontext()
+    if backend == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with process_group(workload.parallel, backend), mode:
+        torch.manual_seed(seed)
+        yield build_gpt(workload, device, attention, layers=layers).module, attention
+
+
+def step_tokens(workload: Workload, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (zeros, also the labels) and positions ``[b, s]`` of one micro-batch of
+    ``workload`` on ``device``."""
+    b, seq = workload.micro_batch_size, workload.seq
+    return (torch.zeros(b, seq, dtype=torch.long, device=device),
+            torch.arange(seq, device=device).unsqueeze(0).expand(b, seq))
+
+
 def _check_traceable(workload: Workload, traced: Traced, backend: str) -> None:
     """Refuse, in one line, a trace this function cannot make."""
     if backend not in BACKENDS:
@@ -204,9 +222,7 @@ def _iteration(gpt, workload: Workload, traced: Traced, device: str) -> tuple[Ca
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    b, seq = workload.micro_batch_size, workload.seq
-    tokens = torch.zeros(b, seq, dtype=torch.long, device=device)
-    positions = torch.arange(seq, device=device).unsqueeze(0).expand(b, seq)
+    tokens, positions = step_tokens(workload, device)
     runtime = traced.trace_runtime(gpt, workload, torch.device(device))
 
     def run(marker: PhaseMarker) -> None:

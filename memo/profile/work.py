@@ -2,20 +2,16 @@
 real Megatron-core GPT, its layers run by the activation policy as training runs them, on fake
 tensors at any size or on real ones."""
 
-import contextlib
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memo.config import Workload
 from memo.metrics.work import StepWork, WorkCounter, linear_weights
-from memo.model import LayerBuild, build_gpt, torch_dtype
-from memo.model.attention import select_backend
-from memo.model.gpt import transformer_config
+from memo.model import LayerBuild
 from memo.model.placement import LayerRuntime, RuntimeReport
-from memo.profile.iteration import process_group, unchecked_rng_forks
+from memo.profile.iteration import built_gpt, step_tokens, unchecked_rng_forks
 from memo.swap.streams import CountedStreams, Streams, streams_for
 
 
@@ -46,21 +42,13 @@ def count_step(workload: Workload, policy: Counted, fake: bool = True, seed: int
     rank 0, as training runs it on the CPU: its layers' runtime made by ``policy`` (the workload's
     activation policy, :func:`memo.policy.policy_of`) beforehand, their discovery and timing not
     counted; the copies of a swap runtime counted where it issues them. ``fake``: on fake tensors
-    (any size, in seconds; tensor and context parallelism played by a fake process group), else on
-    real ones (one process)."""
+    (any size, in seconds; tensor parallelism played by a fake process group), else on real ones
+    (one process)."""
     device = torch.device("cpu")
-    config = transformer_config(workload, "cpu")
-    grouped = config.num_query_groups not in (None, config.num_attention_heads)
-    attention = select_backend("cpu", torch_dtype(workload), config.kv_channels, "auto", grouped)
     streams = CountedStreams(streams_for(device))
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with process_group(workload.parallel, "fake" if fake else "cpu"), mode, unchecked_rng_forks():
-        torch.manual_seed(seed)
-        gpt = build_gpt(workload, "cpu", attention, layers=policy.layers).module
+    with built_gpt(workload, policy.layers, "fake" if fake else "cpu", seed) as (gpt, _), unchecked_rng_forks():
         runtime = policy.prepare(gpt, workload, device, host_budget=2**60, streams=streams)
-        b, seq = workload.micro_batch_size, workload.seq // workload.parallel.cp
-        tokens = torch.zeros(b, seq, dtype=torch.long)
-        positions = torch.arange(seq).unsqueeze(0).expand(b, seq)
+        tokens, positions = step_tokens(workload, "cpu")
         streams.copied = dict.fromkeys(streams.copied, 0)  # (the runtime's own measurements left out)
         try:
             with WorkCounter(linear_weights(gpt)) as counter:

@@ -51,8 +51,7 @@ def test_a_tiled_memo_step_recomputes_and_copies_exactly_what_its_alpha_and_tile
                               "method.tile_tokens=64").workload
     step = count_step(workload, policy_of(workload), fake=False)
     work = step.work
-    recomputed = work.other_gemm_flops + sum(flops - work.weight_flops(w, WEIGHT_GRAD)
-                                             for (w, kind), flops in work.gemm_flops.items() if kind == FORWARD)
+    recomputed = work.recomputed_flops
     # keys and values of layer 0 only (layer 1's are in the store when its backward begins):
     #   2·s·h·2gd = 2·256·256·128 = 16,777,216
     # 6 tiles sent out (the walk's last two stay in the buffers), 32 tokens dropped of each, each
