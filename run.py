@@ -19,7 +19,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import hydra
@@ -29,16 +28,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-# Megatron-core announces every optional package it did not find, and warns about its own
-# default cuda_graph_scope; neither is something a user of this suite can act on.
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed.*")
-warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
-
-from memo.collector import freeze_at_exit, frozen_after  # noqa: E402
-from memo.config import ConfigError, register_configs, validate  # noqa: E402
-from memo.config.choices import check_group_choices  # noqa: E402
-from memo.results import claim_run_dir  # noqa: E402
+import memo  # noqa: F401  (its warning filter, before megatron-core is imported)
+from memo.collector import freeze_at_exit, frozen_after
+from memo.config import ConfigError, register_configs, validate
+from memo.config.choices import check_group_choices
+from memo.config.options import asks_for_help, help_text, show  # noqa: E402
+from memo.results import claim_run_dir
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 register_configs()
@@ -106,6 +101,9 @@ def _fail(message: str) -> None:
 
 
 if __name__ == "__main__":
+    if asks_for_help(sys.argv[1:]):  # every key with its description, instead of Hydra's generic help
+        show(help_text(CONF_DIR))
+        sys.exit(0)
     freeze_at_exit()  # this process's files are closed by then: see memo.collector
     sys.argv += _secondary_rank_overrides()
     logging.getLogger("megatron").setLevel(logging.WARNING)

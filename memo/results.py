@@ -61,11 +61,23 @@ def json_text(obj: Any) -> str:
     return json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n"
 
 
+def new_file_mode() -> int:
+    """The mode ``open`` gives a new file here: 0o666 less the process's umask (read from
+    ``/proc`` where it can be, which leaves the umask untouched for other threads)."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        mask = int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _write_beside(path: Path, data: bytes) -> str:
     """A temporary file in ``path``'s directory holding ``data``, on disk; returns its name."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide results from the rest of a team
+        os.fchmod(fd, new_file_mode())  # mkstemp's 0600 would hide results from the rest of a team
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -178,7 +190,7 @@ def claim_run_dir(output_dir: Path, config_files: Optional[Mapping[str, str]] = 
                           "give this run another hydra.run.dir (hydra.sweep.dir in a sweep)")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except FileExistsError:  # claimed a moment ago
         raise _taken(output_dir) from None
     except OSError as error:

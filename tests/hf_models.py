@@ -49,6 +49,42 @@ def make_checkpoint(model: str, directory: Path, seed: int = 0):
     else:
         config = transformers.Qwen2Config(**QWEN_2_5_7B, **SIZES[model])
         hf = transformers.Qwen2ForCausalLM(config)
+    return _saved(hf, directory)
+
+
+# Shapes no conf/model/ file has, as a user's checkpoint would come: read by model=hf alone
+NEW_SHAPES = {
+    # tied, one key/value head per query head, no RoPE scaling, a vocabulary Megatron would pad
+    "llama_tied_plain": ("llama", dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                       rope_theta=10000.0, num_hidden_layers=2, hidden_size=192,
+                                       intermediate_size=512, num_attention_heads=6, num_key_value_heads=6,
+                                       vocab_size=1000)),
+    # Llama-3.1's scaling at factor 32, 10 heads of 32 over 2 groups
+    "llama_scaled_grouped": ("llama", dict(LLAMA_3_1_8B, num_hidden_layers=2, hidden_size=320,
+                                           intermediate_size=640, num_attention_heads=10, num_key_value_heads=2,
+                                           vocab_size=2048, rope_scaling={**LLAMA_3_1_8B["rope_scaling"],
+                                                                          "factor": 32.0})),
+    # tied, 8 query heads over 4 groups
+    "qwen2_tied_groups": ("qwen2", dict(QWEN_2_5_7B, tie_word_embeddings=True, num_hidden_layers=2,
+                                        hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                                        num_key_value_heads=4, vocab_size=1536)),
+}
+
+
+def make_new_checkpoint(name: str, directory: Path, seed: int = 0):
+    """A ``transformers`` model of :data:`NEW_SHAPES`' ``name`` with random weights, saved to
+    ``directory``; returns it (float32, eval mode)."""
+    import transformers
+
+    kind, config = NEW_SHAPES[name]
+    torch.manual_seed(seed)
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    hf = classes[1](classes[0](**config))
+    return _saved(hf, directory)
+
+
+def _saved(hf, directory: Path):
     with torch.no_grad():  # transformers initializes biases and norms to constants: make them differ
         for name, p in hf.named_parameters():
             if name.endswith("bias") or "norm" in name:

@@ -125,10 +125,20 @@ def test_a_vocabulary_larger_than_the_models_is_refused(tmp_path):
         MegatronCorpus(_train(prefix, tokenizer, tmp_path), vocab - 1, 16)
 
 
-# megatron-core's reader, failing in its constructor, fails again in its finalizer
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_corrupt_index_is_named(tmp_path):
+def _cut(path, keep):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+# megatron-core's reader, failing in its constructor, would fail again in its finalizer: it is never reached
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.with_suffix(".idx").write_bytes(b"not an index"), r"corpus.idx is not a Megatron index"),
+    (lambda p: _cut(p.with_suffix(".idx"), 60), r"corpus.idx is 60 bytes, and its header needs \d+: it is cut short"),
+    (lambda p: _cut(p.with_suffix(".bin"), 10), r"corpus.bin is 10 bytes, and .*corpus.idx points to \d+: it is cut"),
+])
+def test_a_damaged_index_or_data_file_is_named_in_one_line(tmp_path, damage, message):
     prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=20)
-    prefix.with_suffix(".idx").write_bytes(b"not an index")
-    with pytest.raises(ConfigError, match=r"megatron-core cannot build its dataset .*check the .bin/.idx pair"):
+    damage(prefix)
+    with pytest.raises(ConfigError, match=message) as error:
         MegatronCorpus(_train(prefix, tokenizer, tmp_path), 64, 16)
+    assert "\n" not in str(error.value)

@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from memo.config.method import Method, method_of, parse_layer_tiles
 from memo.config.values import ConfigError, at_least, choice, parse_seq
 
 MODES = ("train", "profile", "plan", "fit")
+# how OmegaConf prefixes the message of an error its resolver raised (memo.config.hf_model's)
+RESOLVER_ERROR = " raised while resolving interpolation: "
 SEARCH_SEQ = "max"  # seq=max: mode=fit searches the longest sequence that fits
 PROFILE_BACKENDS = ("auto", "fake", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16", "fp16", "fp64")
@@ -65,6 +68,7 @@ def validate(cfg) -> Settings:
         ConfigError: on the first problem found.
     """
     _check_known_keys(cfg)
+    _check_interpolations(cfg)
     choice("mode", cfg.mode, MODES)
     search_seq = str(cfg.seq).strip() == SEARCH_SEQ
     if search_seq and cfg.mode != "fit":
@@ -153,6 +157,24 @@ def _check_optimizer_offload(t) -> None:
     if t.optimizer_offload == "host" and t.distributed_optimizer is False:
         raise ConfigError("train.optimizer_offload=host runs inside Megatron's distributed optimizer "
                           "and train.distributed_optimizer=false; drop that setting or set it true")
+
+
+def _check_interpolations(cfg) -> None:
+    """Resolve every interpolation once (``model=hf``'s fields read the checkpoint's config.json,
+    :mod:`memo.config.hf_model`), so that what fails says so in one line, not in OmegaConf's report.
+
+    Raises:
+        ConfigError: the resolver's own message, or OmegaConf's first line.
+    """
+    for key in cfg:
+        if key == "hydra":
+            continue
+        try:
+            node = cfg._get_node(key)
+            OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else cfg[key]
+        except InterpolationResolutionError as error:
+            message = str(error).splitlines()[0]
+            raise ConfigError(message.split(RESOLVER_ERROR, 1)[-1]) from None
 
 
 def _check_known_keys(node, prefix: str = "") -> None:

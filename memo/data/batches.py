@@ -7,7 +7,7 @@ parallel layout; tensor- and context-parallel ranks of one replica read identica
 """
 
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -70,7 +70,10 @@ class ByteTokens:
         return self.sample(-1 - index, length)
 
 
-def token_source(train: TrainConfig, vocab_size: int, seq: int, validation: bool = False):
+TokenSource = Union[SyntheticTokens, ByteTokens, MegatronCorpus]
+
+
+def token_source(train: TrainConfig, vocab_size: int, seq: int, validation: bool = False) -> TokenSource:
     """The source ``train.data`` names: synthetic tokens, a text file's bytes, or Megatron's
     indexed data (:class:`memo.data.corpus.MegatronCorpus`, its valid split built where
     ``validation``)."""

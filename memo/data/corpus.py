@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import logging
 import math
+import struct
 from pathlib import Path
 from typing import Iterator
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 
 from memo.config import ConfigError, TrainConfig
 from memo.config.validate import megatron_blend
@@ -52,6 +53,46 @@ def _index_build_lock(train: TrainConfig, prefix: str) -> Iterator[None]:
         except OSError:  # a file system without locks: build as megatron-core does alone
             pass
         yield
+
+
+# megatron-core's .idx (indexed_dataset.py): magic, version, dtype code, sequences, documents
+_INDEX_HEAD = struct.Struct("<9sQBQQ")
+_INDEX_MAGIC = b"MMIDIDX\x00\x00"
+
+
+def _checked_index(prefix: str) -> str:
+    """``prefix``, once its ``.idx`` is whole and its ``.bin`` holds every sequence the index
+    points to: megatron-core reads a cut file with numpy and fails with a traceback (and another
+    from its ``__del__``) that names no file.
+
+    Raises:
+        ConfigError: naming the file that is missing, cut short or not an index.
+    """
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    try:
+        with open(idx, "rb") as stream:
+            head = stream.read(_INDEX_HEAD.size)
+            magic, _, code, sequences, documents = _INDEX_HEAD.unpack(head) if len(head) == _INDEX_HEAD.size else (
+                None, 0, 0, 0, 0)
+            if magic != _INDEX_MAGIC:
+                raise ConfigError(f"train.data: {idx} is not a Megatron index (no MMIDIDX header); prepare it again "
+                                  "(python -m memo.data.prepare)")
+            arrays = sequences * (4 + 8) + documents * 8  # lengths int32, pointers int64, document starts int64
+            if idx.stat().st_size < _INDEX_HEAD.size + arrays:
+                raise ConfigError(f"train.data: {idx} is {idx.stat().st_size} bytes, and its header needs "
+                                  f"{_INDEX_HEAD.size + arrays}: it is cut short; copy or prepare it again")
+            if sequences:
+                stream.seek(_INDEX_HEAD.size + 4 * (sequences - 1))
+                length = struct.unpack("<i", stream.read(4))[0]
+                stream.seek(_INDEX_HEAD.size + 4 * sequences + 8 * (sequences - 1))
+                end = struct.unpack("<q", stream.read(8))[0] + length * DType.size(code)
+                if bin_.stat().st_size < end:
+                    raise ConfigError(f"train.data: {bin_} is {bin_.stat().st_size} bytes, and {idx} points to "
+                                      f"{end}: it is cut short; copy or prepare it again")
+    except OSError as error:
+        raise ConfigError(f"train.data: {error.filename} cannot be read ({error.strerror}); give the prefix of a "
+                          ".bin/.idx pair (python -m memo.data.prepare)") from None
+    return prefix
 
 
 class MegatronCorpus:
@@ -101,7 +142,7 @@ class MegatronCorpus:
             # one pass: megatron-core builds as many samples as it is asked for, reshuffled by the
             # count; a single prefix is given its own (None), a blend as many as give each prefix
             # one pass at its weight
-            indexes = [IndexedDataset(prefix) for prefix in prefixes]
+            indexes = [IndexedDataset(_checked_index(prefix)) for prefix in prefixes]
             passes = {name: [self._split_tokens(train, prefix, index, name, bookends) // seq
                              for prefix, index in zip(prefixes, indexes, strict=True)]
                       for name, bookends in drawn.items()}  # samples of one pass, per prefix

@@ -14,6 +14,7 @@ from typing import Optional
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 EOD_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>")  # Llama-3's, Llama-2's, Gemma's; Qwen's has none
 
 
 class TokenizerError(ValueError):
@@ -50,6 +51,11 @@ class LocalTokenizer(MegatronTokenizerBase):
     def eod(self) -> int:
         """The end-of-document token's id."""
         return self._eod
+
+    @property
+    def bos(self) -> Optional[int]:
+        """The begin-of-text token's id (the first of :data:`BOS_TOKENS` the vocabulary has), or None."""
+        return next((i for i in map(self._tokenizer.token_to_id, BOS_TOKENS) if i is not None), None)
 
     @property
     def vocab_size(self) -> int:

@@ -34,7 +34,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import save as save_distributed
 
 from memo.config import ConfigError, ModelConfig, TrainConfig
@@ -255,7 +256,33 @@ class Resumed:
 
 
 def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    if isinstance(error, CheckpointException) and error.failures:  # each rank's error, with its traceback
+        error = next(iter(error.failures.values()))[0]
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0].split('. ')[0] if text else ''}"  # its first sentence
+
+
+def _check_files(path: Path) -> None:
+    """Refuse a checkpoint whose tensor files are shorter than its index says (a copy cut short, a
+    full disk): torch's loader would fail in every rank with a traceback each, naming no file.
+
+    Raises:
+        CheckpointError: naming the first file that is short or missing.
+    """
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as error:  # a missing or damaged .metadata: many types
+        raise CheckpointError(f"{path}/.metadata is not readable ({_first_line(error)}); load another checkpoint, or "
+                              "set train.load=null to start afresh") from None
+    needed: dict[str, int] = {}
+    for item in storage.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None or have < size:
+            found = "missing" if have is None else f"{have} bytes"
+            raise CheckpointError(f"{path / name} is {found}, and the checkpoint's index needs {size}: the checkpoint "
+                                  "is incomplete; load another one, or set train.load=null to start afresh")
 
 
 def saved_facts(path: Path) -> dict:
@@ -267,9 +294,10 @@ def saved_facts(path: Path) -> dict:
     """
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
-    except Exception as error:  # a torch.load of a missing or damaged file: many types
+    except (Exception, CheckpointException) as error:  # a torch.load of a missing or damaged file: many types
         raise CheckpointError(f"{path} is not a readable checkpoint ({_first_line(error)}); load another one, "
                               "or set train.load=null to start afresh") from None
+    _check_files(Path(path))
     if common.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is a checkpoint of format {common.get('format')}, this version reads "
                               f"{CHECKPOINT_FORMAT}; load it with the version that wrote it")
@@ -315,9 +343,9 @@ def check_resumable(path: Path, saved: dict, facts: RunFacts, auto: bool) -> Non
 def _load_sharded(state: dict, path: Path) -> dict:
     try:
         return dist_checkpointing.load(state, str(path))
-    except Exception as error:
-        raise CheckpointError(f"{path} cannot be loaded into this model ({_first_line(error)}); load a checkpoint "
-                              "of the same model") from None
+    except (Exception, CheckpointException) as error:  # (a BaseException)
+        raise CheckpointError(f"{path} cannot be loaded into this model ({_first_line(error)}); it is damaged or of "
+                              "another model: load another checkpoint, or set train.load=null to start afresh") from None
 
 
 def load_weights(path: Path, module: torch.nn.Module, common: Optional[dict] = None) -> dict:

@@ -22,8 +22,10 @@ Llama-3's and Qwen2.5's): padded rows would add logits that the checkpoint's mod
 """
 
 import json
+import math
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,67 +33,12 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from memo.config import ConfigError, ModelConfig
+from memo.config import ConfigError, ModelConfig, hf_model
 from memo.model.gpt import padded_vocab_size
-from memo.results import create_file_atomic
+from memo.results import create_file_atomic, new_file_mode
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Megatron-core's RotaryEmbedding applies Llama-3.1's scaling with these, whatever the factor
-_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def _hf_shape(config: dict) -> dict:
-    """The fields of a ``transformers`` config.json (version 4 or 5) that decide the model, in
-    our names."""
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or rope
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-    kind = config.get("model_type")
-    if kind not in ("llama", "qwen2"):
-        raise ConfigError(f"model.init_from: config.json has model_type={kind}; Llama and Qwen2 checkpoints "
-                          "(model_type llama or qwen2) can be loaded")
-    if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias"):
-        raise ConfigError("model.init_from: the checkpoint's MLP is not a SwiGLU without biases")
-    if kind == "llama" and config.get("attention_bias"):
-        # transformers' Llama then has a bias on o_proj too, which Megatron's layer would only have
-        # with every linear bias (add_bias_linear)
-        raise ConfigError("model.init_from: a Llama checkpoint with attention_bias=true (biases on q, k, v "
-                          "and o_proj) is not supported")
-    if kind == "qwen2" and config.get("use_sliding_window"):
-        raise ConfigError("model.init_from: the checkpoint's model attends within a sliding window "
-                          "(use_sliding_window=true); our attention is causal over the whole sequence")
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    if head_dim * heads != config["hidden_size"]:
-        raise ConfigError(f"model.init_from: head_dim={head_dim} times {heads} heads is not "
-                          f"hidden_size={config['hidden_size']}; such models are not supported")
-    shape = {
-        "num_layers": config["num_hidden_layers"],
-        "hidden_size": config["hidden_size"],
-        "ffn_hidden_size": config["intermediate_size"],
-        "num_attention_heads": heads,
-        "num_query_groups": config.get("num_key_value_heads") or heads,
-        "activation": "swiglu",
-        "normalization": "RMSNorm",
-        "norm_epsilon": config["rms_norm_eps"],
-        "add_bias_linear": False,
-        "add_qkv_bias": kind == "qwen2",
-        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
-        "vocab_size": config["vocab_size"],
-        "rotary_base": theta,
-        "rope_scaling": scaling is not None,
-    }
-    if scaling is not None:
-        if scaling.get("rope_type", scaling.get("type")) != "llama3" or any(
-                float(scaling.get(k, -1)) != v for k, v in _LLAMA3_SCALING.items()):
-            raise ConfigError(f"model.init_from: the checkpoint's RoPE scaling {scaling} is not Llama-3.1's "
-                              f"(rope_type llama3 with {_LLAMA3_SCALING}), the one Megatron-core applies")
-        shape["rope_scaling_factor"] = float(scaling["factor"])
-    return shape
 
 
 def _our_shape(model: ModelConfig) -> dict:
@@ -105,30 +52,33 @@ def _our_shape(model: ModelConfig) -> dict:
     return shape
 
 
+def _vocab_multiples(vocab: int, tp: int) -> list[int]:
+    """The ``make_vocab_size_divisible_by`` values up to 128 that leave a vocabulary of ``vocab``
+    unpadded at tensor parallelism ``tp``, largest first."""
+    return [m for m in range(128, 0, -1) if vocab % math.lcm(m, tp) == 0]
+
+
 def check_config(model: ModelConfig, directory: Path, tp: int) -> None:
     """Refuse a checkpoint whose ``config.json`` describes another model than ``model``, or a
     vocabulary that Megatron would pad under tensor parallelism ``tp``.
 
     Raises:
-        ConfigError: naming the first field that differs, in one line.
+        ConfigError: naming the first field that differs and the value to set, in one line.
     """
-    path = Path(directory) / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"model.init_from={directory}: cannot read {path} ({error}); give a directory "
-                          "that transformers' save_pretrained wrote") from None
-    theirs, ours = _hf_shape(config), _our_shape(model)
+    theirs, ours = hf_model.shape(hf_model.read_config(directory), directory), _our_shape(model)
     for key, value in theirs.items():
         if key in ours and ours[key] != value and not (isinstance(value, float) and
                                                        abs(ours[key] - value) <= 1e-12 * abs(value)):
             raise ConfigError(f"model.init_from={directory} holds a model with {key}={value}, and "
-                              f"model.{key}={ours[key]}; set model.{key}={value} (or choose the model config "
-                              "of that checkpoint)")
+                              f"model.{key}={ours[key]}; set model.{key}={value}, or model=hf to read every "
+                              "field from the checkpoint")
     if padded_vocab_size(model, tp) != model.vocab_size:
+        multiples = _vocab_multiples(model.vocab_size, tp)
+        fix = (f"set model.make_vocab_size_divisible_by={multiples[0]}" if multiples else
+               f"choose a parallel.tp that divides {model.vocab_size}")
         raise ConfigError(f"model.init_from: model.vocab_size={model.vocab_size} would be padded to "
                           f"{padded_vocab_size(model, tp)} rows at tp={tp}, adding logits the checkpoint "
-                          "lacks; set model.make_vocab_size_divisible_by to a divisor of the vocabulary")
+                          f"lacks; {fix}")
 
 
 # ---------------------------------------------------------------- names and layouts
@@ -243,14 +193,51 @@ def unshard(local: torch.Tensor, param: torch.nn.Parameter, group, size: int) ->
 
 
 def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in ``directory``: those its index names, else its one file.
+
+    Raises:
+        ConfigError: naming the file that is missing or unreadable.
+    """
     index = directory / INDEX_FILE
     if index.exists():
-        return sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            files = json.loads(index.read_text())["weight_map"].values()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ConfigError(f"model.init_from: {index} cannot be read ({type(error).__name__}: {error}); copy the "
+                              "checkpoint's index again") from None
+        paths = sorted({directory / f for f in files})
+        absent = [p for p in paths if not p.is_file()]
+        if absent:
+            raise ConfigError(f"model.init_from: {absent[0]} is named by {INDEX_FILE} and missing ({len(absent)} of "
+                              f"{len(paths)} files); copy the checkpoint whole")
+        return paths
     single = directory / WEIGHTS_FILE
     if not single.exists():
         raise ConfigError(f"model.init_from={directory} has neither {WEIGHTS_FILE} nor {INDEX_FILE}; give a "
                           "directory that transformers' save_pretrained wrote (safetensors)")
     return [single]
+
+
+def _hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of ``model``'s checkpoint, by ``transformers``' name."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    d = h // model.num_attention_heads
+    q, kv = model.num_attention_heads * d, (model.num_query_groups or model.num_attention_heads) * d
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    shapes = {}
+    for theirs in names(model).values():
+        for name in (theirs,) if isinstance(theirs, str) else theirs:
+            part = name.split(".")[-2]
+            if name.endswith("norm.weight"):
+                shapes[name] = (h,)
+            elif name.endswith(".bias"):
+                shapes[name] = (rows[part],)
+            elif part in rows:
+                shapes[name] = (rows[part], h)
+            else:
+                shapes[name] = {"o_proj": (h, q), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}.get(
+                    part, (model.vocab_size, h))  # embed_tokens, lm_head
+    return shapes
 
 
 class _Checkpoint:
@@ -259,9 +246,35 @@ class _Checkpoint:
     def __init__(self, directory: Path):
         self._files = {}  # tensor name -> its open safetensors file
         for path in _weight_files(directory):
-            handle = safe_open(str(path), framework="pt")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as error:  # safetensors' own error: a truncated or damaged file
+                raise ConfigError(f"model.init_from: {path} cannot be read ({str(error).strip()}); copy it "
+                                  "again, whole") from None
             self._files.update(dict.fromkeys(handle.keys(), handle))
         self.used: set = set()
+
+    @classmethod
+    def of(cls, model: ModelConfig, directory: Path) -> "_Checkpoint":
+        """The checkpoint in ``directory``, checked to hold exactly ``model``'s tensors in their shapes.
+
+        Raises:
+            ConfigError: naming the first file or tensor that is unreadable, missing, extra or of
+                another shape.
+        """
+        checkpoint = cls(directory)
+        shapes = _hf_shapes(model)
+        missing, unused = sorted(shapes.keys() - checkpoint.names()), sorted(checkpoint.names() - shapes.keys())
+        if missing or unused:
+            what = f"lacks {missing[0]}" if missing else f"holds {unused[0]}, which the model has no place for"
+            raise ConfigError(f"model.init_from={directory} {what} ({len(missing)} missing, {len(unused)} unused); "
+                              f"is it a checkpoint of model={model.name}'s shape?")
+        for name, shape in shapes.items():
+            found = tuple(checkpoint._files[name].get_slice(name).get_shape())
+            if found != shape:
+                raise ConfigError(f"model.init_from={directory}: {name} is {found}, and the model's config.json "
+                                  f"makes it {shape}; the weights are not of that config")
+        return checkpoint
 
     def names(self) -> set:
         return set(self._files)
@@ -274,6 +287,18 @@ class _Checkpoint:
         index = [slice(None)] * len(piece.get_shape())
         index[dim] = slice(part * size, (part + 1) * size)
         return piece[tuple(index)]
+
+
+def check(model: ModelConfig, directory, tp: int) -> None:
+    """Everything :func:`load` checks, without a model: ``config.json`` describes ``model`` (at
+    tensor parallelism ``tp``), and every weight file is present, whole and readable with exactly
+    the model's tensors in their shapes; seconds, before a model is built.
+
+    Raises:
+        ConfigError: in one line naming the field, file or tensor.
+    """
+    check_config(model, Path(directory), tp)
+    _Checkpoint.of(model, Path(directory))
 
 
 def _read_shard(checkpoint: _Checkpoint, ours: str, theirs, param: torch.nn.Parameter, model: ModelConfig,
@@ -305,14 +330,8 @@ def load(module: torch.nn.Module, model: ModelConfig, directory) -> int:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     check_config(model, directory, tp)
-    checkpoint = _Checkpoint(directory)
+    checkpoint = _Checkpoint.of(model, directory)
     table = names(model)
-    wanted = {n for theirs in table.values() for n in ((theirs,) if isinstance(theirs, str) else theirs)}
-    missing, unused = sorted(wanted - checkpoint.names()), sorted(checkpoint.names() - wanted)
-    if missing or unused:
-        what = f"lacks {missing[0]}" if missing else f"holds {unused[0]}, which the model has no place for"
-        raise ConfigError(f"model.init_from={directory} {what} ({len(missing)} missing, {len(unused)} unused); "
-                          f"is it a checkpoint of model={model.name}'s shape?")
     params = dict(module.named_parameters())
     for ours, theirs in table.items():
         param = params[_module_name(ours, params.keys())]
@@ -339,9 +358,10 @@ def gather(module: torch.nn.Module, model: ModelConfig, grads: bool = False) -> 
     return from_megatron(whole, model)
 
 
-def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
+def hf_config(model: ModelConfig, dtype: torch.dtype, token_ids: Optional[dict] = None) -> dict:
     """``config.json`` of ``model`` as ``transformers`` reads it: Qwen2 where q, k and v have
-    biases, Llama otherwise."""
+    biases, Llama otherwise; with ``token_ids`` (``bos_token_id``, ``eos_token_id``) where the
+    tokenizer is known (without them transformers' Llama assumes 1 and 2)."""
     qwen = model.add_qkv_bias
     if model.activation != "swiglu" or model.normalization != "RMSNorm" or model.add_bias_linear:
         raise ConfigError(f"model={model.name} is not a Llama or Qwen2 shape (SwiGLU, RMSNorm, no linear "
@@ -366,11 +386,11 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
     if not qwen:
         config.update(attention_bias=False, mlp_bias=False)
     if model.rope_scaling:
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor, **_LLAMA3_SCALING}
-    return config
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor, **hf_model.LLAMA3_SCALING}
+    return {**config, **(token_ids or {})}
 
 
-def save(module: torch.nn.Module, model: ModelConfig, directory) -> None:
+def save(module: torch.nn.Module, model: ModelConfig, directory, token_ids: Optional[dict] = None) -> None:
     """Write ``module`` (this rank's shard of ``model``) to ``directory`` in ``transformers``'
     format: ``config.json`` and one ``model.safetensors``. A collective over the tensor-parallel
     group (every rank calls it); the job's first rank writes. An existing ``directory`` with a checkpoint is never
@@ -383,14 +403,16 @@ def save(module: torch.nn.Module, model: ModelConfig, directory) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:  # every replica gathered the same tensors
         return
     directory = Path(directory)
-    for name in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE):
+    for name in (hf_model.CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE):
         if (directory / name).exists():
             raise FileExistsError(f"{directory / name} exists and is kept; save to another directory")
     directory.mkdir(parents=True, exist_ok=True)
     dtype = next(iter(tensors.values())).dtype
     partial = directory / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
     save_file({k: t.contiguous() for k, t in tensors.items()}, str(partial), metadata={"format": "pt"})
+    os.chmod(partial, new_file_mode())  # safetensors creates its files 0600, unreadable to the rest of a team
     os.link(partial, directory / WEIGHTS_FILE)  # fails rather than replace one that appeared meanwhile
     partial.unlink()
-    create_file_atomic(directory / CONFIG_FILE, json.dumps(hf_config(model, dtype), indent=2) + "\n")
+    create_file_atomic(directory / hf_model.CONFIG_FILE,
+                       json.dumps(hf_config(model, dtype, token_ids), indent=2) + "\n")
 

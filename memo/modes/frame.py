@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from memo.config import ConfigError, DoesNotFit
 from memo.swap.alpha import HostMemoryError
@@ -167,7 +168,7 @@ def _interrupted(row: dict[str, Any], stop: BaseException, steps: int) -> BaseEx
     return stop
 
 
-def _failed(row: dict[str, Any], error: Exception) -> None:
+def _failed(row: dict[str, Any], error: BaseException) -> None:
     if isinstance(error, DoesNotFit):  # predicted, before anything was allocated
         row["status"] = "oom"
         row["error"] = str(error)
@@ -186,6 +187,15 @@ def _failed(row: dict[str, Any], error: Exception) -> None:
         row["status"] = "error"
         row["error"] = f"{type(error).__name__}: {error}"
         log.error("job failed:\n%s", traceback.format_exc())
+
+
+def _settings(cfg: DictConfig) -> dict[str, Any]:
+    """The configuration as the row's flat columns: resolved, or as written where an interpolation
+    cannot be (``model=hf`` without a readable checkpoint), which the job then refuses in its row."""
+    try:
+        return flatten(OmegaConf.to_container(cfg, resolve=True))
+    except InterpolationResolutionError:
+        return flatten(OmegaConf.to_container(cfg, resolve=False))
 
 
 @contextmanager
@@ -217,7 +227,7 @@ def job_frame(
         claim_run_dir(output_dir)
     writer = ResultWriter(output_dir, enabled=rank == 0)
     row: dict[str, Any] = {
-        **flatten(OmegaConf.to_container(cfg, resolve=True)),
+        **_settings(cfg),
         **dict.fromkeys(columns),
         "status": None,  # a mode may set its own (a prediction's "oom"); "ok" otherwise
         "error": None,
@@ -234,7 +244,10 @@ def job_frame(
         row["status"] = row["status"] or "ok"  # (also with a stop dropped after the last step's check)
     except (KeyboardInterrupt, SystemExit) as error:
         stop = _interrupted(row, error, writer.steps)
-    except Exception as error:  # noqa: BLE001 - every failure must leave its row
+    except GeneratorExit:
+        raise
+    except BaseException as error:  # noqa: BLE001 - every failure must leave its row (torch's
+        # CheckpointException is a BaseException)
         if job.stops:  # what fails once the job is stopping is the stop's (a save whose helper the scheduler ended)
             log.warning("after the stop: %s: %s", type(error).__name__, error)
             stop = _interrupted(row, job.stops[0], writer.steps)

@@ -22,7 +22,7 @@ from memo import hardware
 from memo.hardware import GiB
 from memo.config import ConfigError, DoesNotFit, Run, resolve
 from memo.execute import checkpoint, distributed
-from memo.data.batches import micro_batches, token_source
+from memo.data.batches import TokenSource, micro_batches, token_source
 from memo.execute.hooks import (ActivationAccounting, Checkpointing, MemoryReadings, Progress, StepLog,
                                  Throughput, Validation, validation_pass)
 from memo.execute.optimizer import StepOptimizer, build_optimizer, checkpoint_format
@@ -78,7 +78,7 @@ def _check_runtime_support(run: Run, policy: ActivationPolicy) -> None:
                           "steps, from CUDA's pool beside the arena that holds a step's bytes, which the fit does "
                           "not count; set plan=false or train.eval_interval=null")
     if w.model.init_from is not None:
-        hf_checkpoint.check_config(w.model, Path(w.model.init_from), w.parallel.tp)
+        hf_checkpoint.check(w.model, w.model.init_from, w.parallel.tp)
 
 
 def _max_over_ranks(values: dict, device_type: str) -> dict:
@@ -183,6 +183,7 @@ class Started:
     saved: Optional[dict]  # the facts of the checkpoint to go on from
     facts: checkpoint.RunFacts  # this run's
     memory: PeakMemory
+    source: TokenSource  # checked before the model is built
 
 
 def _of_processes(run: Run, info: distributed.ProcessInfo) -> Run:
@@ -331,9 +332,11 @@ def _start(run: Run, policy: ActivationPolicy, hw: hardware.Hardware, arena: Opt
     saved = checkpoint.saved_facts(resume_from.path) if resume_from is not None else None
     if saved is not None:
         checkpoint.check_resumable(resume_from.path, saved, facts, auto=train.load == "auto")
+    # the data, its tokenizer and its vocabulary checked before the model is built (seconds, not minutes)
+    source = token_source(train, workload.model.vocab_size, workload.seq, validation=train.eval_interval is not None)
     memory = PeakMemory(device_type, arena)
     memory.reset()
-    return Started(hw, dtype, device, host_budget, arena, save_dir, resume_from, saved, facts, memory)
+    return Started(hw, dtype, device, host_budget, arena, save_dir, resume_from, saved, facts, memory, source)
 
 
 @dataclass
@@ -389,7 +392,7 @@ def _run(run: Run, policy: ActivationPolicy, started: Started, built: Built, run
     model, seq = workload.model, workload.seq
     dp_size = parallel_state.get_data_parallel_world_size()
     global_batch = workload.micro_batch_size * train.micro_batches * dp_size
-    source = token_source(train, model.vocab_size, seq, validation=train.eval_interval is not None)
+    source = started.source
     eod = source.eod if train.document_mask else None  # (Megatron data: validated)
     batches = micro_batches(source, seq, workload.micro_batch_size, train.micro_batches,
                             parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type),

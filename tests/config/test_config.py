@@ -1,6 +1,7 @@
 """Every config option composes; bad input is refused with one line naming the key."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -25,20 +26,40 @@ from conftest import CONF_DIR, compose_config
 @pytest.mark.parametrize(
     "group, option", [(g, o) for g in GROUPS for o in options(CONF_DIR, g)]
 )
-def test_every_group_option_composes_and_validates(group, option):
+def test_every_group_option_composes_and_validates(group, option, tmp_path):
     added = group in ("experiment", "workload")  # not in the defaults list: selected with +
     # A layout search is a question for mode=fit about a number of devices (its sweep sets them).
     predicted = ("fit", "anchors", "frontier")
     fit = ["mode=fit", "cluster.gpus=8"] if option in ("search", *predicted) else []
     # Megatron's MLP recomputation is refused on a model with biases (the default tiny one has them).
     biasless = ["model=tiny_llama"] if option == "megatron_offload_recompute" else []
-    cfg = compose_config(f"{'+' if added else ''}{group}={option}", *fit, *biasless)
+    # model=hf reads its shape from a checkpoint's config.json (Llama-3.1-8B's, its weights not read here)
+    checkpoint = [f"model.init_from={_llama_config(tmp_path / 'hf')}"] if option == "hf" else []
+    cfg = compose_config(f"{'+' if added else ''}{group}={option}", *fit, *biasless, *checkpoint)
     if option in predicted:  # mode=fit searches the longest sequence
         assert cfg.mode == "fit" and cfg.seq == "max" and validate(cfg).seq is None
         return
     assert validate(cfg).seq == parse_seq(cfg.seq) == (131072 if option == "convergence" else 1024)
     if group in ("model", "method", "hardware"):
         assert cfg[group].name == option
+
+
+def _llama_config(directory):
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}}))
+    return directory
+
+
+def test_model_hf_reads_llama_3_1_8bs_config_json_as_the_shape_of_model_llama3_8b(tmp_path):
+    read = compose_config("model=hf", f"model.init_from={_llama_config(tmp_path / 'Llama-3.1-8B')}").model
+    written = compose_config("model=llama3_8b").model
+    different = {k: (read[k], written[k]) for k in written if k not in ("name", "init_from") and read[k] != written[k]}
+    assert read.name == "Llama-3.1-8B" and different == {}
 
 
 def test_model_table_matches_the_paper():

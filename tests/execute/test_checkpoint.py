@@ -169,6 +169,29 @@ def test_a_missing_or_damaged_checkpoint_is_one_line(tmp_path, make, message):
 SHORT = ["model=tiny", "model.vocab_size=1000", "seq=64", "train.warmup_steps=0", "train.save_interval=2"]
 
 
+def _cut_in_half(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _zeroed(path):  # as long as it was, its bytes gone: torch's reader fails (a CheckpointException on every rank)
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_cut_in_half, r"__0_0.distcp is \d+ bytes, and the checkpoint's index needs \d+: the checkpoint is incomplete"),
+    (_zeroed, r"step_0000002 cannot be loaded into this model \(UnpicklingError: Weights only load failed\); it is "
+              "damaged or of another model"),
+], ids=["cut", "zeroed"])
+def test_a_checkpoint_with_a_damaged_file_is_one_line_and_an_error_row(tmp_path, damage, message):
+    first = run_in_process(tmp_path / "first", *SHORT, "train.steps=2")
+    saved = tmp_path / "first" / "checkpoints" / "step_0000002"
+    damage(saved / "__0_0.distcp")
+    row = run_in_process(tmp_path / "again", *SHORT, "train.steps=3", f"train.load={saved}")
+    assert first["status"] == "ok" and row["status"] == "error" and "\n" not in row["error"]
+    assert re.search(message, row["error"]), row["error"]
+    assert json.loads((tmp_path / "again" / "result.json").read_text())["status"] == "error"
+
+
 def test_more_steps_at_a_constant_rate_go_on_but_a_decay_to_another_end_is_refused(tmp_path):
     first = run_in_process(tmp_path / "first", *SHORT, "train.steps=2", "train.lr_schedule=cosine")
     constant = run_in_process(tmp_path / "constant", *SHORT, "train.steps=2")

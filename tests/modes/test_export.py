@@ -63,3 +63,35 @@ def test_a_model_transformers_has_no_format_for_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: model=tiny is not a Llama or Qwen2 shape (SwiGLU, RMSNorm, no linear biases): transformers' format "
         "has no place for it")
+
+
+def test_an_export_has_the_umask_the_tokenizer_and_its_ids_and_never_goes_into_a_run(tmp_path, capsys):
+    import json
+    import os
+    import stat
+
+    from tiny_corpus import make_corpus
+
+    prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=40)
+    row = run_in_process(tmp_path / "run", "model=tiny_llama", "seq=64", "train.steps=1", "train.save_interval=1",
+                         f"train.data=megatron:{prefix}", f"train.tokenizer={tokenizer}",
+                         f"train.data_cache={tmp_path / 'cache'}")
+    assert row["status"] == "ok", row["error"]
+    run_dir = tmp_path / "run"
+    for inside in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "step_0000001"):
+        before = sorted(p.name for p in inside.iterdir())
+        assert main([str(run_dir / "checkpoints"), str(inside)]) == 2
+        assert "part of a training run; export to a directory of its own" in capsys.readouterr().err
+        assert sorted(p.name for p in inside.iterdir()) == before
+    mask = os.umask(0o027)
+    try:
+        assert main([str(run_dir / "checkpoints"), str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(mask)
+    written = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert written == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert {stat.S_IMODE((tmp_path / "hf" / n).stat().st_mode) for n in written} == {0o640}
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    eod = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("<|endoftext|>")
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"eos_token_id": eod}
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == eod
