@@ -32,10 +32,12 @@ import memo  # noqa: F401  (its warning filter, before megatron-core is imported
 from memo.collector import freeze_at_exit, frozen_after
 from memo.config import ConfigError, register_configs, validate
 from memo.config.choices import check_group_choices
-from memo.config.options import asks_for_help, help_text, show  # noqa: E402
-from memo.results import claim_run_dir
+from memo.config.options import asks_for_help, help_text, show
+from memo.execute.launch import LAUNCHED, launch
+from memo.results import claim_run_dir, continue_run_dir
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
+RANK = int(os.environ.get("RANK", "0"))  # this process's, under torchrun, srun's ranks aside, or a launch
 register_configs()
 
 
@@ -46,9 +48,19 @@ def main(cfg: DictConfig) -> None:
         if hydra_cfg.mode == RunMode.RUN:
             validate(cfg)  # fail fast, before the heavy imports; a sweep records it in a row
         output_dir = Path(hydra_cfg.runtime.output_dir)
-        claimed = int(os.environ.get("RANK", "0")) == 0
+        if cfg.launch.processes > 1 and LAUNCHED not in os.environ and "RANK" not in os.environ:
+            # the job's ranks, started here; rank 0 claims the directory and writes the row
+            code = launch(cfg.launch.processes, [sys.executable, str(Path(__file__).resolve()),
+                                                 *hydra_cfg.overrides.task, f"hydra.run.dir={output_dir}"])
+            if code and hydra_cfg.mode == RunMode.RUN:
+                sys.exit(code)  # (rank 0 printed the refusal, or the interrupt)
+            return
+        if RANK != 0:  # what every rank would log, rank 0 logs
+            logging.getLogger("memo").setLevel(logging.WARNING)
+        claimed = RANK == 0
         if claimed:  # before anything is written there, Hydra's .hydra/ included
-            claim_run_dir(output_dir, _hydra_files(cfg, hydra_cfg))
+            take = continue_run_dir if cfg.mode == "train" and cfg.train.resume else claim_run_dir
+            take(output_dir, _hydra_files(cfg, hydra_cfg))
         with frozen_after():  # torch's and megatron-core's objects: the collector walks them no more
             if cfg.mode == "train":
                 from memo.modes.train import run_job as job
@@ -72,15 +84,16 @@ def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> dict[str, str]:
     }
 
 
-def _secondary_rank_overrides() -> list[str]:
-    """Under torchrun every process composes the config; only rank 0 writes results, so the
-    others get a scratch output directory instead of a stray one under outputs/."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        return []
-    scratch = tempfile.mkdtemp(prefix=f"memo-rank{rank}-")
+def _secondary_rank_arguments(argv: list[str]) -> list[str]:
+    """Under torchrun or a launch every process composes the config; only rank 0 writes results,
+    so the others get a scratch output directory (in place of any given) instead of a stray one
+    under outputs/."""
+    if RANK == 0:
+        return argv
+    scratch = tempfile.mkdtemp(prefix=f"memo-rank{RANK}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    return [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
+    kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    return [*kept, f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
 
 
 def _one_line(error: BaseException) -> str:
@@ -96,7 +109,8 @@ def _one_line(error: BaseException) -> str:
 
 
 def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    if RANK == 0:  # every rank refuses alike: the line once
+        print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -105,7 +119,7 @@ if __name__ == "__main__":
         show(help_text(CONF_DIR))
         sys.exit(0)
     freeze_at_exit()  # this process's files are closed by then: see memo.collector
-    sys.argv += _secondary_rank_overrides()
+    sys.argv = _secondary_rank_arguments(sys.argv)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     # Let errors reach us as exceptions instead of Hydra's multi-line report.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")

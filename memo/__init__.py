@@ -19,8 +19,8 @@ import warnings as _warnings
 # What the libraries announce that no user of this suite can act on, silenced for every entry point
 # (run.py and each python -m memo....) before any of them imports megatron-core: its notes on the
 # optional packages it did not find and on its own defaults, and torch's deprecations of the
-# ShardedTensor and the load_state_dict that megatron-core's checkpoints still use.
+# ShardedTensor, the load_state_dict and the collectives' old names that megatron-core still uses.
 for _message in (r".*(Apex|Transformer Engine).*not installed.*", r"full scope is deprecated",
                  r".*CUDA_DEVICE_MAX_CONNECTIONS.*", r"Please use DTensor instead.*ShardedTensor",
-                 r"`load_state_dict` is deprecated"):
+                 r"`load_state_dict` is deprecated", r"`torch.distributed.\w+` is deprecated"):
     _warnings.filterwarnings("ignore", message=_message)

@@ -11,6 +11,7 @@
   disk) is cut back to the last whole line.
 """
 
+import fcntl
 import json
 import math
 import os
@@ -18,9 +19,12 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import yaml
 
 from memo.config import ConfigError
 
@@ -205,14 +209,120 @@ def claim_run_dir(output_dir: Path, config_files: Optional[Mapping[str, str]] = 
         raise _unwritable(output_dir, error) from None
 
 
-def _taken(output_dir: Path) -> RunDirTaken:
-    try:  # the claim may be still being written by its owner
+def _owner(output_dir: Path) -> Optional[dict]:
+    """Who claimed ``output_dir`` (host, pid, claimed), or None: no claim, or one still being written."""
+    try:
         owner = json.loads((output_dir / CLAIM_FILE).read_text())
-        who = f"claimed {owner['claimed']} by process {owner['pid']} on {owner['host']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        who = "claimed a moment ago"
-    return RunDirTaken(f"{output_dir} holds another run ({who}); it is kept; "
+        return owner if isinstance(owner, dict) and {"host", "pid", "claimed"} <= owner.keys() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _stopped(output_dir: Path, owner: Optional[dict]) -> bool:
+    """Whether the run in ``output_dir`` has stopped without finishing: its claim's process is gone
+    from this host (killed before it could write a row, or after), or, for a claim this host cannot
+    check (another host's, or none), its row says interrupted."""
+    if owner is not None and owner["host"] == socket.gethostname():
+        try:
+            os.kill(int(owner["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError, OverflowError):
+            return False
+        return False
+    try:
+        row = _read_row(output_dir)
+    except ValueError:
+        row = None
+    return row is not None and row.get("status") == "interrupted"
+
+
+def _who(owner: Optional[dict]) -> str:
+    return f"claimed {owner['claimed']} by process {owner['pid']} on {owner['host']}" if owner else "claimed a moment ago"
+
+
+def _taken(output_dir: Path) -> RunDirTaken:
+    owner = _owner(output_dir)
+    who = _who(owner)
+    hint = "; train.resume=true continues it" if _stopped(output_dir, owner) else ""
+    return RunDirTaken(f"{output_dir} holds another run ({who}){hint}; it is kept; "
                        "give this run another hydra.run.dir (hydra.sweep.dir in a sweep)")
+
+
+# what a continuation may change: how far it goes, and that it is one
+_FREE_SETTINGS = ("train.steps", "train.resume")
+
+
+def continue_run_dir(output_dir: Path, config_files: Mapping[str, str]) -> None:
+    """``train.resume=true``: take over ``output_dir`` from the stopped run of the same settings in
+    it (interrupted, or its process gone), or claim it afresh (:func:`claim_run_dir`) where it
+    holds no run. The earlier run's ``.hydra/`` is kept; its step logs are cut back by the run
+    once it knows the step it goes on from (:meth:`ResultWriter.keep_steps_through`).
+
+    Of two continuations started at once exactly one goes on: each checks and takes the claim
+    under an exclusive lock of the directory, and the second finds the first's claim, running. A
+    refused continuation changes nothing in the directory.
+
+    Raises:
+        RunDirTaken: a finished run, one still running, or one of other settings (the first named).
+        ConfigError: if the directory cannot be written.
+    """
+    output_dir = Path(output_dir)
+    if not any((output_dir / name).exists() for name in (CLAIM_FILE, RESULT_FILE, *STEP_FILES)):
+        claim_run_dir(output_dir, config_files)
+        return
+    with _locked(output_dir):
+        row = finished_row(output_dir)
+        if row is not None:
+            raise RunDirTaken(f"{output_dir} holds a finished run (status {row.get('status')}); it is kept; give this "
+                              "run another hydra.run.dir")
+        owner = _owner(output_dir)
+        if (output_dir / CLAIM_FILE).exists() and not _stopped(output_dir, owner):
+            raise RunDirTaken(f"{output_dir} holds a run in progress ({_who(owner)}); it is kept; give this run "
+                              "another hydra.run.dir")
+        _check_same_settings(output_dir, config_files.get("config.yaml", ""))
+        claim = json_text({"host": socket.gethostname(), "pid": os.getpid(), "claimed": now(),
+                           "continues": owner})
+        try:
+            replace_file_atomic(output_dir / CLAIM_FILE, claim.encode())
+            if (output_dir / RESULT_FILE).exists():  # the stopped attempt's row, kept beside its successor's
+                target = _set_aside_dir(output_dir)
+                target.mkdir(parents=True)
+                os.replace(output_dir / RESULT_FILE, target / RESULT_FILE)
+        except OSError as error:
+            raise _unwritable(output_dir, error) from None
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive lock of ``directory`` itself (no file is made in it), released when the block
+    ends or the process dies."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError as error:
+        raise _unwritable(directory, error) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _check_same_settings(output_dir: Path, config_text: str) -> None:
+    """Refuse to continue the run in ``output_dir`` with settings (``config_text``, the composed
+    configuration as YAML) other than its own, but for :data:`_FREE_SETTINGS`."""
+    try:
+        theirs = flatten(yaml.safe_load((output_dir / CONFIG_DIR / "config.yaml").read_text()) or {})
+    except (OSError, yaml.YAMLError) as error:
+        raise RunDirTaken(f"{output_dir} holds a run whose settings cannot be read ({CONFIG_DIR}/config.yaml: "
+                          f"{getattr(error, 'strerror', None) or error}); it is kept; give this run another "
+                          "hydra.run.dir") from None
+    ours = flatten(yaml.safe_load(config_text) or {})
+    for key in sorted(theirs.keys() | ours.keys()):
+        if key not in _FREE_SETTINGS and theirs.get(key) != ours.get(key):
+            raise RunDirTaken(f"{output_dir} holds a run with {key}={theirs.get(key)} (this run: {ours.get(key)}); "
+                              "continue it with its own settings (train.steps may be raised), or give this run "
+                              "another hydra.run.dir")
 
 
 def _read_row(output_dir: Path) -> Optional[dict]:
@@ -266,6 +376,14 @@ def finished_row(output_dir: Path) -> Optional[dict]:
     return row if row is not None and row.get("status") != "interrupted" else None
 
 
+def _set_aside_dir(output_dir: Path) -> Path:
+    """Where the next unfinished attempt's files go: ``interrupted/<n>/``, n the first free."""
+    n = 1
+    while (output_dir / SET_ASIDE_DIR / str(n)).exists():
+        n += 1
+    return output_dir / SET_ASIDE_DIR / str(n)
+
+
 def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
     """Move an unfinished attempt's files (everything but earlier set-aside attempts and the
     checkpoints) to
@@ -282,14 +400,20 @@ def set_aside_unfinished(output_dir: Path) -> Optional[Path]:
         if output_dir.is_dir() else []
     if not any(p.name in (CLAIM_FILE, RESULT_FILE, *STEP_FILES) for p in present):
         return None
-    n = 1
-    while (output_dir / SET_ASIDE_DIR / str(n)).exists():
-        n += 1
-    target = output_dir / SET_ASIDE_DIR / str(n)
+    target = _set_aside_dir(output_dir)
     target.mkdir(parents=True)
     for path in present:
         shutil.move(path, target / path.name)
     return target
+
+
+def _step_of(line: str) -> int:
+    """The step of a step log's line; -1 for a line that is not a record."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return -1
+    return record.get("step", -1) if isinstance(record, dict) else -1
 
 
 class ResultWriter:
@@ -302,6 +426,24 @@ class ResultWriter:
         self.output_dir = Path(output_dir)
         self.enabled = enabled
         self.steps = 0  # step records appended
+
+    def keep_steps_through(self, step: int) -> None:
+        """A continued run (``train.resume``) goes on after ``step``: the step logs keep the records
+        of steps 1..``step`` only (those after it are trained again; the placement records of step
+        0 are the new attempt's), each file replaced whole."""
+        if not self.enabled:
+            return
+        for name in STEP_FILES:
+            path = self.output_dir / name
+            if not path.exists():
+                continue
+            try:
+                lines = [line for line in path.read_text().splitlines(keepends=True) if 1 <= _step_of(line) <= step]
+                replace_file_atomic(path, "".join(lines).encode())
+            except OSError as error:
+                raise _unwritable(path, error) from None
+            if name == METRICS_FILE:
+                self.steps = len(lines)
 
     def append_step(self, record: Mapping[str, Any]) -> None:
         """Append one step's record to ``metrics.jsonl``."""

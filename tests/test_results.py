@@ -197,3 +197,35 @@ def test_a_schedulers_exit_dropped_in_a_finalizer_makes_what_fails_after_it_an_i
     row = json.loads((tmp_path / "job" / "result.json").read_text())
     assert row["status"] == "interrupted"
     assert row["error"] == "interrupted by the scheduler (timeout or preemption) after 0 step(s)"
+
+
+def test_a_run_killed_without_a_row_is_continued_its_logs_cut_back_and_a_live_one_never(tmp_path):
+    import socket
+    import subprocess
+
+    from memo.results import continue_run_dir
+
+    config = {"config.yaml": "seq: 128\ntrain:\n  steps: 4\n  resume: false\n"}
+    claim_run_dir(tmp_path / "run", config)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    claim = {"host": socket.gethostname(), "pid": gone.pid, "claimed": "earlier"}
+    (tmp_path / "run" / ".memo-run").write_text(json.dumps(claim))
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    (tmp_path / "run" / "layers.jsonl").write_text("".join(json.dumps({"step": s, "layer": 0}) + "\n"
+                                                           for s in (0, 1, 2, 3)))
+    with pytest.raises(RunDirTaken, match=r"holds a run with seq=128 \(this run: 256\)"):
+        continue_run_dir(tmp_path / "run", {"config.yaml": "seq: 256\ntrain:\n  steps: 4\n"})
+    continue_run_dir(tmp_path / "run", {"config.yaml": "seq: 128\ntrain:\n  steps: 9\n  resume: true\n"})
+    ours = json.loads((tmp_path / "run" / ".memo-run").read_text())
+    assert (ours["pid"], ours["continues"]) == (os.getpid(), claim)
+    writer = ResultWriter(tmp_path / "run")
+    writer.keep_steps_through(2)
+    assert writer.steps == 2
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "layers.jsonl").read_text().splitlines()] == [1, 2]
+    # now this process holds it: a second continuation is refused and changes nothing
+    before = file_hashes(tmp_path / "run")
+    with pytest.raises(RunDirTaken, match=rf"holds a run in progress \(claimed .* by process {os.getpid()} on "):
+        continue_run_dir(tmp_path / "run", config)
+    assert file_hashes(tmp_path / "run") == before

@@ -168,6 +168,16 @@ class ClusterConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """How ``python run.py`` starts the job's processes on this machine (memo.execute.launch)."""
+
+    processes: int = field(default=1, metadata={
+        "help": "Processes of the job this command starts on this machine (as torchrun's --nproc-per-node), "
+                "laid out by parallel (tp·cp·pp·dp must equal it) or chosen among them by parallel=auto; "
+                "1: this process alone, or the ranks torchrun or srun started."})
+
+
+@dataclass
 class TrainConfig:
     """The training loop."""
 
@@ -259,6 +269,10 @@ class TrainConfig:
         "help": "Where training starts: auto (the last checkpoint in save_dir if it has one, as a "
                 "requeued job does, else afresh); a checkpoint (step_<n>/) or a directory of them (its "
                 "last); null: afresh."})
+    resume: bool = field(default=False, metadata={
+        "help": "Continue the stopped run (interrupted, killed) of the same settings in this run's directory, "
+                "from its last checkpoint, its step logs cut back to it and appended to (train.steps may be "
+                "raised); a directory without a run is claimed afresh; a finished or different run is refused."})
     loss: str = field(default="auto", metadata={
         "help": "Output layer and cross entropy: auto (the method's loss), tiled (logits made per tile of "
                 "tokens, never for the whole sequence; memo.model.loss) or megatron (Megatron-core's "
@@ -408,6 +422,8 @@ class RunConfig:
                 "takes memo.hardware's figure (hardware=auto: the detected device's)."})
     cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={
         "help": "The devices a job runs on."})
+    launch: LaunchConfig = field(default_factory=LaunchConfig, metadata={
+        "help": "The processes one command starts."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "The training loop."})
     profile: ProfileConfig = field(default_factory=ProfileConfig, metadata={
         "help": "How mode=profile and mode=plan trace one iteration."})

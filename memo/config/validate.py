@@ -121,6 +121,9 @@ def validate(cfg) -> Settings:
     _check_optimizer_offload(t)
     if t.save_interval is not None:
         at_least("train.save_interval", t.save_interval)
+    if t.resume and (cfg.mode != "train" or t.load != "auto"):
+        raise ConfigError(f"train.resume=true continues a training run from its own last checkpoint, and mode="
+                          f"{cfg.mode}, train.load={t.load}; use it with mode=train and train.load=auto")
     _check_validation(cfg, seq)
     document_tokens = _check_documents(cfg, method, tiles)
     if method.recompute_granularity == "selective" and "mlp" in (method.recompute_modules or ()) \
@@ -224,12 +227,20 @@ def _check_hardware(hw) -> None:
 
 def _check_cluster(cfg) -> None:
     p, gpus = cfg.parallel, cfg.cluster.gpus
+    at_least("launch.processes", cfg.launch.processes)
+    if cfg.launch.processes > 1 and cfg.mode != "train":
+        raise ConfigError(f"launch.processes={cfg.launch.processes} starts the processes of a training run, and "
+                          f"mode={cfg.mode} runs in this one; drop launch.processes")
     if gpus is not None:
         at_least("cluster.gpus", gpus)
     if p.search:
         if cfg.mode not in ("fit", "train"):
             raise ConfigError(f"a layout search is done by mode=fit (parallel=search) or mode=train (parallel=auto); "
                               f"give mode={cfg.mode} a layout such as parallel.tp=4 parallel.cp=2")
+        processes = cfg.launch.processes
+        if cfg.mode == "train" and processes > 1 and gpus is not None and gpus != processes:
+            raise ConfigError(f"parallel=auto chooses a layout of the launch.processes={processes} processes, and "
+                              f"cluster.gpus={gpus}; make them equal or drop cluster.gpus")
         if cfg.mode == "train":  # the launcher's processes, or cluster.gpus where they agree
             return
         if gpus is None:
@@ -237,6 +248,12 @@ def _check_cluster(cfg) -> None:
                               "e.g. cluster.gpus=8")
         return
     world = p.tp * p.cp * p.pp * p.dp
+    processes = cfg.launch.processes
+    if processes > 1 and processes != world:
+        fixed = p.tp * p.cp * p.pp
+        hint = f"set parallel.dp={processes // fixed}, " if processes % fixed == 0 else ""
+        raise ConfigError(f"launch.processes={processes} but parallel.tp·cp·pp·dp = {p.tp}·{p.cp}·{p.pp}·{p.dp} = "
+                          f"{world}; {hint}make them equal, or use parallel=auto")
     if gpus is not None and gpus != world:
         raise ConfigError(f"cluster.gpus={gpus} but parallel.tp·cp·pp·dp = {world}; make them equal "
                           "or use parallel=search")

@@ -48,7 +48,7 @@ from memo.model import (
 from memo.model.placement import LayerRuntime, NullRuntime
 from memo.modes.frame import Job, job_frame
 from memo.policy import ActivationPolicy, policy_of
-from memo.results import CHECKPOINTS_DIR
+from memo.results import CHECKPOINTS_DIR, ResultWriter
 from memo.swap import report_columns
 
 log = logging.getLogger("memo")
@@ -158,7 +158,7 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     started = _start(run, policy, hw, arena, info, job)
     runtime: LayerRuntime = NullRuntime()
     try:
-        built = _build(run, policy, started, job.row)
+        built = _build(run, policy, started, job.row, job.writer)
         runtime = _place(run, policy, started, built, job)
         trained = _run(run, policy, started, built, runtime, info, job)
     except BaseException:
@@ -349,7 +349,7 @@ class Built:
     consumed: int  # samples of the data consumed before ``start_step``
 
 
-def _build(run: Run, policy: ActivationPolicy, started: Started, row: dict) -> Built:
+def _build(run: Run, policy: ActivationPolicy, started: Started, row: dict, writer: ResultWriter) -> Built:
     """The model (from Hugging Face weights where asked) and its optimizer, loaded from the
     checkpoint the run goes on from."""
     workload, train, device_type = run.workload, run.train, run.device_type
@@ -363,6 +363,8 @@ def _build(run: Run, policy: ActivationPolicy, started: Started, row: dict) -> B
     if started.saved is not None:
         resumed = checkpoint.load(started.resume_from, started.saved, built.module, optimizer)
     row["resumed_from_step"] = resumed.step if resumed else None
+    if run.train.resume:  # the step logs of the run continued: through the step it goes on from
+        writer.keep_steps_through(resumed.step if resumed else 0)
     if optimizer.offload.host_bytes:
         row.update({f"optimizer_offload.{k}": v for k, v in optimizer.offload.row().items()})
     if device_type == "cuda":  # which Adam Megatron runs, for a prediction of this row (memo.fit.calibration)

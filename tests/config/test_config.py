@@ -161,6 +161,14 @@ def test_seq_sweep_values_compose_as_strings():
         (["model=tiny_llama", "model.rope_scaling_factor=0.5"], "model.rope_scaling_factor=0.5"),
         (["mode=fit", "fit.seq_limit=0"], "fit.seq_limit=0 is not a sequence length"),
         (["mode=fit", "fit.seq_step=4q"], "fit.seq_step=4q is not a sequence length"),
+        (["launch.processes=3", "parallel.cp=2"], "launch.processes=3 but parallel.tp·cp·pp·dp = 1·2·1·1 = 2; make "
+                                                  "them equal, or use parallel=auto"),
+        (["launch.processes=4", "parallel.cp=2"], "launch.processes=4 but parallel.tp·cp·pp·dp = 1·2·1·1 = 2; set "
+                                                  "parallel.dp=2, make them equal"),
+        (["launch.processes=0"], "launch.processes=0 must be"),
+        (["mode=fit", "launch.processes=2"], "launch.processes=2 starts the processes of a training run"),
+        (["train.resume=true", "train.load=null"], "train.resume=true continues a training run from its own last "
+                                                   "checkpoint, and mode=train, train.load=None"),
     ],
 )
 def test_validation_errors_name_the_key_in_one_line(overrides, key):
