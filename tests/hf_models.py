@@ -29,6 +29,10 @@ QWEN_2_5_7B = dict(  # Qwen/Qwen2.5-7B, config.json
     hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1000000.0,
     max_position_embeddings=131072, use_sliding_window=False,
 )
+QWEN_3_4B = dict(  # Qwen/Qwen3-4B-Base, config.json (tied; 32 heads of 128 over a hidden size of 2560)
+    hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0, attention_bias=False,
+    max_position_embeddings=32768, use_sliding_window=False,
+)
 SIZES = {  # conf/model/tiny_llama.yaml, tiny_qwen.yaml
     "tiny_llama": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=768, num_attention_heads=8,
                        num_key_value_heads=2, vocab_size=8192),
@@ -68,6 +72,10 @@ NEW_SHAPES = {
     "qwen2_tied_groups": ("qwen2", dict(QWEN_2_5_7B, tie_word_embeddings=True, num_hidden_layers=2,
                                         hidden_size=256, intermediate_size=512, num_attention_heads=8,
                                         num_key_value_heads=4, vocab_size=1536)),
+    # Qwen3-4B's kind at CPU size: query and key norms, heads of 48 that make 384 where hidden is 256
+    "qwen3_wide_heads": ("qwen3", dict(QWEN_3_4B, num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                                       num_attention_heads=8, num_key_value_heads=2, head_dim=48,
+                                       vocab_size=1024)),
 }
 
 
@@ -79,7 +87,8 @@ def make_new_checkpoint(name: str, directory: Path, seed: int = 0):
     kind, config = NEW_SHAPES[name]
     torch.manual_seed(seed)
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
     hf = classes[1](classes[0](**config))
     return _saved(hf, directory)
 

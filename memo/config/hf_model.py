@@ -8,10 +8,12 @@ replaces its interpolation and is then checked against the file when the weights
 (:func:`memo.model.hf_checkpoint.check_config`). Only JSON is read here: the weights are checked
 by :mod:`memo.model.hf_checkpoint`, before the model is built.
 
-Llama (``model_type`` llama, Llama 3.x) and Qwen2 (qwen2, Qwen2 and Qwen2.5) are read, tied or
-untied, with or without Llama-3.1's RoPE scaling; whatever our layers cannot express (a sliding
-window, biases with no place in Megatron's layer, another activation or RoPE scaling) is refused
-in one line naming the field of ``config.json``.
+Llama (``model_type`` llama, Llama 3.x), Qwen2 (qwen2, Qwen2 and Qwen2.5) and Qwen3's dense models
+(qwen3: a norm of each query and key head, megatron-core's ``qk_layernorm``, and heads whose width
+``head_dim`` need not be hidden ÷ heads, its ``kv_channels``) are read, tied or untied, with or
+without Llama-3.1's RoPE scaling; whatever our layers cannot express (a sliding window, biases
+with no place in Megatron's layer, another activation or RoPE scaling) is refused in one line
+naming the field of ``config.json``.
 """
 
 import json
@@ -23,7 +25,7 @@ from omegaconf import OmegaConf
 from memo.config.values import ConfigError
 
 CONFIG_FILE = "config.json"
-MODEL_TYPES = ("llama", "qwen2")
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Megatron-core's RotaryEmbedding applies Llama-3.1's scaling with these, whatever the factor
 LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # The padding Megatron-LM gives a vocabulary by default; a checkpoint's model is read with the
@@ -60,7 +62,7 @@ def _refuse(directory, field: str, value, why: str) -> ConfigError:
 
 def _required(config: dict, directory, field: str):
     if field not in config:
-        raise ConfigError(f"model.init_from={directory}: config.json lacks {field}; is it a Llama or Qwen2 "
+        raise ConfigError(f"model.init_from={directory}: config.json lacks {field}; is it a Llama or Qwen "
                           "checkpoint's?")
     return config[field]
 
@@ -74,23 +76,21 @@ def shape(config: dict, directory="DIR") -> dict:
     """
     kind = config.get("model_type")
     if kind not in MODEL_TYPES:
-        raise _refuse(directory, "model_type", kind, "Llama 3.x (llama) and Qwen2/2.5 (qwen2) checkpoints are read")
+        raise _refuse(directory, "model_type", kind, "Llama 3.x (llama), Qwen2/2.5 (qwen2) and Qwen3's dense (qwen3) "
+                                                     "checkpoints are read")
     if config.get("hidden_act", "silu") != "silu":
         raise _refuse(directory, "hidden_act", config["hidden_act"], "our MLP is SwiGLU (hidden_act=silu)")
     if config.get("mlp_bias"):
         raise _refuse(directory, "mlp_bias", True, "Megatron's SwiGLU layer has no place for the MLP's biases")
-    if kind == "llama" and config.get("attention_bias"):
-        # transformers' Llama then has a bias on o_proj too, which Megatron's layer would only have
-        # with every linear bias (add_bias_linear)
+    if kind in ("llama", "qwen3") and config.get("attention_bias"):
+        # transformers' Llama and Qwen3 then have a bias on o_proj too, which Megatron's layer would
+        # only have with every linear bias (add_bias_linear)
         raise _refuse(directory, "attention_bias", True, "Megatron's layer has no place for o_proj's bias")
-    if kind == "qwen2" and config.get("use_sliding_window"):
+    if kind in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         raise _refuse(directory, "use_sliding_window", True,
                       "our attention is causal over the whole sequence, not within a window")
     heads, hidden = _required(config, directory, "num_attention_heads"), _required(config, directory, "hidden_size")
     head_dim = config.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise _refuse(directory, "head_dim", head_dim,
-                      f"its {heads} heads are not hidden_size={hidden} wide, which our layers need")
     rope = config.get("rope_parameters") or {}  # transformers 5 moves theta and the scaling in here
     scaling = config.get("rope_scaling") or rope
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
@@ -105,6 +105,9 @@ def shape(config: dict, directory="DIR") -> dict:
         "ffn_hidden_size": _required(config, directory, "intermediate_size"),
         "num_attention_heads": heads,
         "num_query_groups": config.get("num_key_value_heads") or heads,
+        # only where it is not hidden ÷ heads, as a conf/model/ file leaves it
+        "kv_channels": head_dim if head_dim * heads != hidden else None,
+        "qk_layernorm": kind == "qwen3",
         "activation": "swiglu",
         "normalization": "RMSNorm",
         "norm_epsilon": float(_required(config, directory, "rms_norm_eps")),

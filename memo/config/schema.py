@@ -37,6 +37,11 @@ class ModelConfig:
         "help": "Query heads of each attention layer."})
     num_query_groups: Optional[int] = field(default=None, metadata={
         "help": "Grouped-query attention: heads of keys and values; null: one per query head."})
+    kv_channels: Optional[int] = field(default=None, metadata={
+        "help": "Width of each attention head (head_dim; Qwen3's is not hidden_size / heads); null: "
+                "hidden_size / num_attention_heads."})
+    qk_layernorm: bool = field(default=False, metadata={
+        "help": "A norm of each query and key head before RoPE (Qwen3's q_norm and k_norm)."})
     activation: str = field(default="gelu", metadata={
         "help": "MLP activation: gelu (one FC1 output) or swiglu (SiLU-gated, FC1 2·ffn_hidden_size "
                 "wide)."})
@@ -59,7 +64,7 @@ class ModelConfig:
     rope_scaling_factor: float = field(default=8.0, metadata={
         "help": "rope_scaling: Llama-3.1's scaling factor."})
     init_from: Optional[str] = field(default=None, metadata={
-        "help": "mode=train: start from this Llama or Qwen2 checkpoint in transformers' format (the "
+        "help": "mode=train: start from this Llama, Qwen2 or Qwen3 checkpoint in transformers' format (the "
                 "directory save_pretrained writes), of this shape (model=hf reads the shape from it); null: "
                 "random weights."})
 

@@ -78,10 +78,12 @@ def validate(cfg) -> Settings:
     m = cfg.model
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
         at_least(f"model.{key}", getattr(m, key))
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is not None:
+        at_least("model.kv_channels", m.kv_channels)
+    elif m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by "
-            f"model.num_attention_heads={m.num_attention_heads}"
+            f"model.num_attention_heads={m.num_attention_heads}; set model.kv_channels, the heads' width"
         )
 
     _check_model_shape(m)

@@ -48,7 +48,7 @@ class Throughput:
     flops_per_step: float  # the model FLOPs of a step, causal attention over whole sequences
     flops_parameters: int  # P of the MFU formula
     layers: int
-    hidden_size: int
+    attention_width: int  # heads · head size (memo.model.attention_width)
     peak_flops: float  # per device
 
     def ceiling(self, gemm_flops: float, attention_forward_flops: float, attention_backward_flops: float) -> float:
@@ -56,7 +56,7 @@ class Throughput:
         :func:`memo.metrics.flops.mfu_ceiling`), by the paper's formula (whole sequences)."""
         sequences = self.global_batch
         return mfu_ceiling(sequences * self.seq, sequences * self.seq**2, self.flops_parameters, self.layers,
-                           self.hidden_size, gemm_flops, attention_forward_flops, attention_backward_flops,
+                           self.attention_width, gemm_flops, attention_forward_flops, attention_backward_flops,
                            self.peak_flops)
 
     def __call__(self, record: dict) -> None:
@@ -65,7 +65,7 @@ class Throughput:
         record["mfu"] = mfu(self.flops_per_step, seconds, self.devices, self.peak_flops)
         if "document_squared_tokens" in record:
             record["flops_documents"] = model_flops(self.global_batch * self.seq, record["document_squared_tokens"],
-                                                    self.flops_parameters, self.layers, self.hidden_size)
+                                                    self.flops_parameters, self.layers, self.attention_width)
             record["mfu_documents"] = mfu(record["flops_documents"], seconds, self.devices, self.peak_flops)
 
 

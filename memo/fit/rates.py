@@ -21,7 +21,7 @@ import torch
 from memo.config import ConfigError, FitConfig, Run
 from memo.hardware import Hardware
 from memo.metrics import ATTENTION_BACKWARD_FLOPS
-from memo.model import torch_dtype
+from memo.model import head_size, torch_dtype
 from memo.model.attention import causal_attention, select_backend
 from memo.results import read_cache, write_cache
 
@@ -184,7 +184,7 @@ def _of_the_run(run: Run, cache: Path) -> tuple[Rates, str, bool]:
     """:func:`cached_rates` of the current GPU at the model's head size and the run's dtype."""
     model = run.workload.model
     device = torch.device("cuda", torch.cuda.current_device())
-    return cached_rates(device, torch_dtype(run.workload), model.hidden_size // model.num_attention_heads, cache)
+    return cached_rates(device, torch_dtype(run.workload), head_size(model), cache)
 
 
 def row_of_this_device(run: Run, cache: Path = RATES_CACHE) -> dict:

@@ -41,7 +41,7 @@ from typing import Optional
 from memo.config import ConfigError, FitConfig, Workload
 from memo.hardware import Hardware
 from memo.metrics import ATTENTION_BACKWARD_FLOPS, mfu, model_flops, tgs
-from memo.model.gpt import layer_matmul_weights, model_flops_parameters, padded_vocab_size
+from memo.model.gpt import attention_width, head_size, layer_matmul_weights, model_flops_parameters, padded_vocab_size
 from memo.policy import LayerSeconds, Placed, policy_of
 
 # Adam on the host reads a gradient (fp32), reads and writes a main weight and two moments (fp32)
@@ -94,7 +94,7 @@ def layer_seconds(workload: Workload, hw: Hardware, fit: FitConfig, exchange: st
     values crossing context-parallel ranks by ``exchange``."""
     model, parallel, seq = workload.model, workload.parallel, workload.seq
     micro_batch_size, element_bytes = workload.micro_batch_size, workload.dtype_bytes
-    h = model.hidden_size
+    h, width, d = model.hidden_size, attention_width(model), head_size(model)
     tp, cp = parallel.tp, parallel.cp
     b, t = micro_batch_size, seq / cp
     peak = hw.peak_flops
@@ -102,8 +102,9 @@ def layer_seconds(workload: Workload, hw: Hardware, fit: FitConfig, exchange: st
     weights = layer_matmul_weights(model)
     gemm_rate = peak * fit.gemm_efficiency
     gemm = 2 * b * t * weights / tp / gemm_rate
-    # QKᵀ and PV, 4·b·t·s·h/tp, halved by the causal mask; within documents of n tokens s becomes n
-    attention_flops = 2 * b * t * workload.attended_tokens * h / tp
+    # QKᵀ and PV, 4·b·t·s·w/tp (w = heads·d, the hidden size unless the heads are narrower or wider),
+    # halved by the causal mask; within documents of n tokens s becomes n
+    attention_flops = 2 * b * t * workload.attended_tokens * width / tp
     attention = attention_flops / (peak * fit.attention_forward_efficiency)
     attention_bwd = ATTENTION_BACKWARD_FLOPS * attention_flops / (peak * fit.attention_backward_efficiency)
 
@@ -113,8 +114,8 @@ def layer_seconds(workload: Workload, hw: Hardware, fit: FitConfig, exchange: st
     tp_pass = 4 * _ring_seconds(activation, tp, tp_link) * (1 - fit.tp_comm_overlap)
 
     groups = model.num_query_groups or model.num_attention_heads
-    kv = b * t * (h // model.num_attention_heads * groups) / tp * element_bytes  # this rank's keys, or values
-    qo = b * t * h / tp * element_bytes  # this rank's queries, or attention's output
+    kv = b * t * (d * groups) / tp * element_bytes  # this rank's keys, or values
+    qo = b * t * width / tp * element_bytes  # this rank's queries, or attention's output
     block = 2 * kv  # one key and one value block
     cp_link = _link(tp * cp, hw, fit.link_efficiency)
     if cp == 1:
@@ -135,7 +136,7 @@ def layer_seconds(workload: Workload, hw: Hardware, fit: FitConfig, exchange: st
     # the token-wise GEMMs up to FC2's input (QKV, projection, FC1); the QKV GEMM's keys and values
     f = model.ffn_hidden_size
     token_wise = 2 * b * t * (weights - f * h) / tp / gemm_rate
-    keys_values = 2 * b * t * h * 2 * (h // model.num_attention_heads * groups) / tp / gemm_rate
+    keys_values = 2 * b * t * h * 2 * (d * groups) / tp / gemm_rate
     return LayerSeconds(gemm, attention, attention_bwd, tp_pass, cp_fwd, cp_bwd, token_wise, keys_values)
 
 
@@ -188,7 +189,8 @@ def predict_time(
     devices = tp * cp * pp * dp
     global_batch = micro_batch_size * micro_batches * dp
     # (within documents, the attention computed: as a run's mfu_documents, not the paper's s²)
-    flops = global_batch * model_flops(seq, seq * workload.attended_tokens, model_flops_parameters(model), n, h)
+    flops = global_batch * model_flops(seq, seq * workload.attended_tokens, model_flops_parameters(model), n,
+                                       attention_width(model))
     return TimePrediction(
         layer_forward_s=forward,
         layer_backward_s=backward,

@@ -27,7 +27,7 @@ from memo.data.batches import SyntheticTokens
 from memo.execute.distributed import ProcessInfo
 from memo.gpucheck.common import arguments, compose, placed_model, step_device, write_rows
 from memo.gpucheck.numerics import LLAMA_GPU, judged, kernels, relative_errors, say
-from memo.model import dtype_setting
+from memo.model import dtype_setting, head_size
 from memo.model.documents import DocumentParams, Documents
 
 # method, α (memo's), tokens per sequence tile as a share of the sequence (None: whole layers)
@@ -68,7 +68,7 @@ def compare(model_overrides: list[str], lengths: list[int], device: torch.device
         tokens, eod = sequence(run.workload.model.vocab_size, lengths)
         documents = Documents.of(tokens[:-1], eod)
         tokens = tokens.to(device)
-        head_dim = run.workload.model.hidden_size // run.workload.model.num_attention_heads
+        head_dim = head_size(run.workload.model)
         # (math keeps whole s×s probabilities, which swapping refuses; where cuDNN's kernel runs,
         # documents' blocks run FlashAttention's: memo.model.documents.block_kernel)
         for kernel in [k for k in kernels(device, dtype, head_dim) if k not in ("math", "cudnn")]:

@@ -32,16 +32,17 @@ sequence were attended, and ``mfu_documents`` by the attention computed.
 ATTENTION_BACKWARD_FLOPS = 2.5
 
 
-def model_flops(tokens: int, squared_spans: int, params: int, num_layers: int, hidden_size: int) -> float:
+def model_flops(tokens: int, squared_spans: int, params: int, num_layers: int, attention_width: int) -> float:
     """Model FLOPs (forward and backward) of ``tokens`` tokens whose causal attention spans
     (a whole sequence, or each document of one where documents are kept apart) have lengths
-    whose squares sum to ``squared_spans`` (tokens²)."""
-    return 6.0 * tokens * params + 6.0 * num_layers * hidden_size * squared_spans
+    whose squares sum to ``squared_spans`` (tokens²); ``attention_width`` is heads · head size (the
+    paper's h, the hidden size, unless the heads are narrower or wider, as Qwen3's)."""
+    return 6.0 * tokens * params + 6.0 * num_layers * attention_width * squared_spans
 
 
-def model_flops_per_sample(seq: int, params: int, num_layers: int, hidden_size: int) -> float:
+def model_flops_per_sample(seq: int, params: int, num_layers: int, attention_width: int) -> float:
     """Model FLOPs of one training sample (forward and backward) of ``seq`` tokens."""
-    return model_flops(seq, seq**2, params, num_layers, hidden_size)
+    return model_flops(seq, seq**2, params, num_layers, attention_width)
 
 
 def mfu(flops_per_iter: float, iter_time_s: float, num_devices: int, peak_flops: float) -> float:
@@ -62,14 +63,14 @@ def tgs(tokens_per_iter: int, iter_time_s: float, num_devices: int) -> float:
     return tokens_per_iter / (iter_time_s * num_devices)
 
 
-def mfu_ceiling(tokens: int, squared_spans: int, params: int, num_layers: int, hidden_size: int,
+def mfu_ceiling(tokens: int, squared_spans: int, params: int, num_layers: int, attention_width: int,
                 gemm_flops: float, attention_forward_flops: float, attention_backward_flops: float,
                 peak_flops: float) -> float:
     """The MFU of a step that ran only the model's FLOPs at its kernels' rates (see the module
     docstring): ``model_flops / (peak · seconds)``, ``seconds`` the GEMMs' and attention's at
     ``gemm_flops``, ``attention_forward_flops`` and ``attention_backward_flops`` (FLOP/s of one
     device, the backward's counted as 2.5 forwards); arguments as :func:`model_flops`."""
-    attention = 2.0 * num_layers * hidden_size * squared_spans  # the forward's, causal
+    attention = 2.0 * num_layers * attention_width * squared_spans  # the forward's, causal
     seconds = (6.0 * tokens * params / gemm_flops + attention / attention_forward_flops
                + ATTENTION_BACKWARD_FLOPS * attention / attention_backward_flops)
-    return model_flops(tokens, squared_spans, params, num_layers, hidden_size) / (peak_flops * seconds)
+    return model_flops(tokens, squared_spans, params, num_layers, attention_width) / (peak_flops * seconds)

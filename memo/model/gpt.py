@@ -116,6 +116,18 @@ def dtype_label(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def head_size(model: ModelConfig) -> int:
+    """Width of one attention head (megatron-core's ``kv_channels``): ``model.kv_channels``, else
+    hidden ÷ heads."""
+    return model.kv_channels or model.hidden_size // model.num_attention_heads
+
+
+def attention_width(model: ModelConfig) -> int:
+    """Width of a layer's queries and of its attention output: heads · head size (the hidden size
+    but where the heads are narrower or wider, as Qwen3's)."""
+    return model.num_attention_heads * head_size(model)
+
+
 def padded_vocab_size(model: ModelConfig, tp: int) -> int:
     """Vocabulary rows of the embedding: a multiple of ``make_vocab_size_divisible_by`` and tp."""
     multiple = math.lcm(model.make_vocab_size_divisible_by, tp)
@@ -126,10 +138,11 @@ def parameter_count(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
     """Parameters counted from the model's shape: with ``tp = pp = 1`` the whole model (P of the
     MFU formula), otherwise those one device of the first pipeline stage holds.
 
-    Per layer, with ``d = h/heads``, ``q = heads·d`` and ``kv = 2·groups·d``: QKV ``h·(q + kv)``,
-    projection ``q·h``, FC1 ``h·f`` (``2·h·f`` for SwiGLU), FC2 ``f·h``, each with a bias where
-    ``add_bias_linear`` (QKV's also where ``add_qkv_bias``), and two norms (``2h`` each for
-    LayerNorm, ``h`` for RMSNorm). tp splits the weights and the QKV and FC1 biases, and
+    Per layer, with ``d`` the head size (:func:`head_size`), ``q = heads·d`` and ``kv = 2·groups·d``:
+    QKV ``h·(q + kv)``, projection ``q·h``, FC1 ``h·f`` (``2·h·f`` for SwiGLU), FC2 ``f·h``, each
+    with a bias where ``add_bias_linear`` (QKV's also where ``add_qkv_bias``), two norms (``2h``
+    each for LayerNorm, ``h`` for RMSNorm) and, with ``qk_layernorm``, a query and a key norm of
+    ``d`` each (``2d`` for LayerNorm). tp splits the weights and the QKV and FC1 biases, and
     replicates the projection and FC2 biases and the norms. Then the embedding ``V·h`` (V padded,
     split over tp), an output layer as large where untied, and the final norm (the last stage's).
     """
@@ -138,7 +151,7 @@ def parameter_count(model: ModelConfig, tp: int = 1, pp: int = 1) -> int:
     split = layer_matmul_weights(model)
     if model.add_bias_linear or model.add_qkv_bias:
         split += qkv
-    replicated = 2 * (2 * h if model.normalization == "LayerNorm" else h)
+    replicated = 2 * (2 * h if model.normalization == "LayerNorm" else h) + sum(_qk_norms(model))
     if model.add_bias_linear:
         split += fc1
         replicated += 2 * h
@@ -157,17 +170,26 @@ def parameter_numels(model: ModelConfig, tp: int = 1, pp: int = 1) -> list[int]:
     q, qkv, fc1 = _widths(model)
     norm = [h, h] if model.normalization == "LayerNorm" else [h]
     bias = model.add_bias_linear
-    # as Megatron's attention registers them: the projection before QKV
+    # as Megatron's attention registers them: the projection before QKV, the q and k norms after
     layer = [*norm, q // tp * h, *([h] if bias else []), qkv * h // tp, *([qkv // tp] if bias or model.add_qkv_bias else []),
-             *norm, fc1 // tp * h, *([fc1 // tp] if bias else []), f // tp * h, *([h] if bias else [])]
+             *_qk_norms(model), *norm, fc1 // tp * h, *([fc1 // tp] if bias else []), f // tp * h,
+             *([h] if bias else [])]
     vocab = padded_vocab_size(model, tp) * h // tp
     last = [*norm, *([vocab] if model.untie_embeddings_and_output_weights else [])] if pp == 1 else []
     return [vocab, *layer * (model.num_layers // pp), *last]
 
 
+def _qk_norms(model: ModelConfig) -> list[int]:
+    """The elements of a layer's query and key norms (``qk_layernorm``), in registration order."""
+    if not model.qk_layernorm:
+        return []
+    d = head_size(model)
+    return [d, d] * 2 if model.normalization == "LayerNorm" else [d, d]
+
+
 def _widths(model: ModelConfig) -> tuple[int, int, int]:
     """(query width ``heads·d``, QKV output width ``(heads + 2·groups)·d``, FC1 output width)."""
-    head = model.hidden_size // model.num_attention_heads
+    head = head_size(model)
     q = model.num_attention_heads * head
     qkv = q + 2 * (model.num_query_groups or model.num_attention_heads) * head
     return q, qkv, 2 * model.ffn_hidden_size if model.activation == "swiglu" else model.ffn_hidden_size
@@ -236,6 +258,8 @@ def transformer_config(workload: Workload, device_type: str, local_spec: bool = 
         use_cpu_initialization=device_type == "cpu",
         init_method_std=0.02,
         num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        qk_layernorm=model.qk_layernorm,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
         add_bias_linear=model.add_bias_linear,
@@ -267,6 +291,9 @@ def _local_block_spec(config: TransformerConfig, attention_backend: str, layers:
     norm = norm_class(config.normalization)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
+    if config.qk_layernorm:
+        layer.submodules.self_attention.submodules.q_layernorm = norm
+        layer.submodules.self_attention.submodules.k_layernorm = norm
     layer.submodules.mlp.submodules.activation_func = Activation
     attention = layer.submodules.self_attention
     attention.module = RotarySelfAttention

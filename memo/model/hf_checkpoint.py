@@ -1,8 +1,10 @@
 """Weights in Hugging Face ``transformers``' format (``config.json`` and safetensors), both ways.
 
-``model.init_from=DIR`` starts training from a Llama or Qwen2 checkpoint that ``transformers``
-saved (``save_pretrained``): :func:`load` checks that ``DIR/config.json`` describes the run's
-model and copies every tensor into this rank's shard of the Megatron model; :func:`save` writes
+``model.init_from=DIR`` starts training from a Llama, Qwen2 or Qwen3 checkpoint that
+``transformers`` saved (``save_pretrained``): :func:`check` finds, before a model is built, that
+``DIR/config.json`` describes the run's model (:mod:`memo.config.hf_model` reads it) and that its
+weight files are whole and hold exactly its tensors; :func:`load` copies every tensor into this
+rank's shard of the Megatron model; :func:`save` writes
 the model back in the same format. Neither needs ``transformers``: the format is read as JSON
 and safetensors.
 
@@ -14,7 +16,8 @@ What changes between the two layouts:
 * Megatron's SwiGLU FC1 is ``[gate; up]`` (``linear_fc1``), ``transformers``' ``gate_proj`` and
   ``up_proj``; under tensor parallelism each rank holds its rows of both (Megatron's partition
   stride 2), which :func:`shard` and :func:`unshard` follow.
-* Everything else is renamed only. Transformer Engine's layers keep the norms' weights inside
+* Everything else is renamed only (Qwen3's ``q_norm`` and ``k_norm`` are Megatron's
+  ``q_layernorm`` and ``k_layernorm``). Transformer Engine's layers keep the norms' weights inside
   the next linear layer (``layer_norm_weight``); both layer specs are understood.
 
 The vocabulary must not be padded (``make_vocab_size_divisible_by`` and tp divide it, as for
@@ -34,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from memo.config import ConfigError, ModelConfig, hf_model
-from memo.model.gpt import padded_vocab_size
+from memo.model.gpt import head_size, padded_vocab_size
 from memo.results import create_file_atomic, new_file_mode
 
 WEIGHTS_FILE = "model.safetensors"
@@ -45,8 +48,10 @@ def _our_shape(model: ModelConfig) -> dict:
     shape = {key: getattr(model, key) for key in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "activation", "normalization",
         "norm_epsilon", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "vocab_size",
-        "rotary_base", "rope_scaling")}
+        "rotary_base", "rope_scaling", "qk_layernorm")}
     shape["num_query_groups"] = model.num_query_groups or model.num_attention_heads
+    shape["kv_channels"] = model.kv_channels if head_size(model) * model.num_attention_heads != model.hidden_size \
+        else None
     if model.rope_scaling:
         shape["rope_scaling_factor"] = model.rope_scaling_factor
     return shape
@@ -97,6 +102,9 @@ def _layer_names(prefix: str, i: int, model: ModelConfig) -> dict:
     }
     if model.add_qkv_bias:
         names[ours + "self_attention.linear_qkv.bias"] = tuple(theirs + f"self_attn.{p}_proj.bias" for p in "qkv")
+    if model.qk_layernorm:
+        names.update({ours + f"self_attention.{p}_layernorm.weight": theirs + f"self_attn.{p}_norm.weight"
+                      for p in "qk"})
     return names
 
 
@@ -134,7 +142,7 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) ->
 
 def _split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple:
     groups = model.num_query_groups or model.num_attention_heads
-    head = model.hidden_size // model.num_attention_heads
+    head = head_size(model)
     per_group = model.num_attention_heads // groups * head
     q, k, v = qkv.unflatten(0, (groups, -1)).split([per_group, head, head], dim=1)
     return tuple(t.flatten(0, 1).clone() for t in (q, k, v))
@@ -220,15 +228,16 @@ def _weight_files(directory: Path) -> list[Path]:
 
 def _hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of ``model``'s checkpoint, by ``transformers``' name."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    d = h // model.num_attention_heads
+    h, f, d = model.hidden_size, model.ffn_hidden_size, head_size(model)
     q, kv = model.num_attention_heads * d, (model.num_query_groups or model.num_attention_heads) * d
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv}
     shapes = {}
     for theirs in names(model).values():
         for name in (theirs,) if isinstance(theirs, str) else theirs:
             part = name.split(".")[-2]
-            if name.endswith("norm.weight"):
+            if part in ("q_norm", "k_norm"):
+                shapes[name] = (d,)
+            elif name.endswith("norm.weight"):
                 shapes[name] = (h,)
             elif name.endswith(".bias"):
                 shapes[name] = (rows[part],)
@@ -359,23 +368,24 @@ def gather(module: torch.nn.Module, model: ModelConfig, grads: bool = False) -> 
 
 
 def hf_config(model: ModelConfig, dtype: torch.dtype, token_ids: Optional[dict] = None) -> dict:
-    """``config.json`` of ``model`` as ``transformers`` reads it: Qwen2 where q, k and v have
-    biases, Llama otherwise; with ``token_ids`` (``bos_token_id``, ``eos_token_id``) where the
-    tokenizer is known (without them transformers' Llama assumes 1 and 2)."""
-    qwen = model.add_qkv_bias
-    if model.activation != "swiglu" or model.normalization != "RMSNorm" or model.add_bias_linear:
-        raise ConfigError(f"model={model.name} is not a Llama or Qwen2 shape (SwiGLU, RMSNorm, no linear "
-                          "biases): transformers' format has no place for it")
+    """``config.json`` of ``model`` as ``transformers`` reads it: Qwen3 where queries and keys have
+    norms, Qwen2 where q, k and v have biases, Llama otherwise; with ``token_ids`` (``bos_token_id``,
+    ``eos_token_id``) where the tokenizer is known (without them transformers' Llama assumes 1 and 2)."""
+    kind = "qwen3" if model.qk_layernorm else "qwen2" if model.add_qkv_bias else "llama"
+    if model.activation != "swiglu" or model.normalization != "RMSNorm" or model.add_bias_linear or (
+            model.qk_layernorm and model.add_qkv_bias):
+        raise ConfigError(f"model={model.name} is not a Llama, Qwen2 or Qwen3 shape (SwiGLU, RMSNorm, no linear "
+                          "biases, q and k biases or norms, not both): transformers' format has no place for it")
     config = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]],
+        "model_type": kind,
         "hidden_act": "silu",
         "hidden_size": model.hidden_size,
         "intermediate_size": model.ffn_hidden_size,
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
-        "head_dim": model.hidden_size // model.num_attention_heads,
+        "head_dim": head_size(model),
         "rms_norm_eps": model.norm_epsilon,
         "vocab_size": model.vocab_size,
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
@@ -383,8 +393,8 @@ def hf_config(model: ModelConfig, dtype: torch.dtype, token_ids: Optional[dict] 
         "max_position_embeddings": 131072,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if not qwen:
-        config.update(attention_bias=False, mlp_bias=False)
+    if kind != "qwen2":
+        config.update(attention_bias=False, **({"mlp_bias": False} if kind == "llama" else {}))
     if model.rope_scaling:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor, **hf_model.LLAMA3_SCALING}
     return {**config, **(token_ids or {})}

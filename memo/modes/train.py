@@ -37,6 +37,7 @@ from memo.execute.train import TrainingStep, rank_tokens, run_steps, untimed_ste
 from memo.metrics import PeakMemory, mfu, model_flops_per_sample, tgs
 from memo.model import (
     BuiltModel,
+    attention_width,
     build_gpt,
     dtype_label,
     dtype_setting,
@@ -399,11 +400,10 @@ def _run(run: Run, policy: ActivationPolicy, started: Started, built: Built, run
     batches = micro_batches(source, seq, workload.micro_batch_size, train.micro_batches,
                             parallel_state.get_data_parallel_rank(), dp_size, torch.device(device_type),
                             built.consumed, eod)
-    flops_parameters = model_flops_parameters(model)
+    flops_parameters, width = model_flops_parameters(model), attention_width(model)
     throughput = Throughput(global_batch, seq, info.world_size,
-                            global_batch * model_flops_per_sample(seq, flops_parameters, model.num_layers,
-                                                                  model.hidden_size),
-                            flops_parameters, model.num_layers, model.hidden_size, started.hw.peak_flops)
+                            global_batch * model_flops_per_sample(seq, flops_parameters, model.num_layers, width),
+                            flops_parameters, model.num_layers, width, started.hw.peak_flops)
     row.update(params=built.model.params, global_batch_size=global_batch, tokens_per_iter=global_batch * seq,
                flops_per_iter=throughput.flops_per_step, layer_spec=built.model.layer_spec,
                attention_backend=built.model.attention_backend,

@@ -16,7 +16,7 @@ import torch
 from memo.config import ConfigError, Method, ParallelConfig, Workload
 from memo.config.validate import CP_COMM_TYPES
 from memo.hardware import Hardware
-from memo.model import LayerBuild
+from memo.model import LayerBuild, attention_width
 from memo.model.context_parallel import exchange_bytes
 from memo.model.placement import LayerRuntime, NullRuntime
 from memo.profile.template import IterationTemplate
@@ -187,7 +187,7 @@ class ActivationPolicy(abc.ABC):
         (:func:`memo.model.context_parallel.exchange_bytes`)."""
         parallel = workload.parallel
         return exchange_bytes(parallel.cp_comm_type, parallel.cp, workload.micro_batch_size, workload.seq,
-                              workload.model.hidden_size // parallel.tp, workload.dtype_bytes)
+                              attention_width(workload.model) // parallel.tp, workload.dtype_bytes)
 
     def recompute_seconds(self, workload: Workload, seconds: LayerSeconds, alpha: float = 1.0,
                           checkpoint_every: int = 1) -> float:

@@ -18,7 +18,7 @@ import torch
 
 from memo.config import ConfigError, Method, ParallelConfig, Workload
 from memo.hardware import Hardware
-from memo.model import LayerBuild
+from memo.model import LayerBuild, head_size
 from memo.model.placement import LayerRuntime
 from memo.model.tiles import rank_tile_blocks, tiles_per_rank
 from memo.policy.base import ActivationPolicy, LayerSeconds, OutOfHostMemory, Placed, Situation, _host_lines
@@ -129,7 +129,7 @@ class SequenceTiles(ActivationPolicy):
         if cp == 1:
             return 0
         groups = model.num_query_groups or model.num_attention_heads
-        g = model.hidden_size // model.num_attention_heads * groups // parallel.tp
+        g = head_size(model) * groups // parallel.tp
         wide = 8 if e == 8 else 4
         return 2 * b * (s - s // cp) * g * (e + wide) + b * s // (2 * cp) * g * wide
 

@@ -16,7 +16,7 @@ import torch
 
 from memo.config import ConfigError, Method, Workload
 from memo.hardware import Hardware
-from memo.model import LayerBuild
+from memo.model import LayerBuild, attention_width
 from memo.model.placement import LayerRuntime
 from memo.policy.base import ActivationPolicy, LayerSeconds, OutOfHostMemory, Placed, Situation, _host_lines
 from memo.profile.template import IterationTemplate
@@ -141,7 +141,7 @@ def swapped_sizes(template: IterationTemplate, workload: Workload) -> SkeletalBy
     total = template.kept_bytes(layer, tokens)
     layer_input = template.input_bytes(tokens)
     heads = model.num_attention_heads // parallel.tp
-    attention = b * tokens * (model.hidden_size // parallel.tp * workload.dtype_bytes + heads * 4)
+    attention = b * tokens * (attention_width(model) // parallel.tp * workload.dtype_bytes + heads * 4)
     return SkeletalBytes(layer_input, attention, total - layer_input - attention)
 
 

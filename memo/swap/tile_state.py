@@ -2,6 +2,7 @@
 in, the tile at hand, the stores of the whole sequence, and the ends a tile's attention may cut
 its run short with."""
 
+import contextlib
 from dataclasses import dataclass
 from typing import ContextManager
 
@@ -50,7 +51,11 @@ def keys_and_values_only(layer) -> ContextManager[None]:
 
 def queries_only(layer) -> ContextManager[None]:
     """``layer``'s QKV projection making the queries alone (a tile's dropped tokens made again:
-    their keys and values are in the store)."""
+    their keys and values are in the store); the whole projection where keys have a norm
+    (``qk_layernorm``): the key norm's backward reads what its forward saved for those tokens,
+    which must then be their keys, not the channels a partial product leaves undefined."""
+    if layer.config.qk_layernorm:
+        return contextlib.nullcontext()
     return _only(layer, keys_values=False)
 
 

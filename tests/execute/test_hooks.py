@@ -24,7 +24,7 @@ def test_schedules_are_every_interval_and_the_last_step():
 def test_throughput_is_the_papers_tgs_and_mfu_and_by_documents_where_kept_apart():
     # 4 sequences of 1024 tokens in 2 s on 2 devices of 1e12 FLOP/s; P = 1000, 2 layers, h = 8
     hook = Throughput(global_batch=4, seq=1024, devices=2, flops_per_step=8e12, flops_parameters=1000, layers=2,
-                      hidden_size=8, peak_flops=1e12)
+                      attention_width=8, peak_flops=1e12)
     record = _record()
     hook(record)
     assert record["tgs"] == 4 * 1024 / (2.0 * 2) and record["mfu"] == 8e12 / (2.0 * 2 * 1e12)

@@ -180,7 +180,8 @@ def test_what_a_directory_holds_is_checked_before_a_model_is_built_each_in_one_l
                                                                      r"\"yarn\", .*Megatron-core applies Llama-3.1's only"),
             ({"hidden_act": "gelu"}, "config.json has hidden_act=gelu: our MLP is SwiGLU"),
             ({"rope_theta": 10000.5}, "config.json has rope_theta=10000.5: model.rotary_base is a whole number"),
-            ({"model_type": "mistral"}, r"config.json has model_type=mistral: Llama 3.x \(llama\) and Qwen2/2.5")):
+            ({"model_type": "mistral"}, r"config.json has model_type=mistral: Llama 3.x \(llama\), Qwen2/2.5 "
+                                        r"\(qwen2\) and Qwen3")):
         (directory / "config.json").write_text(json.dumps(config | change))
         with pytest.raises(ConfigError, match=message):
             resolve_config("model=hf", f"model.init_from={directory}")
@@ -224,3 +225,42 @@ def test_truncated_weights_end_a_run_in_one_line_with_an_error_row_and_the_files
     row = json.loads((tmp_path / "run" / "result.json").read_text())
     assert (row["status"], row["model.name"], row["params"]) == ("error", "checkpoint", None)
     assert file_hashes(directory) == before
+
+
+def test_qwen3_read_from_its_directory_trains_with_memo_in_whole_layers_and_tiles_as_keeping_everything(tmp_path):
+    hf_models.make_new_checkpoint("qwen3_wide_heads", tmp_path / "qwen3")
+    common = ("model=hf", f"model.init_from={tmp_path / 'qwen3'}", "seq=128", "train.steps=3", "train.warmup_steps=1")
+    runs = {"none": ("method=none",), "memo": ("method=memo", "alpha=0.5"),
+            "memo_tiles": ("method=memo", "alpha=0.5", "method.tile_tokens=32")}
+    losses = {}
+    for name, method in runs.items():
+        row = run_in_process(tmp_path / name, *common, *method)
+        assert row["status"] == "ok", row["error"]
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").open()]
+    assert losses["memo"] == pytest.approx(losses["none"], abs=1e-5)
+    assert losses["memo_tiles"] == pytest.approx(losses["none"], abs=1e-5)
+    assert losses["none"][-1] != losses["none"][0]
+
+
+@pytest.mark.parametrize("name", list(hf_models.NEW_SHAPES))
+def test_a_model_read_from_its_directory_is_counted_as_built_and_saved_back_byte_for_byte(tmp_path, name):
+    import transformers
+
+    from memo.model.gpt import parameter_count, parameter_numels
+
+    hf = hf_models.make_new_checkpoint(name, tmp_path / "theirs")
+    model = resolve_config("model=hf", f"model.init_from={tmp_path / 'theirs'}", "seq=64").workload
+    with one_process():
+        gpt = build_model(model, "cpu").module
+        hf_checkpoint.load(gpt, model.model, tmp_path / "theirs")
+        hf_checkpoint.save(gpt, model.model, tmp_path / "ours")
+    assert parameter_numels(model.model) == [p.numel() for p in gpt.parameters()]
+    assert parameter_count(model.model) == hf.num_parameters()
+    weights = hf_checkpoint.WEIGHTS_FILE
+    assert (tmp_path / "ours" / weights).read_bytes() == (tmp_path / "theirs" / weights).read_bytes()
+    configs = [transformers.AutoConfig.from_pretrained(tmp_path / side) for side in ("theirs", "ours")]
+    theirs, ours = ({**c.to_dict(), "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads}
+                    for c in configs)
+    for key in ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "tie_word_embeddings", "rope_parameters"):
+        assert ours[key] == theirs[key], key

@@ -61,8 +61,8 @@ def test_a_model_transformers_has_no_format_for_is_one_line(tmp_path, capsys):
     saved = _trained(tmp_path, "tiny")
     assert main([str(saved), str(tmp_path / "hf")]) == 2 and not (tmp_path / "hf").exists()
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: model=tiny is not a Llama or Qwen2 shape (SwiGLU, RMSNorm, no linear biases): transformers' format "
-        "has no place for it")
+        "error: model=tiny is not a Llama, Qwen2 or Qwen3 shape (SwiGLU, RMSNorm, no linear biases, q and k biases "
+        "or norms, not both): transformers' format has no place for it")
 
 
 def test_an_export_has_the_umask_the_tokenizer_and_its_ids_and_never_goes_into_a_run(tmp_path, capsys):
