@@ -74,6 +74,13 @@ def test_a_checkpoint_of_another_shape_or_format_is_refused_in_one_line(tmp_path
     with pytest.raises(ConfigError, match=r"ffn_hidden_size=704, and model.ffn_hidden_size=768; set model.ffn_hidden_size=704, "
                                           "or model=hf to read every field from the checkpoint"):
         hf_checkpoint.check_config(llama, tmp_path, tp=1)
+    # the value suggested is one the command line takes (config.json's rope_theta is 1000000.0)
+    based = resolve_config("model=tiny_qwen", "model.rotary_base=10000").workload.model
+    with pytest.raises(ConfigError, match=r"rotary_base=1000000, and model.rotary_base=10000; set "
+                                          r"model.rotary_base=1000000, or model=hf"):
+        hf_checkpoint.check_config(based, tmp_path, tp=1)
+    hf_checkpoint.check_config(resolve_config("model=tiny_qwen", "model.rotary_base=1000000").workload.model,
+                               tmp_path, tp=1)
     qwen = resolve_config("model=tiny_qwen", "model.vocab_size=4000").workload.model
     with pytest.raises(ConfigError, match=r"vocab_size=4096, and model.vocab_size=4000"):
         hf_checkpoint.check_config(qwen, tmp_path, tp=1)

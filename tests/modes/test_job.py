@@ -193,3 +193,26 @@ def test_plan_true_installs_its_allocator_before_anything_reads_the_gpu(tmp_path
     row = run_in_process(tmp_path, *SHORT, "plan=true")
     assert order == ["install"] and "_Stop" in row["error"]
 
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d["tokenizer"].write_bytes(d["tokenizer"].read_bytes()[:200]),
+     r"train.tokenizer: .*tokenizer.json: not a tokenizer file of the tokenizers library \(EOF while parsing"),
+    (lambda d: d["prefix"].with_suffix(".idx").write_bytes(d["prefix"].with_suffix(".idx").read_bytes()[:40]),
+     r"train.data: .*corpus.idx is 40 bytes, and its header needs \d+: it is cut short"),
+], ids=["tokenizer", "index"])
+def test_damaged_data_is_one_line_and_an_error_row_before_the_model_is_built(tmp_path, monkeypatch, damage,
+                                                                             message):
+    import re
+
+    from conftest import file_hashes
+    from tiny_corpus import make_corpus
+
+    prefix, tokenizer, _ = make_corpus(tmp_path / "data", count=20)
+    damage({"prefix": prefix, "tokenizer": tokenizer})
+    before = file_hashes(tmp_path / "data")
+    monkeypatch.setattr(memo.modes.train, "build_gpt", _raise(RuntimeError("the model was built")))
+    row = run_in_process(tmp_path / "run", *SHORT, f"train.data=megatron:{prefix}", f"train.tokenizer={tokenizer}",
+                         f"train.data_cache={tmp_path / 'cache'}")
+    assert row["status"] == "error" and re.search(message, row["error"]) and "\n" not in row["error"], row["error"]
+    assert file_hashes(tmp_path / "data") == before
