@@ -33,7 +33,7 @@ from memo.collector import freeze_at_exit, frozen_after
 from memo.config import ConfigError, register_configs, validate
 from memo.config.choices import check_group_choices
 from memo.config.options import asks_for_help, help_text, show
-from memo.execute.launch import LAUNCHED, launch
+from memo.execute.launch import LAUNCHED, launch, leave_error
 from memo.results import claim_run_dir, continue_run_dir
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -48,12 +48,10 @@ def main(cfg: DictConfig) -> None:
         if hydra_cfg.mode == RunMode.RUN:
             validate(cfg)  # fail fast, before the heavy imports; a sweep records it in a row
         output_dir = Path(hydra_cfg.runtime.output_dir)
-        if cfg.launch.processes > 1 and LAUNCHED not in os.environ and "RANK" not in os.environ:
-            # the job's ranks, started here; rank 0 claims the directory and writes the row
-            code = launch(cfg.launch.processes, [sys.executable, str(Path(__file__).resolve()),
-                                                 *hydra_cfg.overrides.task, f"hydra.run.dir={output_dir}"])
-            if code and hydra_cfg.mode == RunMode.RUN:
-                sys.exit(code)  # (rank 0 printed the refusal, or the interrupt)
+        if _launches(cfg, hydra_cfg):  # the job's ranks, started here; rank 0 claims the directory, writes the row
+            code = launch(cfg.launch.processes, _rank_command(hydra_cfg, output_dir))
+            if code >= 128 or (code and hydra_cfg.mode == RunMode.RUN):
+                sys.exit(code)  # rank 0 printed the refusal, or the interrupt, which ends a sweep too
             return
         if RANK != 0:  # what every rank would log, rank 0 logs
             logging.getLogger("memo").setLevel(logging.WARNING)
@@ -73,6 +71,46 @@ def main(cfg: DictConfig) -> None:
         _fail(str(error))
     if row["status"] == "error" and hydra_cfg.mode == RunMode.RUN:
         _fail(row["error"])
+
+
+def _launches(cfg: DictConfig, hydra_cfg: DictConfig) -> bool:
+    """Whether this process starts the job's ranks (``launch.processes``): not a rank itself (of a
+    launch, torchrun, or as many SLURM tasks), and in a sweep only a job whose settings are valid
+    (an invalid one runs here, to leave its row).
+
+    Raises:
+        ConfigError: in one of SLURM's tasks, where there are several and not as many.
+    """
+    processes = cfg.launch.processes
+    if processes == 1 or LAUNCHED in os.environ or "RANK" in os.environ:
+        return False
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) if "SLURM_PROCID" in os.environ else 1
+    if tasks == processes:  # SLURM started the ranks (hydra/launcher=slurm sizes a job so)
+        return False
+    if tasks > 1:
+        raise ConfigError(f"launch.processes={processes} in each of SLURM's {tasks} tasks; start one task per node "
+                          f"to launch them, or {processes} tasks and no launch")
+    if hydra_cfg.mode != RunMode.RUN:
+        try:
+            validate(cfg)
+        except ConfigError:
+            return False
+    return True
+
+
+# Hydra's own settings a rank must not inherit: where this command's job and sweep write, its mode
+_PARENTS_HYDRA = ("hydra.run.", "hydra.sweep.", "hydra.mode", "hydra.job.num", "hydra.job.id", "hydra/launcher",
+                  "hydra.launcher", "hydra/sweeper", "hydra.sweeper")
+
+
+def _rank_command(hydra_cfg: DictConfig, output_dir: Path) -> list[str]:
+    """``python run.py`` as this job was composed (its config name and directories, its overrides,
+    Hydra's own but where to write), writing into ``output_dir``."""
+    sources = [f"--config-dir={s.path}" for s in hydra_cfg.runtime.config_sources
+               if s.provider == "command-line" and s.schema == "file"]
+    own = [o for o in hydra_cfg.overrides.hydra if not o.lstrip("+~").startswith(_PARENTS_HYDRA)]
+    return [sys.executable, str(Path(__file__).resolve()), f"--config-name={hydra_cfg.job.config_name}", *sources,
+            *hydra_cfg.overrides.task, *own, f"hydra.run.dir={output_dir}"]
 
 
 def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> dict[str, str]:
@@ -109,8 +147,10 @@ def _one_line(error: BaseException) -> str:
 
 
 def _fail(message: str) -> None:
-    if RANK == 0:  # every rank refuses alike: the line once
+    if RANK == 0:  # every rank refuses alike: the line once (another's, where it alone fails, the launch prints)
         print(f"error: {message}", file=sys.stderr)
+    else:
+        leave_error(RANK, message)
     sys.exit(2)
 
 
@@ -134,5 +174,6 @@ if __name__ == "__main__":
         _fail(f"{error.filename or ''}: {error.strerror or error}; choose a writable hydra.run.dir")
     except KeyboardInterrupt as error:  # the row, if any, is written and says so
         signum = getattr(error, "signum", signal.SIGINT)
-        print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        if RANK == 0:
+            print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
         sys.exit(128 + signum)

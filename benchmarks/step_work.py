@@ -85,7 +85,7 @@ def minimum(shape: Shape, seq: int, tile: int, alpha: float) -> dict:
 
 def shape_of(workload) -> Shape:
     m = workload.model
-    d = m.hidden_size // m.num_attention_heads
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
     return Shape(m.hidden_size, m.num_attention_heads, m.num_query_groups or m.num_attention_heads, d,
                  m.ffn_hidden_size, padded_vocab_size(m, 1), m.num_layers, workload.dtype_bytes)
 

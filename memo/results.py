@@ -54,6 +54,23 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def config_row(cfg) -> dict[str, Any]:
+    """A composed configuration (a DictConfig, its ``hydra`` node left out: its runtime fields
+    exist only inside a running job) as a row's flat columns: resolved, or as written where an
+    interpolation cannot be (``model=hf`` without a readable checkpoint, which the job refuses)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    def tree(resolve: bool) -> dict:
+        return {key: OmegaConf.to_container(cfg[key], resolve=resolve) if OmegaConf.is_config(cfg[key]) else cfg[key]
+                for key in cfg if key != "hydra"}
+
+    try:
+        return flatten(tree(resolve=True))
+    except InterpolationResolutionError:
+        return flatten(tree(resolve=False))
+
+
 def finite(value: Any) -> Any:
     """``value``, or None where it is an infinite or NaN float: JSON has no such numbers, and a
     row's reader takes None as "no figure" (an unbounded α bound, say)."""
@@ -221,7 +238,9 @@ def _owner(output_dir: Path) -> Optional[dict]:
 def _stopped(output_dir: Path, owner: Optional[dict]) -> bool:
     """Whether the run in ``output_dir`` has stopped without finishing: its claim's process is gone
     from this host (killed before it could write a row, or after), or, for a claim this host cannot
-    check (another host's, or none), its row says interrupted."""
+    check (another host's, or none), its row (written as a run ends) says it did not finish: any
+    status but ``ok``. A run killed on another host leaves no row: it cannot be told from a running
+    one here."""
     if owner is not None and owner["host"] == socket.gethostname():
         try:
             os.kill(int(owner["pid"]), 0)
@@ -234,7 +253,7 @@ def _stopped(output_dir: Path, owner: Optional[dict]) -> bool:
         row = _read_row(output_dir)
     except ValueError:
         row = None
-    return row is not None and row.get("status") == "interrupted"
+    return row is not None and row.get("status") != "ok"
 
 
 def _who(owner: Optional[dict]) -> str:
@@ -249,19 +268,21 @@ def _taken(output_dir: Path) -> RunDirTaken:
                        "give this run another hydra.run.dir (hydra.sweep.dir in a sweep)")
 
 
-# what a continuation may change: how far it goes, and that it is one
-_FREE_SETTINGS = ("train.steps", "train.resume")
+# what a continuation may change: how far it goes (a decaying schedule's end with it, which the
+# checkpoint's own check holds to the rates it was trained at), and that it is one
+_FREE_SETTINGS = ("train.steps", "train.resume", "train.lr_decay_steps", "train.lr_wsd_decay_steps")
 
 
 def continue_run_dir(output_dir: Path, config_files: Mapping[str, str]) -> None:
     """``train.resume=true``: take over ``output_dir`` from the stopped run of the same settings in
-    it (interrupted, or its process gone), or claim it afresh (:func:`claim_run_dir`) where it
-    holds no run. The earlier run's ``.hydra/`` is kept; its step logs are cut back by the run
-    once it knows the step it goes on from (:meth:`ResultWriter.keep_steps_through`).
+    it (interrupted, failed, or its process gone), or claim it afresh (:func:`claim_run_dir`) where
+    it holds no run. The earlier run's ``.hydra/`` is kept; its row and a copy of its step logs go
+    to ``interrupted/<n>/``, and the logs are cut back by the run once it knows the step it goes on
+    from (:meth:`ResultWriter.keep_steps_through`).
 
     Of two continuations started at once exactly one goes on: each checks and takes the claim
-    under an exclusive lock of the directory, and the second finds the first's claim, running. A
-    refused continuation changes nothing in the directory.
+    under an exclusive lock of it, and the second finds the first's claim, running. A refused
+    continuation changes nothing in the directory.
 
     Raises:
         RunDirTaken: a finished run, one still running, or one of other settings (the first named).
@@ -271,13 +292,16 @@ def continue_run_dir(output_dir: Path, config_files: Mapping[str, str]) -> None:
     if not any((output_dir / name).exists() for name in (CLAIM_FILE, RESULT_FILE, *STEP_FILES)):
         claim_run_dir(output_dir, config_files)
         return
-    with _locked(output_dir):
-        row = finished_row(output_dir)
-        if row is not None:
-            raise RunDirTaken(f"{output_dir} holds a finished run (status {row.get('status')}); it is kept; give this "
-                              "run another hydra.run.dir")
+    with _locked_claim(output_dir) as unclaimed:
+        try:
+            row = _read_row(output_dir)
+        except ValueError:
+            row = None
+        if row is not None and row.get("status") == "ok":
+            raise RunDirTaken(f"{output_dir} holds a finished run (status ok); it is kept; give this run another "
+                              "hydra.run.dir")
         owner = _owner(output_dir)
-        if (output_dir / CLAIM_FILE).exists() and not _stopped(output_dir, owner):
+        if not unclaimed and not _stopped(output_dir, owner):
             raise RunDirTaken(f"{output_dir} holds a run in progress ({_who(owner)}); it is kept; give this run "
                               "another hydra.run.dir")
         _check_same_settings(output_dir, config_files.get("config.yaml", ""))
@@ -285,25 +309,47 @@ def continue_run_dir(output_dir: Path, config_files: Mapping[str, str]) -> None:
                            "continues": owner})
         try:
             replace_file_atomic(output_dir / CLAIM_FILE, claim.encode())
-            if (output_dir / RESULT_FILE).exists():  # the stopped attempt's row, kept beside its successor's
-                target = _set_aside_dir(output_dir)
-                target.mkdir(parents=True)
+            # the stopped attempt's row and step logs, kept whole beside its successor's
+            target = _set_aside_dir(output_dir)
+            target.mkdir(parents=True)
+            for name in STEP_FILES:
+                if (output_dir / name).exists():
+                    shutil.copyfile(output_dir / name, target / name)
+            if (output_dir / RESULT_FILE).exists():
                 os.replace(output_dir / RESULT_FILE, target / RESULT_FILE)
         except OSError as error:
             raise _unwritable(output_dir, error) from None
 
 
 @contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """An exclusive lock of ``directory`` itself (no file is made in it), released when the block
-    ends or the process dies."""
+def _locked_claim(output_dir: Path) -> Iterator[bool]:
+    """An exclusive lock of ``output_dir``'s claim, released when the block ends or the process
+    dies; yields whether the directory had no claim (one is made, empty, and removed again if the
+    block fails). The claim is opened for writing: NFS locks a file so, and Lustre where mounted
+    with ``flock``.
+
+    Raises:
+        ConfigError: the claim cannot be made, or this file system cannot lock it.
+    """
+    path = output_dir / CLAIM_FILE
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        try:
+            fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            fd, made = os.open(path, os.O_RDWR), False
     except OSError as error:
-        raise _unwritable(directory, error) from None
+        raise _unwritable(path, error) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as error:
+            raise ConfigError(f"cannot lock {path} ({error.strerror}): this file system does not lock files; continue "
+                              "the run where it does, or start a new one in another hydra.run.dir") from None
+        yield made
+    except BaseException:
+        if made:
+            path.unlink(missing_ok=True)
+        raise
     finally:
         os.close(fd)
 
@@ -318,7 +364,7 @@ def _check_same_settings(output_dir: Path, config_text: str) -> None:
                           f"{getattr(error, 'strerror', None) or error}); it is kept; give this run another "
                           "hydra.run.dir") from None
     ours = flatten(yaml.safe_load(config_text) or {})
-    for key in sorted(theirs.keys() | ours.keys()):
+    for key in sorted(theirs.keys() & ours.keys()):  # (a key one version lacks: its default, unknown here)
         if key not in _FREE_SETTINGS and theirs.get(key) != ours.get(key):
             raise RunDirTaken(f"{output_dir} holds a run with {key}={theirs.get(key)} (this run: {ours.get(key)}); "
                               "continue it with its own settings (train.steps may be raised), or give this run "

@@ -229,3 +229,27 @@ def test_a_run_killed_without_a_row_is_continued_its_logs_cut_back_and_a_live_on
     with pytest.raises(RunDirTaken, match=rf"holds a run in progress \(claimed .* by process {os.getpid()} on "):
         continue_run_dir(tmp_path / "run", config)
     assert file_hashes(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("status, goes_on", [("error", True), ("oom", True), ("interrupted", True), ("ok", False)])
+def test_a_run_that_ended_without_finishing_is_continued_and_a_finished_one_never(tmp_path, status, goes_on):
+    from memo.results import continue_run_dir
+
+    config = {"config.yaml": "seq: 128\ntrain:\n  steps: 4\n  lr_decay_steps: null\n"}
+    claim_run_dir(tmp_path / "run", config)
+    claim = {"host": "another-host", "pid": 1, "claimed": "earlier"}  # this host cannot tell: the row says
+    (tmp_path / "run" / ".memo-run").write_text(json.dumps(claim))
+    write_json_atomic(tmp_path / "run" / "result.json", {"status": status})
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    longer = {"config.yaml": "seq: 128\ntrain:\n  steps: 8\n  lr_decay_steps: 4\n  resume: true\n"}
+    if not goes_on:
+        before = file_hashes(tmp_path / "run")
+        with pytest.raises(RunDirTaken, match="holds a finished run"):
+            continue_run_dir(tmp_path / "run", longer)
+        assert file_hashes(tmp_path / "run") == before
+        return
+    continue_run_dir(tmp_path / "run", longer)
+    kept = tmp_path / "run" / "interrupted" / "1"
+    assert json.loads((kept / "result.json").read_text()) == {"status": status}
+    assert (kept / "metrics.jsonl").read_text() == (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert not (tmp_path / "run" / "result.json").exists()

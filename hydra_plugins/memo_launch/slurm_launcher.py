@@ -33,10 +33,10 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, se
 from hydra.errors import HydraException
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from memo.config import ConfigError, parse_seq, validate
-from memo.results import (RESULT_FILE, create_file_atomic, finished_row, flatten, json_text,
+from memo.results import (RESULT_FILE, config_row, create_file_atomic, finished_row, json_text,
                           set_aside_unfinished)
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ def job_shape(cfg: DictConfig, devices_per_node: int, gpus: bool) -> JobShape:
         ConfigError: if a layout larger than one node does not fill whole nodes.
     """
     p = cfg.parallel
-    world = p.tp * p.cp * p.pp * p.dp if cfg.mode == "train" else 1
+    processes = cfg.launch.processes if "launch" in cfg else 1
+    world = (processes if processes > 1 else p.tp * p.cp * p.pp * p.dp) if cfg.mode == "train" else 1
     needs_gpu = gpus and (cfg.mode == "train" or cfg.profile.backend == "cuda")
     if world <= devices_per_node:
         return JobShape(1, world, world if needs_gpu else 0)
@@ -103,11 +104,7 @@ def job_output_dir(sweep_config: DictConfig) -> Path:
 def fallback_row(cfg: DictConfig, overrides: Sequence[str], output_dir: Path, job: Any, error: str) -> dict:
     """The row of a job that ended without writing one: its configuration and SLURM's verdict."""
     state = getattr(job, "state", "UNKNOWN")
-    # Not the hydra node: its runtime fields exist only inside a running job.
-    row = flatten({
-        key: OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
-        for key in cfg if key != "hydra"
-    })
+    row = config_row(cfg)
     try:
         row["seq"] = parse_seq(cfg.seq)
     except ConfigError:

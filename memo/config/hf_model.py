@@ -158,3 +158,8 @@ def register_resolver() -> None:
     """Make ``${hf_model:FIELD,DIR}`` available to the configuration (once per process)."""
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, field_of)
+
+
+# at import, not only in run.py's start-up: a SLURM job runs run.py's main function shipped by
+# value (submitit), whose process never runs run.py's top level, and resolves the configuration there
+register_resolver()

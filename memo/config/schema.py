@@ -14,7 +14,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from memo.config import hf_model
+from memo.config import hf_model  # noqa: F401  (the resolver of model=hf's fields, registered on import)
 
 
 @dataclass
@@ -441,8 +441,7 @@ class RunConfig:
 
 
 def register_configs() -> None:
-    """Register :class:`RunConfig` as ``run_schema``, the base of ``conf/config.yaml``, and the
-    resolver ``model=hf``'s fields read the checkpoint with. (The launcher's and the sweeper's
-    schemas are registered by their plugins, which Hydra loads.)"""
+    """Register :class:`RunConfig` as ``run_schema``, the base of ``conf/config.yaml``. (The
+    launcher's and the sweeper's schemas are registered by their plugins, which Hydra loads; the
+    resolver of ``model=hf``'s fields, by importing :mod:`memo.config.hf_model`.)"""
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
-    hf_model.register_resolver()

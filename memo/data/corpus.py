@@ -85,7 +85,12 @@ def _checked_index(prefix: str) -> str:
                 stream.seek(_INDEX_HEAD.size + 4 * (sequences - 1))
                 length = struct.unpack("<i", stream.read(4))[0]
                 stream.seek(_INDEX_HEAD.size + 4 * sequences + 8 * (sequences - 1))
-                end = struct.unpack("<q", stream.read(8))[0] + length * DType.size(code)
+                try:
+                    element = DType.size(code)
+                except ValueError:
+                    raise ConfigError(f"train.data: {idx} names no element type its header ({code}) could have: it "
+                                      "is damaged; copy or prepare it again") from None
+                end = struct.unpack("<q", stream.read(8))[0] + length * element
                 if bin_.stat().st_size < end:
                     raise ConfigError(f"train.data: {bin_} is {bin_.stat().st_size} bytes, and {idx} points to "
                                       f"{end}: it is cut short; copy or prepare it again")

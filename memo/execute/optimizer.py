@@ -122,11 +122,15 @@ class HostOptimizer:
         return loss
 
     def step(self, lr: float) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        params = [p for _, p in named]
         grads = [p.grad for p in params]
-        # Under sequence parallelism each tensor-parallel rank saw only its slice of the
-        # sequence, so the weights applied to slices (norms, row-parallel biases) hold partial sums.
-        _all_reduce([p.grad for p in params if getattr(p, "sequence_parallel", False)],
+        # Under sequence parallelism each tensor-parallel rank saw only its slice of the sequence,
+        # so the weights applied to slices (norms, row-parallel biases) hold partial sums; the query
+        # and key norms (qk_layernorm) saw only the rank's heads, with or without it (as Megatron's
+        # finalize_model_grads sums them, by name)
+        _all_reduce([p.grad for n, p in named if getattr(p, "sequence_parallel", False)
+                     or "q_layernorm" in n or "k_layernorm" in n],
                     parallel_state.get_tensor_model_parallel_group())
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         _all_reduce(grads, dp_group, average=True)

@@ -367,10 +367,15 @@ def gather(module: torch.nn.Module, model: ModelConfig, grads: bool = False) -> 
     return from_megatron(whole, model)
 
 
-def hf_config(model: ModelConfig, dtype: torch.dtype, token_ids: Optional[dict] = None) -> dict:
+# the context a config.json states where the run's is shorter: Llama-3.1's and Qwen2.5's
+_POSITIONS = 131072
+
+
+def hf_config(model: ModelConfig, dtype: torch.dtype, token_ids: Optional[dict] = None, positions: int = 0) -> dict:
     """``config.json`` of ``model`` as ``transformers`` reads it: Qwen3 where queries and keys have
     norms, Qwen2 where q, k and v have biases, Llama otherwise; with ``token_ids`` (``bos_token_id``,
-    ``eos_token_id``) where the tokenizer is known (without them transformers' Llama assumes 1 and 2)."""
+    ``eos_token_id``) where the tokenizer is known (without them transformers' Llama assumes 1 and 2);
+    ``max_position_embeddings`` the longer of ``positions`` (the tokens it was trained on) and 128K."""
     kind = "qwen3" if model.qk_layernorm else "qwen2" if model.add_qkv_bias else "llama"
     if model.activation != "swiglu" or model.normalization != "RMSNorm" or model.add_bias_linear or (
             model.qk_layernorm and model.add_qkv_bias):
@@ -390,7 +395,7 @@ def hf_config(model: ModelConfig, dtype: torch.dtype, token_ids: Optional[dict] 
         "vocab_size": model.vocab_size,
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
         "rope_theta": float(model.rotary_base),
-        "max_position_embeddings": 131072,
+        "max_position_embeddings": max(positions, _POSITIONS),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if kind != "qwen2":
@@ -400,7 +405,8 @@ def hf_config(model: ModelConfig, dtype: torch.dtype, token_ids: Optional[dict] 
     return {**config, **(token_ids or {})}
 
 
-def save(module: torch.nn.Module, model: ModelConfig, directory, token_ids: Optional[dict] = None) -> None:
+def save(module: torch.nn.Module, model: ModelConfig, directory, token_ids: Optional[dict] = None,
+         positions: int = 0) -> None:
     """Write ``module`` (this rank's shard of ``model``) to ``directory`` in ``transformers``'
     format: ``config.json`` and one ``model.safetensors``. A collective over the tensor-parallel
     group (every rank calls it); the job's first rank writes. An existing ``directory`` with a checkpoint is never
@@ -424,5 +430,5 @@ def save(module: torch.nn.Module, model: ModelConfig, directory, token_ids: Opti
     os.link(partial, directory / WEIGHTS_FILE)  # fails rather than replace one that appeared meanwhile
     partial.unlink()
     create_file_atomic(directory / hf_model.CONFIG_FILE,
-                       json.dumps(hf_config(model, dtype, token_ids), indent=2) + "\n")
+                       json.dumps(hf_config(model, dtype, token_ids, positions), indent=2) + "\n")
 

@@ -118,7 +118,7 @@ def export(source: Path, output: Path, tokenizer: Optional[str] = None) -> Path:
         built = build_model(run.workload, "cpu")
         checkpoint.load_weights(found.path, built.module, facts)
         try:
-            hf_checkpoint.save(built.module, model, output, token_ids)
+            hf_checkpoint.save(built.module, model, output, token_ids, positions=facts["data"].get("seq", 0))
             if words is not None:
                 _write_tokenizer(words, output)
         except FileExistsError as error:

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf import DictConfig
+from torch.distributed.checkpoint.api import CheckpointException
 
 from memo.config import ConfigError, DoesNotFit
 from memo.swap.alpha import HostMemoryError
-from memo.results import ResultWriter, claim_run_dir, flatten, git_revision, now
+from memo.results import ResultWriter, claim_run_dir, config_row, git_revision, now
 
 log = logging.getLogger("memo")
 REPO = Path(__file__).resolve().parents[2]
@@ -168,6 +168,16 @@ def _interrupted(row: dict[str, Any], stop: BaseException, steps: int) -> BaseEx
     return stop
 
 
+def _first_line(error: BaseException) -> str:
+    """``error`` as one line, its type and its message's first line (the traceback goes to the
+    log); torch's CheckpointException as the first failing rank's error, not its report of every
+    rank's traceback."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _failed(row: dict[str, Any], error: BaseException) -> None:
     if isinstance(error, DoesNotFit):  # predicted, before anything was allocated
         row["status"] = "oom"
@@ -185,17 +195,8 @@ def _failed(row: dict[str, Any], error: BaseException) -> None:
         log.warning("out of memory: %s", row["error"])
     else:
         row["status"] = "error"
-        row["error"] = f"{type(error).__name__}: {error}"
+        row["error"] = _first_line(error)
         log.error("job failed:\n%s", traceback.format_exc())
-
-
-def _settings(cfg: DictConfig) -> dict[str, Any]:
-    """The configuration as the row's flat columns: resolved, or as written where an interpolation
-    cannot be (``model=hf`` without a readable checkpoint), which the job then refuses in its row."""
-    try:
-        return flatten(OmegaConf.to_container(cfg, resolve=True))
-    except InterpolationResolutionError:
-        return flatten(OmegaConf.to_container(cfg, resolve=False))
 
 
 @contextmanager
@@ -227,7 +228,7 @@ def job_frame(
         claim_run_dir(output_dir)
     writer = ResultWriter(output_dir, enabled=rank == 0)
     row: dict[str, Any] = {
-        **_settings(cfg),
+        **config_row(cfg),
         **dict.fromkeys(columns),
         "status": None,  # a mode may set its own (a prediction's "oom"); "ok" otherwise
         "error": None,

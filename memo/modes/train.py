@@ -78,8 +78,8 @@ def _check_runtime_support(run: Run, policy: ActivationPolicy) -> None:
         raise ConfigError("train.eval_interval with plan=true on a GPU: a validation pass runs between the planned "
                           "steps, from CUDA's pool beside the arena that holds a step's bytes, which the fit does "
                           "not count; set plan=false or train.eval_interval=null")
-    if w.model.init_from is not None:
-        hf_checkpoint.check(w.model, w.model.init_from, w.parallel.tp)
+    if w.model.init_from is not None:  # (at the layout chosen: the vocabulary must stay unpadded at its tp)
+        hf_checkpoint.check_config(w.model, Path(w.model.init_from), w.parallel.tp)
 
 
 def _max_over_ranks(values: dict, device_type: str) -> dict:
@@ -146,6 +146,8 @@ def _train(run: Run, info: distributed.ProcessInfo, job: Job) -> None:
     _record_machine(run, hw, job.row)
     run = _of_processes(run, info)
     _check_runtime_support(run, policy_of(run.workload))  # what no choice changes: refused in seconds
+    if run.workload.model.init_from is not None:  # the weights' files, once, before anything is built
+        hf_checkpoint.check(run.workload.model, run.workload.model.init_from, run.workload.parallel.tp)
     chosen = _choose(run, hw, arena, info, job)  # before the process group: the fit traces with its own
     if run.device_type == "cuda" and info.rank == 0 and arena is None and rates_of_row(job.row) is None:
         job.row.update(rates.row_of_this_device(run))  # what the kernels reach here: the row's MFU ceiling

@@ -27,6 +27,7 @@ from conftest import PYTHON, REPO, compose_config, run_in_process
         (["parallel.tp=2"], 8, False, JobShape(1, 2, 0)),
         (["+workload=65b_64gpus", "mode=plan"], 8, True, JobShape(1, 1, 0)),
         (["+workload=65b_64gpus", "mode=profile", "profile.backend=cuda"], 8, True, JobShape(1, 1, 1)),
+        (["parallel=auto", "launch.processes=4"], 8, True, JobShape(1, 4, 4)),  # SLURM starts the four
     ],
 )
 def test_a_job_asks_for_the_nodes_tasks_and_gpus_of_its_layout(overrides, per_node, gpus, shape):

@@ -201,15 +201,24 @@ def test_a_stopped_run_continues_in_its_directory_once_with_every_step_logged_on
 
 
 def test_one_command_starts_the_processes_of_a_job_and_each_line_comes_once(tmp_path):
+    import hf_models
+    from conftest import run_in_process
+
+    # Qwen3 at tp=2 without sequence parallelism: its query and key norms see each rank's heads only
+    hf_models.make_new_checkpoint("qwen3_wide_heads", tmp_path / "qwen3")
+    model = ["model=hf", f"model.init_from={tmp_path / 'qwen3'}", "seq=128", "train.steps=4", "train.warmup_steps=1"]
     out = tmp_path / "job"
-    done = run("launch.processes=2", "parallel.cp=2", "seq=128", *FAST, f"hydra.run.dir={out}", cwd=tmp_path)
+    done = run("launch.processes=2", "parallel.tp=2", *model, f"hydra.run.dir={out}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     row = json.loads((out / "result.json").read_text())
-    assert (row["status"], row["world_size"], row["parallel.cp"]) == ("ok", 2, 2)
+    assert (row["status"], row["world_size"], row["parallel.tp"]) == ("ok", 2, 2)
     printed = done.stdout + done.stderr
-    for line in ("params, seq 128", "step 1/2", "step 2/2", "status ok; row written"):
+    for line in ("params, seq 128", "step 1/4", "step 4/4", "status ok; row written"):
         assert printed.count(line) == 1, (line, printed)
     assert "Warning" not in printed
+    one = run_in_process(tmp_path / "one", *model)
+    assert [s["loss"] for s in _logged(out)] == pytest.approx([s["loss"] for s in _logged(tmp_path / "one")],
+                                                               abs=1e-5)
     # a refusal the ranks make once started: one line, exit status 2, the row says it
     refused = run("launch.processes=2", "parallel.cp=2", "seq=128", *FAST, "train.load=/nowhere",
                   f"hydra.run.dir={tmp_path / 'refused'}", cwd=tmp_path)
