@@ -185,13 +185,16 @@ class RunFacts:
     optimizer: str  # the optimizer state's format (memo.execute.optimizer.checkpoint_format)
     schedule: dict  # memo.execute.schedule.schedule_settings
     data: dict  # seq, train.seed and train.data: what sample i is
+    # the Hugging Face directory the run started from (model.init_from), whose tokenizer an export
+    # ships where the run had none; not compared by a run that goes on
+    origin: Optional[str] = None
 
     @staticmethod
     def of(model: ModelConfig, dtype: str, optimizer: str, schedule: dict, seq: int, train: TrainConfig) -> "RunFacts":
         return RunFacts({**dataclasses.asdict(model), "init_from": None}, dtype, optimizer, schedule,
                         {"seq": seq, "train.seed": train.seed, "train.data": train.data,
                          "train.data_split": train.data_split, "train.tokenizer": train.tokenizer,
-                         "train.eod_token": train.eod_token})
+                         "train.eod_token": train.eod_token}, model.init_from)
 
 
 # What a model's tensors do not depend on: a run may go on with these changed (a context

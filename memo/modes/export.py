@@ -59,14 +59,17 @@ def _check_output(output: Path) -> None:
 
 
 def _tokenizer(facts: dict, given: Optional[str]) -> Optional[LocalTokenizer]:
-    """The tokenizer of the run (``given``, else the run's ``train.tokenizer``), or None: ``none``,
-    or a run without one (synthetic or byte tokens).
+    """The tokenizer of the run (``given``, else the run's ``train.tokenizer``, else that of the
+    Hugging Face directory it started from), or None: ``none``, or a run without one.
 
     Raises:
         ConfigError: a tokenizer that is gone or unreadable.
     """
     data = facts.get("data", {})
     path = given if given is not None else data.get("train.tokenizer")
+    origin = Path(facts["origin"]) / "tokenizer.json" if facts.get("origin") else None
+    if path is None and origin is not None and origin.is_file():
+        path = str(origin)
     if path is None or path == "none":
         return None
     if not Path(path).is_file():
@@ -79,14 +82,16 @@ def _tokenizer(facts: dict, given: Optional[str]) -> Optional[LocalTokenizer]:
 
 
 def _write_tokenizer(tokenizer: LocalTokenizer, output: Path) -> None:
-    """The tokenizer's files and ``generation_config.json`` into ``output``."""
+    """The tokenizer's files and ``generation_config.json`` into ``output``: the one beside the
+    tokenizer where there is one (a Hugging Face directory's own), else its ids."""
     source = Path(tokenizer.path)
-    copies = {"tokenizer.json": source, **{n: source.parent / n for n in TOKENIZER_FILES[1:]}}
+    copies = {"tokenizer.json": source, **{n: source.parent / n for n in (*TOKENIZER_FILES[1:], GENERATION_CONFIG_FILE)}}
     for name, path in copies.items():
         if path.is_file():
             create_file_atomic(output / name, path.read_bytes())
-    ids = {k: v for k, v in (("bos_token_id", tokenizer.bos), ("eos_token_id", tokenizer.eod)) if v is not None}
-    create_file_atomic(output / GENERATION_CONFIG_FILE, json.dumps(ids, indent=2) + "\n")
+    if not (output / GENERATION_CONFIG_FILE).exists():
+        ids = {k: v for k, v in (("bos_token_id", tokenizer.bos), ("eos_token_id", tokenizer.eod)) if v is not None}
+        create_file_atomic(output / GENERATION_CONFIG_FILE, json.dumps(ids, indent=2) + "\n")
 
 
 def export(source: Path, output: Path, tokenizer: Optional[str] = None) -> Path:

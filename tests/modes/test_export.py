@@ -95,3 +95,19 @@ def test_an_export_has_the_umask_the_tokenizer_and_its_ids_and_never_goes_into_a
     eod = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("<|endoftext|>")
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"eos_token_id": eod}
     assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == eod
+
+
+def test_a_run_started_from_a_hugging_face_directory_exports_that_directorys_tokenizer(tmp_path):
+    import hf_models
+    from tiny_corpus import GRAMMAR_WORDS, make_tokenizer
+
+    origin = tmp_path / "llama"
+    hf_models.make_new_checkpoint("llama_tied_plain", origin)
+    make_tokenizer(origin / "tokenizer.json", [GRAMMAR_WORDS])
+    (origin / "generation_config.json").write_text('{"bos_token_id": 0, "eos_token_id": 1, "temperature": 0.6}\n')
+    row = run_in_process(tmp_path / "run", "model=hf", f"model.init_from={origin}", "seq=64", "train.steps=1",
+                         "train.save_interval=1")
+    assert row["status"] == "ok", row["error"]
+    assert main([str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf")]) == 0
+    for name in ("tokenizer.json", "generation_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (origin / name).read_bytes(), name
