@@ -16,9 +16,11 @@ with no place in Megatron's layer, another activation or RoPE scaling) is refuse
 naming the field of ``config.json``.
 """
 
+import functools
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -151,7 +153,19 @@ def field_of(field: str, directory) -> object:
                           "transformers' save_pretrained wrote")
     if field == "name":
         return run_name(directory)
-    return shape(read_config(directory), directory)[field]
+    path = Path(directory) / CONFIG_FILE
+    try:
+        stamp = (path.stat().st_mtime_ns, path.stat().st_size)
+    except OSError:
+        stamp = None  # read_config says why
+    return _shape_of(str(directory), stamp)[field]
+
+
+@functools.lru_cache(maxsize=16)
+def _shape_of(directory: str, stamp: Optional[tuple[int, int]]) -> dict:
+    """:func:`shape` of ``directory``'s config.json as it was at ``stamp`` (its mtime, its size): read once
+    for the ~20 fields a configuration resolves, each time it is resolved (a failure is not kept)."""
+    return shape(read_config(directory), directory)
 
 
 def register_resolver() -> None:
