@@ -123,7 +123,7 @@ def our_figures(model: str, directory: Path, ids: torch.Tensor, *overrides: str)
     state initialized to match ``overrides``); logits and gradients whole on every rank."""
     run = resolve_config(f"model={model}", f"model.init_from={directory}", f"seq={SEQ}", *overrides)
     gpt = build_model(run.workload, "cpu").module
-    hf_checkpoint.load(gpt, run.workload.model, directory)
+    hf_checkpoint.load([gpt], run.workload.model, directory)
     positions = torch.arange(SEQ).unsqueeze(0)
     logits = gpt(ids[:, :-1], positions, None)  # [b, s, V/tp]
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
@@ -141,7 +141,7 @@ def our_figures(model: str, directory: Path, ids: torch.Tensor, *overrides: str)
             if getattr(p, "sequence_parallel", False):
                 dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
     return {"logits": whole[0].detach(), "loss": loss.detach(),
-            "grads": hf_checkpoint.gather(gpt, run.workload.model, grads=True)}
+            "grads": hf_checkpoint.gather([gpt], run.workload.model, grads=True)}
 
 
 def compare(ours: dict, theirs: dict) -> int:
@@ -198,7 +198,7 @@ def check_context_parallel(info, out, model: str, comm: str) -> str:
         theirs = hf_figures(hf, ids)
         run = resolve_config(f"model={model}", f"model.init_from={directory}", f"seq={SEQ}", *overrides)
         gpt = build_model(run.workload, "cpu").module
-        hf_checkpoint.load(gpt, run.workload.model, directory)
+        hf_checkpoint.load([gpt], run.workload.model, directory)
         batch = get_batch_on_this_cp_rank({"tokens": ids[:, :-1], "labels": ids[:, 1:],
                                            "position_ids": torch.arange(SEQ).unsqueeze(0)})
         per_token = gpt(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -209,7 +209,7 @@ def check_context_parallel(info, out, model: str, comm: str) -> str:
         for p in gpt.parameters():  # each rank's tokens' part of every gradient
             dist.all_reduce(p.grad, group=group)
         torch.testing.assert_close(loss.detach(), theirs["loss"])
-        grads = hf_checkpoint.gather(gpt, run.workload.model, grads=True)
+        grads = hf_checkpoint.gather([gpt], run.workload.model, grads=True)
         for name, grad in theirs["grads"].items():
             torch.testing.assert_close(grads[name], grad, msg=lambda m, n=name: f"{n}: {m}")
     return f"{model}: loss and {len(grads)} gradients equal transformers' at cp=2 ({comm})"

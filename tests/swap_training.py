@@ -64,7 +64,7 @@ def train_gradients(method: str, *overrides: str, steps: int = STEPS, seq: int =
     else:
         runtime = policy_of(workload).prepare(model, workload, cpu, 2**40, streams or InlineStreams(), group)
         runtime = None if isinstance(runtime, NullRuntime) else runtime  # (None: its layers run as built)
-    optimizer = HostOptimizer(model, run.train)
+    optimizer = HostOptimizer([model], run.train)
     source = SyntheticTokens(workload.model.vocab_size, 0)
     batches = micro_batches(source, seq, 1, 1, 0, 1, torch.device("cpu"))
     losses, grads = [], []

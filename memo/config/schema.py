@@ -124,7 +124,11 @@ class ParallelConfig:
 
     tp: int = field(default=1, metadata={"help": "Tensor-parallel size."})
     cp: int = field(default=1, metadata={"help": "Context-parallel size: ranks the sequence is split over."})
-    pp: int = field(default=1, metadata={"help": "Pipeline-parallel size."})
+    pp: int = field(default=1, metadata={"help": "Pipeline-parallel size: stages the layers are split over "
+                                             "(Megatron's 1F1B schedule)."})
+    vpp: int = field(default=1, metadata={
+        "help": "Virtual pipeline stages per pipeline rank (Megatron's interleaved 1F1B, pp > 1): each rank holds "
+                "vpp chunks of num_layers / (pp·vpp) layers; 1: plain 1F1B."})
     dp: int = field(default=1, metadata={"help": "Data-parallel size."})
     sequence_parallel: bool = field(default=False, metadata={
         "help": "Shard norms and dropout regions along the sequence (tp > 1)."})

@@ -102,10 +102,18 @@ def validate(cfg) -> Settings:
         if t.micro_batches != 1:
             raise ConfigError(f"plan=true plans one micro-batch per step, and train.micro_batches="
                               f"{t.micro_batches}; set train.micro_batches=1")
+        if cfg.parallel.pp > 1:
+            raise ConfigError(f"plan=true plans one stage's step of one micro-batch, and parallel.pp={cfg.parallel.pp} "
+                              "interleaves micro-batches; set parallel.pp=1 or plan=false")
     at_least("train.steps", t.steps)
     at_least("train.warmup_steps", t.warmup_steps, minimum=0)
     at_least("train.micro_batch_size", t.micro_batch_size)
     at_least("train.micro_batches", t.micro_batches)
+    p = cfg.parallel
+    if not p.search and p.vpp > 1 and t.micro_batches % p.pp:
+        # Megatron's interleaved schedule runs them in groups of pp per virtual stage
+        raise ConfigError(f"parallel.vpp={p.vpp} runs micro-batches in groups of parallel.pp={p.pp}, and "
+                          f"train.micro_batches={t.micro_batches}; set train.micro_batches to a multiple of {p.pp}")
     at_least("train.lr_warmup_steps", t.lr_warmup_steps, minimum=0)
     if t.timeline_step is not None and not 1 <= t.timeline_step <= min(t.warmup_steps, t.steps - 1):
         raise ConfigError(f"train.timeline_step={t.timeline_step} is not one of the run's warm-up steps "
@@ -463,6 +471,13 @@ def _check_parallel(p, model, seq: Optional[int]) -> None:
         raise ConfigError(
             f"parallel.pp={p.pp} does not divide model.num_layers={model.num_layers}"
         )
+    at_least("parallel.vpp", p.vpp)
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} interleaves pipeline stages, and parallel.pp=1; set parallel.pp > 1 "
+                          "or parallel.vpp=1")
+    if model.num_layers % (p.pp * p.vpp):
+        raise ConfigError(f"parallel.pp·vpp = {p.pp}·{p.vpp} does not divide model.num_layers={model.num_layers}; "
+                          "choose a vpp whose product with pp divides it")
     choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
     for key, heads in (("model.num_attention_heads", model.num_attention_heads),
                        ("model.num_query_groups", model.num_query_groups or model.num_attention_heads)):

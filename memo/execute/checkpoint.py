@@ -164,10 +164,27 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state(module: torch.nn.Module, optimizer, is_loading: bool) -> dict:
+def _model_state(chunks: list[torch.nn.Module]) -> dict:
+    """The sharded state of this rank's model chunks: the one chunk's, else each's under
+    ``chunk<i>`` (as Megatron-LM keeps them apart; what a checkpoint holds is keyed by each
+    tensor's place in the whole model, so any layout loads it)."""
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _load_model_state(chunks: list[torch.nn.Module], state: dict) -> None:
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state)
+        return
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state[f"chunk{i}"])
+
+
+def _sharded_state(chunks: list[torch.nn.Module], optimizer, is_loading: bool) -> dict:
     """What every rank saves (or loads into): sharded model and optimizer state, its RNGs."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = module.sharded_state_dict()
+    model = _model_state(chunks)
     return {
         "model": model,
         "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading),
@@ -211,12 +228,12 @@ def _agreed(problem: Optional[str]) -> None:
         raise ConfigError(shared[0])
 
 
-def save(save_dir: Path, step: int, consumed_samples: int, module: torch.nn.Module, optimizer,
+def save(save_dir: Path, step: int, consumed_samples: int, chunks: list[torch.nn.Module], optimizer,
          facts: RunFacts) -> Checkpoint:
     """Save the run after ``step`` steps (collective: every rank calls it) and return it.
 
     Args:
-        module: the model (unwrapped: what ``sharded_state_dict`` is asked of).
+        chunks: this rank's model chunks (unwrapped: what ``sharded_state_dict`` is asked of).
         optimizer: a :class:`memo.execute.optimizer.StepOptimizer`.
         consumed_samples: training samples (sequences) drawn so far, over all replicas.
         facts: what the checkpoint records of the run (:class:`RunFacts`).
@@ -233,7 +250,7 @@ def save(save_dir: Path, step: int, consumed_samples: int, module: torch.nn.Modu
             except OSError as error:
                 problem = f"cannot write a checkpoint into {save_dir} ({error.strerror}); choose another train.save_dir"
     _agreed(problem)
-    state = _sharded_state(module, optimizer, is_loading=False)
+    state = _sharded_state(chunks, optimizer, is_loading=False)
     state.update(format=CHECKPOINT_FORMAT, step=step, consumed_samples=consumed_samples, layout=_layout(),
                  run_facts=dataclasses.asdict(facts))  # (one key: beside "model" and "optimizer", no clash)
     strategy = None if torch.cuda.is_available() else HostTensorSaveStrategy("torch_dist", 1)
@@ -351,15 +368,15 @@ def _load_sharded(state: dict, path: Path) -> dict:
                               "another model: load another checkpoint, or set train.load=null to start afresh") from None
 
 
-def load_weights(path: Path, module: torch.nn.Module, common: Optional[dict] = None) -> dict:
-    """Load only the weights of the checkpoint at ``path`` into ``module`` (collective); returns
-    its :func:`saved_facts` (``common``, where the caller read them already)."""
+def load_weights(path: Path, chunks: list[torch.nn.Module], common: Optional[dict] = None) -> dict:
+    """Load only the weights of the checkpoint at ``path`` into this rank's model ``chunks``
+    (collective); returns its :func:`saved_facts` (``common``, where the caller read them already)."""
     common = saved_facts(path) if common is None else common
-    module.load_state_dict(_load_sharded({"model": module.sharded_state_dict()}, path)["model"])
+    _load_model_state(chunks, _load_sharded({"model": _model_state(chunks)}, path)["model"])
     return common
 
 
-def load(checkpoint: Checkpoint, common: dict, module: torch.nn.Module, optimizer) -> Resumed:
+def load(checkpoint: Checkpoint, common: dict, chunks: list[torch.nn.Module], optimizer) -> Resumed:
     """Load ``checkpoint`` (its :func:`saved_facts` ``common``) into the model and the optimizer
     (collective), at this run's layout.
 
@@ -368,12 +385,12 @@ def load(checkpoint: Checkpoint, common: dict, module: torch.nn.Module, optimize
     """
     path = checkpoint.path
     same_layout = common["layout"] == _layout()
-    state = _sharded_state(module, optimizer, is_loading=True)
+    state = _sharded_state(chunks, optimizer, is_loading=True)
     if not same_layout:
         del state["rng"]
     loaded = _load_sharded(state, path)
     try:
-        module.load_state_dict(loaded["model"])
+        _load_model_state(chunks, loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
     except Exception as error:
         raise CheckpointError(f"{path} cannot be loaded into this model and optimizer ({_first_line(error)}); load "

@@ -117,6 +117,7 @@ def build_groups(parallel: ParallelConfig, info: ProcessInfo) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
         context_parallel_size=parallel.cp,
     )
 

@@ -20,7 +20,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from memo.data.batches import micro_batches
+from memo.execute.pipeline import PipelineSchedule
 from memo.execute.train import token_losses
+
+_ONE = torch.ones((), dtype=torch.int)
 
 
 class ValidationSamples:
@@ -39,7 +42,7 @@ def bucket_bounds(seq: int, buckets: int) -> list[tuple[int, int]]:
 
 
 def validation_loss(
-    model: torch.nn.Module,
+    chunks: list[torch.nn.Module],
     source,
     seq: int,
     micro_batch_size: int,
@@ -48,16 +51,19 @@ def validation_loss(
     device: torch.device,
     layers_view: Callable[[dict], dict],
     eod: Optional[int] = None,
+    pipeline: Optional[PipelineSchedule] = None,
 ) -> dict:
     """The mean loss (nats per token) over one pass of validation samples, and per position bucket.
 
     Args:
+        chunks: this rank's model chunks (its pipeline stage's).
         micro_batches_per_pass: micro-batches of each data-parallel rank (eval_iters · micro_batches).
         layers_view: a micro-batch as this rank's layers take it: its tokens of the sequence
             (context parallelism), in the layers' order (a walk in tiles under sequence
             parallelism), as training takes it.
         eod: the end-of-document id where documents are kept apart (positions then count within
             each document).
+        pipeline: the schedule over the pipeline stages (forward only), where there are several.
 
     Returns:
         ``valid_loss`` and ``valid_loss_by_position`` (a list, bucket by bucket), the same on
@@ -69,21 +75,42 @@ def validation_loss(
                                parallel_state.get_data_parallel_world_size(), device, eod=eod))
     sums = torch.zeros(buckets, dtype=torch.float64, device=device)
     counts = torch.zeros(buckets, dtype=torch.float64, device=device)
-    model.eval()
+
+    def add(per_token: torch.Tensor, counted: Optional[torch.Tensor], position_ids: torch.Tensor) -> None:
+        # the bucket whose span (bucket_bounds) holds each position (within its document, where
+        # documents are kept apart: the context the token had)
+        bucket = (((position_ids + 1) * buckets - 1) // seq).reshape(-1)
+        weight = torch.ones_like(per_token, dtype=torch.float64) if counted is None else counted.double()
+        sums.index_add_(0, bucket, (per_token.double() * weight).reshape(-1))
+        counts.index_add_(0, bucket, weight.reshape(-1))
+
+    for chunk in chunks:
+        chunk.eval()
     try:
         with torch.no_grad():
-            for micro_batch in batch:
-                mb = layers_view(micro_batch)
-                per_token, counted = token_losses(model, mb)
-                # the bucket whose span (bucket_bounds) holds each position (within its document,
-                # where documents are kept apart: the context the token had)
-                bucket = (((mb["position_ids"] + 1) * buckets - 1) // seq).reshape(-1)
-                weight = torch.ones_like(per_token, dtype=torch.float64) if counted is None else counted.double()
-                sums.index_add_(0, bucket, (per_token.double() * weight).reshape(-1))
-                counts.index_add_(0, bucket, weight.reshape(-1))
-                del per_token
+            if pipeline is None:
+                for micro_batch in batch:
+                    mb = layers_view(micro_batch)
+                    per_token, counted = token_losses(chunks[0], mb)
+                    add(per_token, counted, mb["position_ids"])
+                    del per_token
+            else:
+                def forward(chunk, _index, micro_batch):
+                    mb = layers_view(micro_batch)
+                    output, counted = token_losses(chunk, mb)
+
+                    def loss(per_token):  # (the last stage's: its sums, nothing to reduce)
+                        add(per_token, counted, mb["position_ids"])
+                        return per_token.new_zeros(()), _ONE, {}
+                    return output, loss
+                pipeline.run(batch, forward, forward_only=True)
+                # the last stage's sums, on every stage
+                group = parallel_state.get_pipeline_model_parallel_group()
+                dist.all_reduce(sums, group=group)
+                dist.all_reduce(counts, group=group)
     finally:
-        model.train()
+        for chunk in chunks:
+            chunk.train()
     dist.all_reduce(sums, group=dp_group)
     dist.all_reduce(counts, group=dp_group)
     # (a bucket no token counted in, past every document's length, has no loss: None)

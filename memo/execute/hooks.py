@@ -121,12 +121,13 @@ class Validation:
                      " ".join("-" if v is None else f"{v:.4f}" for v in record["valid_loss_by_position"]))
 
 
-def validation_pass(model, source, seq: int, train: TrainConfig, device: torch.device, layers_view,
-                    eod: Optional[int]) -> Callable[[], dict]:
+def validation_pass(chunks: list, source, seq: int, train: TrainConfig, device: torch.device, layers_view,
+                    eod: Optional[int], pipeline=None) -> Callable[[], dict]:
     """The validation pass of a run: ``train.eval_iters`` global batches of ``source``'s held-out
-    samples through ``model``."""
-    return lambda: validation_loss(model, source, seq, train.micro_batch_size, train.eval_iters * train.micro_batches,
-                                   train.eval_buckets, device, layers_view, eod)
+    samples through this rank's model ``chunks`` (through the stages of ``pipeline``, a
+    :class:`memo.execute.pipeline.PipelineSchedule`, where there is one)."""
+    return lambda: validation_loss(chunks, source, seq, train.micro_batch_size, train.eval_iters * train.micro_batches,
+                                   train.eval_buckets, device, layers_view, eod, pipeline)
 
 
 @dataclass
@@ -150,7 +151,7 @@ class Checkpointing:
     interval: Optional[int]
     last_step: int
     save_dir: Path
-    module: torch.nn.Module
+    chunks: list[torch.nn.Module]  # this rank's model chunks
     optimizer: object
     facts: checkpoint.RunFacts
     consumed: int  # samples consumed before ``start_step``
@@ -163,7 +164,7 @@ class Checkpointing:
         if not on_schedule(step, self.interval, self.last_step):
             return
         samples = self.consumed + (step - self.start_step) * self.global_batch
-        saved = checkpoint.save(self.save_dir, step, samples, self.module, self.optimizer, self.facts)
+        saved = checkpoint.save(self.save_dir, step, samples, self.chunks, self.optimizer, self.facts)
         self.row["checkpoint_last"] = str(saved.path)
         log.info("saved %s", saved.path)
 

@@ -44,7 +44,8 @@ class StepOptimizer(Protocol):
     """What the training loop needs from an optimizer."""
 
     name: str
-    model: torch.nn.Module  # the module to run forward on (a DDP wrapper on GPUs)
+    # the modules to run forward on, the rank's model chunks (DDP wrappers of them on GPUs)
+    chunks: list[torch.nn.Module]
     offload: OffloadBytes  # what it keeps in host memory for a GPU (train.optimizer_offload=host)
 
     def zero_grad(self) -> None: ...
@@ -66,9 +67,16 @@ class StepOptimizer(Protocol):
         ...
 
 
-def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+def single_chunk(optimizer: StepOptimizer) -> torch.nn.Module:
+    """The one model chunk ``optimizer`` trains (a rank of every layout but an interleaved pipeline)."""
+    if len(optimizer.chunks) != 1:
+        raise ValueError(f"the optimizer trains {len(optimizer.chunks)} model chunks (parallel.vpp)")
+    return optimizer.chunks[0]
+
+
+def _param_groups(chunks: list[torch.nn.Module], weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
-    for param in module.parameters():
+    for param in (p for chunk in chunks for p in chunk.parameters()):
         if param.requires_grad:
             (decay if param.dim() > 1 else no_decay).append(param)
     return [
@@ -81,6 +89,8 @@ def _all_reduce(tensors: list[torch.Tensor], group, average: bool = False) -> No
     """Sum (or average) ``tensors`` over ``group`` in place, a tensor at a time: a flat buffer of
     them all would be a copy of every gradient at the optimizer's step (Megatron's buffer on a GPU
     is reduced where it lies)."""
+    if not tensors:  # (a rank outside ``group`` has none to reduce)
+        return
     size = dist.get_world_size(group)
     if size == 1:
         return
@@ -99,11 +109,11 @@ class HostOptimizer:
     name = "torch_adamw"
     offload = NO_OFFLOAD  # its states are on the host, as the whole run is
 
-    def __init__(self, module: torch.nn.Module, train: TrainConfig):
-        self.model = module
+    def __init__(self, chunks: list[torch.nn.Module], train: TrainConfig):
+        self.chunks = chunks
         self.clip_grad = train.clip_grad
         self.optimizer = torch.optim.AdamW(
-            _param_groups(module, train.weight_decay),
+            _param_groups(chunks, train.weight_decay),
             lr=train.lr,
             betas=(train.adam_beta1, train.adam_beta2),
             eps=1e-8,
@@ -122,18 +132,8 @@ class HostOptimizer:
         return loss
 
     def step(self, lr: float) -> float:
-        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
-        params = [p for _, p in named]
+        params = reduce_gradients(self.chunks)
         grads = [p.grad for p in params]
-        # Under sequence parallelism each tensor-parallel rank saw only its slice of the sequence,
-        # so the weights applied to slices (norms, row-parallel biases) hold partial sums; the query
-        # and key norms (qk_layernorm) saw only the rank's heads, with or without it (as Megatron's
-        # finalize_model_grads sums them, by name)
-        _all_reduce([p.grad for n, p in named if getattr(p, "sequence_parallel", False)
-                     or "q_layernorm" in n or "k_layernorm" in n],
-                    parallel_state.get_tensor_model_parallel_group())
-        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        _all_reduce(grads, dp_group, average=True)
         norm = self.grad_norm(params)
         if self.clip_grad > 0 and norm > self.clip_grad:
             torch._foreach_mul_(grads, self.clip_grad / (norm + 1e-6))
@@ -170,15 +170,47 @@ class HostOptimizer:
     @staticmethod
     def grad_norm(params: list[torch.nn.Parameter]) -> float:
         """L2 norm of the whole model's gradient: shards summed over tensor and pipeline
-        parallel, weights replicated over tensor parallel counted once."""
+        parallel, weights replicated over tensor parallel counted once, a tied embedding's copy
+        on the last pipeline stage left out."""
         local = torch.zeros((), dtype=torch.float64)
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
                 # in float64, a chunk at a time: no float64 copy of a whole gradient
                 for chunk in p.grad.detach().reshape(-1).split(_NORM_CHUNK):
                     local += chunk.double().square().sum()
         dist.all_reduce(local, group=parallel_state.get_model_parallel_group())
         return math.sqrt(local.item())
+
+
+def reduce_gradients(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """Make each gradient of this rank's model ``chunks`` the whole batch's, as Megatron's
+    ``finalize_model_grads`` does, and return the parameters that have one: sums over the
+    tensor-parallel ranks where each saw part of the work, the tied embedding's two ends summed
+    across the pipeline, then the mean over the data-parallel (and context-parallel) replicas."""
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters() if p.grad is not None]
+    # Under sequence parallelism each tensor-parallel rank saw only its slice of the sequence, so
+    # the weights applied to slices (norms, row-parallel biases) hold partial sums; the query and
+    # key norms (qk_layernorm) saw only the rank's heads, with or without it (summed by name)
+    _all_reduce([p.grad for n, p in named if getattr(p, "sequence_parallel", False)
+                 or "q_layernorm" in n or "k_layernorm" in n],
+                parallel_state.get_tensor_model_parallel_group())
+    # a tied embedding's ends on the first and last pipeline stages (Megatron's copies) take the
+    # sum of both's gradients
+    _all_reduce([w.grad for w in _tied_embedding_ends(chunks)], parallel_state.get_embedding_group())
+    params = [p for _, p in named]
+    _all_reduce([p.grad for p in params], parallel_state.get_data_parallel_group(with_context_parallel=True),
+                average=True)
+    return params
+
+
+def _tied_embedding_ends(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """This rank's ends of a word embedding tied to the output layer across pipeline stages: the
+    first stage's embedding, the last stage's copy (none without pipeline parallelism)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return []
+    ends = [chunk for chunk in (chunks[0], chunks[-1]) if chunk.share_embeddings_and_output_weights]
+    ends = [chunk for chunk in dict.fromkeys(ends) if chunk.pre_process or chunk.post_process]
+    return [chunk.shared_embedding_or_output_weight() for chunk in ends]
 
 
 class MegatronStepOptimizer:
@@ -192,7 +224,7 @@ class MegatronStepOptimizer:
 
     name = "megatron"
 
-    def __init__(self, module: torch.nn.Module, train: TrainConfig, sharded: bool):
+    def __init__(self, chunks: list[torch.nn.Module], train: TrainConfig, sharded: bool):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -200,19 +232,17 @@ class MegatronStepOptimizer:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        config = module.config
+        config = chunks[0].config
         offload = train.optimizer_offload == "host"
         sharded = sharded or offload
         self.weight_decay = train.weight_decay
         self._finalize = finalize_model_grads
-        self.model = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                use_distributed_optimizer=sharded,
-            ),
-            module=module,
-        )
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=sharded)
+        # as Megatron-LM wraps a model's chunks: the first's buckets alone take the data-parallel
+        # reduction's bucket size, the others' all their parameters in one
+        self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                               disable_bucketing=index > 0)
+                       for index, chunk in enumerate(chunks)]
         fields = dict(
             optimizer="adam",
             lr=train.lr,
@@ -227,25 +257,26 @@ class MegatronStepOptimizer:
         )
         if offload:
             fraction = train.optimizer_offload_fraction
-            self.optimizer = build_offloaded(offload_config(fraction, **fields), [self.model])
+            self.optimizer = build_offloaded(offload_config(fraction, **fields), self.chunks)
             self.offload = built_offload_bytes(self.optimizer, config.params_dtype.itemsize)
             log.info("optimizer offload: Adam's states of %d parameters on the host, %.3f GiB (%.3f GiB "
                      "page-locked), %.3f GiB less on the device", self.offload.offloaded_params,
                      self.offload.host_bytes / 2**30, self.offload.pinned_bytes / 2**30,
                      self.offload.device_bytes_removed / 2**30)
         else:
-            self.optimizer = get_megatron_optimizer(OptimizerConfig(**fields), [self.model])
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(**fields), self.chunks)
             self.offload = NO_OFFLOAD
 
     def zero_grad(self) -> None:
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.optimizer.scale_loss(loss)
 
     def step(self, lr: float) -> float:
-        self._finalize([self.model])
+        self._finalize(self.chunks)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["lr_mult"]
             group["weight_decay"] = self.weight_decay * group["wd_mult"]
@@ -323,7 +354,7 @@ def checkpoint_format(train: TrainConfig, device_type: str, parallel: ParallelCo
     return "megatron_distributed" if shards_optimizer(train.distributed_optimizer, parallel) else "megatron"
 
 
-def build_optimizer(module: torch.nn.Module, train: TrainConfig, device_type: str,
+def build_optimizer(chunks: list[torch.nn.Module], train: TrainConfig, device_type: str,
                     parallel: ParallelConfig) -> StepOptimizer:
     """Megatron's optimizer on a GPU (distributed where :func:`memo.config.shards_optimizer`
     says, or where ``train.optimizer_offload=host``), :class:`HostOptimizer` on the CPU.
@@ -331,7 +362,7 @@ def build_optimizer(module: torch.nn.Module, train: TrainConfig, device_type: st
     Raises:
         ConfigError: for ``train.optimizer_offload=host`` on the CPU or with fp32 weights.
     """
-    check_optimizer_offload(train.optimizer_offload, device_type, _DTYPE_NAMES[module.config.params_dtype])
+    check_optimizer_offload(train.optimizer_offload, device_type, _DTYPE_NAMES[chunks[0].config.params_dtype])
     if device_type == "cuda":
-        return MegatronStepOptimizer(module, train, shards_optimizer(train.distributed_optimizer, parallel))
-    return HostOptimizer(module, train)
+        return MegatronStepOptimizer(chunks, train, shards_optimizer(train.distributed_optimizer, parallel))
+    return HostOptimizer(chunks, train)

@@ -17,10 +17,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from memo.config import TrainConfig
-from memo.execute.optimizer import StepOptimizer
+from memo.execute.optimizer import StepOptimizer, single_chunk
+from memo.execute.pipeline import PipelineSchedule
 from memo.execute.schedule import LearningRateSchedule
 from memo.model.context_parallel import batch_for_rank
 from memo.profile.recorder import PhaseMarker
+
+
+_ONE = torch.ones((), dtype=torch.int)
 
 
 def _whole(micro_batch: dict) -> dict:
@@ -87,20 +91,61 @@ class TrainingStep:
             (:meth:`memo.model.placement.LayerRuntime.token_order`).
         step_end: called after the last micro-batch's backward pass, before the optimizer
             (:attr:`memo.model.BuiltModel.step_end`).
+        pipeline: the schedule of the micro-batches over the pipeline stages
+            (:mod:`memo.execute.pipeline`); None: one stage, micro-batch after micro-batch.
     """
 
     optimizer: StepOptimizer
     device_type: str
     micro_batch_view: Callable[[dict], dict] = _whole
     step_end: Callable[[], None] = _nothing
+    pipeline: Optional[PipelineSchedule] = None
+
+    def __post_init__(self):
+        if self.pipeline is not None:
+            self.pipeline.use_loss_scale(self.optimizer.scale_loss)
 
     def __call__(self, batch: list[dict], lr: float, marker: Optional[PhaseMarker] = None) -> tuple[torch.Tensor, float]:
         """One step on ``batch`` (this data-parallel rank's micro-batches) at learning rate ``lr``:
         the summed loss (float32, on the device) and the gradient norm. ``marker``, where the step
-        is recorded, is told when the backward pass and the optimizer step begin."""
-        model, optimizer = self.optimizer.model, self.optimizer
-        cp = parallel_state.get_context_parallel_world_size()
+        is recorded, is told when the backward pass and the optimizer step begin (one stage only)."""
+        optimizer = self.optimizer
         optimizer.zero_grad()
+        if self.pipeline is None:
+            loss_sum = self._micro_batches(batch, marker)
+        else:
+            loss_sum = self._pipelined(batch)
+        self.step_end()
+        if marker is not None:
+            marker.optimizer()
+        return loss_sum, optimizer.step(lr)
+
+    def _pipelined(self, batch: list[dict]) -> torch.Tensor:
+        """The micro-batches through the pipeline's schedule; the summed loss on every stage."""
+        cp = parallel_state.get_context_parallel_world_size()
+
+        def forward(chunk, _index, micro_batch):
+            counted = micro_batch.get("loss_mask")  # (the whole sequence's)
+            output, mask = token_losses(chunk, self.micro_batch_view(micro_batch))
+
+            def loss(per_token):
+                value = mean_loss(per_token, mask, None if counted is None else counted.sum(), cp)
+                # (Megatron divides it by the micro-batches, by the one "token" named here)
+                return value, _ONE, {"loss": value.detach() / len(batch)}
+            return output, loss
+
+        reported = self.pipeline.run(batch, forward)
+        loss_sum = torch.zeros((), device=self.device_type, dtype=torch.float32)
+        for entry in reported:
+            loss_sum += entry["loss"]
+        # the last stage's, on every stage
+        dist.all_reduce(loss_sum, group=parallel_state.get_pipeline_model_parallel_group())
+        return loss_sum
+
+    def _micro_batches(self, batch: list[dict], marker: Optional[PhaseMarker]) -> torch.Tensor:
+        """The micro-batches one after the other, each's backward after its forward; their summed loss."""
+        model, optimizer = single_chunk(self.optimizer), self.optimizer
+        cp = parallel_state.get_context_parallel_world_size()
         loss_sum = torch.zeros((), device=self.device_type, dtype=torch.float32)
         for micro_batch in batch:
             mb = self.micro_batch_view(micro_batch)
@@ -111,10 +156,7 @@ class TrainingStep:
             optimizer.scale_loss(loss).backward()
             loss_sum += loss.detach()
             del loss  # freed within the step, as a recorded iteration has them
-        self.step_end()
-        if marker is not None:
-            marker.optimizer()
-        return loss_sum, optimizer.step(lr)
+        return loss_sum
 
 
 def run_steps(
@@ -138,7 +180,8 @@ def run_steps(
     marker, if it yields one, the step tells of its backward pass and optimizer step; what the
     scope does on leaving is not timed.
     """
-    step.optimizer.model.train()
+    for chunk in step.optimizer.chunks:
+        chunk.train()
     sync = torch.cuda.synchronize if step.device_type == "cuda" else _nothing
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     schedule = LearningRateSchedule(train)

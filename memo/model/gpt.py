@@ -10,6 +10,7 @@ GPT-3 shapes have GeLU MLPs, LayerNorms, biases and tied embeddings, Llama-3 and
 keys and values, SwiGLU, RMSNorm and an output layer of their own (:class:`ModelConfig`).
 """
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -28,7 +29,11 @@ from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from memo.config import ConfigError, ModelConfig, Workload
 from memo.config.method import LOSSES
@@ -37,7 +42,8 @@ from memo.model.activation import Activation
 from memo.model.attention import SdpaAttention, select_backend
 from memo.model.deepspeed_attention import DeepSpeedUlyssesAttention
 from memo.model.documents import rotate_within_documents
-from memo.model.host import HostRotaryEmbedding, forget_rotary_angles, run_megatron_on_device, run_megatron_on_host
+from memo.model.host import (HostFactories, HostRotaryEmbedding, forget_rotary_angles, run_megatron_on_device,
+                             run_megatron_on_host)
 from memo.model.layer import MemoTransformerLayer
 from memo.model.linear import TiledColumnParallelLinear, TiledRowParallelLinear
 from memo.model.loss import TiledLossGPTModel
@@ -89,7 +95,9 @@ class LayerBuild:
 class BuiltModel:
     """A model and the facts about how it was built that a result row records."""
 
-    module: GPTModel
+    # this rank's model chunks, in the order of the layers they hold: one, its pipeline stage's,
+    # unless the stage is interleaved (parallel.vpp: one per virtual stage)
+    chunks: list[GPTModel]
     layer_spec: str  # "te" or "local"
     attention_backend: str  # "te" or an SDPA kernel name: attention over a whole sequence
     # the kernel of context-parallel attention's blocks (memo.model.attention_blocks), "none"
@@ -99,6 +107,13 @@ class BuiltModel:
     # Called after the last micro-batch's backward pass of every step, before the optimizer:
     # Megatron's activation offloading starts its next iteration there, as its schedules do.
     step_end: Callable[[], None] = lambda: None
+
+    @property
+    def module(self) -> GPTModel:
+        """The rank's one model chunk (its whole stage: every run but an interleaved pipeline)."""
+        if len(self.chunks) != 1:
+            raise ValueError(f"this rank holds {len(self.chunks)} model chunks (parallel.vpp); take them from chunks")
+        return self.chunks[0]
 
 
 def torch_dtype(workload: Workload) -> torch.dtype:
@@ -219,15 +234,33 @@ def model_flops_parameters(model: ModelConfig) -> int:
 
 
 def count_parameters(module: torch.nn.Module) -> int:
-    """Parameters of the whole model seen from this rank: tensor-parallel shards count tp times.
+    """Parameters of ``module`` seen from this rank: tensor-parallel shards count tp times.
 
     Tied weights are one ``Parameter`` and so are counted once.
     """
+    return count_parameters_of(module.parameters())
+
+
+def count_parameters_of(params) -> int:
+    """:func:`count_parameters` of the parameters ``params``."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return sum(
-        p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-        for p in module.parameters()
-    )
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in params)
+
+
+def _whole_model_parameters(chunks: list[GPTModel]) -> int:
+    """:func:`count_parameters` of the whole model from this rank's chunks: summed over the
+    pipeline stages (a collective of the pipeline group), a tied embedding's copy on the last
+    stage left out."""
+    count = 0
+    for chunk in chunks:
+        copy = chunk.output_layer.weight if chunk.post_process and not chunk.pre_process and \
+            chunk.share_embeddings_and_output_weights else None
+        count += count_parameters(chunk) - (0 if copy is None else count_parameters_of([copy]))
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return count
+    total = torch.tensor([count], dtype=torch.float64, device=next(chunks[0].parameters()).device)
+    torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return int(total.item())
 
 
 def transformer_config(workload: Workload, device_type: str, local_spec: bool = True,
@@ -245,6 +278,11 @@ def transformer_config(workload: Workload, device_type: str, local_spec: bool = 
         num_attention_heads=model.num_attention_heads,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        # gloo has no batched point-to-point operations
+        batch_p2p_comm=device_type == "cuda",
+        # a stage's output is sent, then only its graph is needed (Megatron-LM's setting)
+        deallocate_pipeline_outputs=True,
         context_parallel_size=parallel.cp,
         sequence_parallel=parallel.sequence_parallel,
         cp_comm_type=parallel.cp_comm_type if parallel.cp > 1 else None,
@@ -277,7 +315,7 @@ def transformer_config(workload: Workload, device_type: str, local_spec: bool = 
 
 
 def _local_block_spec(config: TransformerConfig, attention_backend: str, layers: LayerBuild,
-                      rotary: RotaryTable) -> ModuleSpec:
+                      rotary: RotaryTable, vp_stage: Optional[int]) -> ModuleSpec:
     layer = get_gpt_layer_local_spec()
     if layers.activations is not None:
         layer.module = MemoTransformerLayer
@@ -301,7 +339,7 @@ def _local_block_spec(config: TransformerConfig, attention_backend: str, layers:
     core = DeepSpeedUlyssesAttention if layers.ulysses else SdpaAttention
     layer.submodules.self_attention.submodules.core_attention = functools.partial(
         core, backend=attention_backend)
-    count = config.num_layers // config.pipeline_model_parallel_size
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(
         module=TransformerBlock,
         submodules=TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=norm),
@@ -372,7 +410,10 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
               layers: LayerBuild) -> BuiltModel:
     """Build the GPT of ``workload`` for this rank on ``device_type`` ("cuda" or "cpu"), its layers
     as ``layers`` says (the run's activation policy's, :mod:`memo.policy`), for sequences of up to
-    ``workload.seq`` tokens.
+    ``workload.seq`` tokens: the rank's pipeline stage, as one model chunk per virtual stage
+    (``parallel.vpp``), the embedding in the first stage's first chunk and the final norm and loss
+    in the last stage's last. A tied embedding's other end on the last stage is Megatron's: a copy
+    of the first stage's word embedding, whose gradients the optimizer sums over the two.
 
     The workload's ``loss`` is "megatron" (Megatron's output layer and vocab-parallel cross entropy)
     or "tiled" (:class:`~memo.model.loss.TiledLossGPTModel`, ``workload.loss_tile_tokens`` tokens
@@ -380,29 +421,26 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
 
     Megatron's parallel state must be initialized (see :mod:`memo.execute.distributed`) and
     the torch seed set: the weights are drawn from it (on a GPU, from Megatron's CUDA generators,
-    seeded here with it).
+    seeded here with it), each stage's from the same seed, so that another ``parallel.pp`` draws
+    other weights (as in Megatron-LM; ``model.init_from`` or a checkpoint gives every layout the same).
 
     Raises:
         ConfigError: if the attention backend asked for is not available here, or is SDPA's math
             kernel for layers whose saves are taken apart token by token.
     """
     _prepare_megatron(device_type)
-    model, parallel, loss, method = workload.model, workload.parallel, workload.loss, workload.method.name
+    parallel, loss, method = workload.parallel, workload.loss, workload.method.name
+    if loss not in LOSSES:
+        raise ConfigError(f"train.loss={loss} is not a loss; choose one of: {', '.join(LOSSES)}")
     dtype = torch_dtype(workload)
     use_te = uses_transformer_engine(device_type, attention_backend, layers, method)
     config = transformer_config(workload, device_type, local_spec=not use_te, layers=layers)
     block_kernel = "none"
     if use_te:
-        spec = ModuleSpec(
-            module=TransformerBlock,
-            submodules=get_gpt_decoder_block_spec(config, use_transformer_engine=True),
-        )
         backend = "te"
     else:
         grouped = config.num_query_groups not in (None, config.num_attention_heads)
         backend = select_backend(device_type, dtype, config.kv_channels, attention_backend, grouped)
-        rotary = RotaryTable()
-        spec = _local_block_spec(config, backend, layers, rotary)
         if parallel.cp > 1 and not layers.ulysses:
             capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
             block_kernel = attention_blocks.choose(backend, device_type, capability, dtype,
@@ -418,20 +456,51 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
                 f"method={method} swaps attention's saved tensors token by token, and the math "
                 "kernel's backward keeps the s×s probabilities; use train.attention_backend=auto"
             )
+    stages = [None] if parallel.vpp == 1 else list(range(parallel.vpp))
+    # (Megatron moves the last stage's copy of a tied embedding to the GPU to make it the first's)
+    with HostFactories() if device_type == "cpu" and parallel.pp > 1 else contextlib.nullcontext():
+        chunks = [_build_chunk(workload, device_type, config, layers, backend, vp_stage) for vp_stage in stages]
+    step_end = lambda: None  # noqa: E731
+    if config.fine_grained_activation_offloading:
+        # a manager of this model's own: the one before (an earlier job of a sweep) holds that
+        # model's chunks, and would take this model's first step for a later one
+        FineGrainedActivationOffloadingInterface.reset_instance()
+        step_end = FineGrainedActivationOffloadingInterface.reset
+    return BuiltModel(
+        chunks=chunks,
+        layer_spec="te" if use_te else "local",
+        attention_backend=backend,
+        attention_block_kernel=block_kernel,
+        params=_whole_model_parameters(chunks),
+        step_end=step_end,
+    )
 
-    if loss not in LOSSES:
-        raise ConfigError(f"train.loss={loss} is not a loss; choose one of: {', '.join(LOSSES)}")
+
+def _build_chunk(workload: Workload, device_type: str, config: TransformerConfig, layers: LayerBuild,
+                 backend: str, vp_stage: Optional[int]) -> GPTModel:
+    """One model chunk of this rank: its pipeline stage's layers (of virtual stage ``vp_stage``)."""
+    model, parallel, loss, dtype = workload.model, workload.parallel, workload.loss, torch_dtype(workload)
+    rotary = None
+    if backend == "te":
+        spec = ModuleSpec(module=TransformerBlock, submodules=get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, vp_stage=vp_stage))
+    else:
+        rotary = RotaryTable()
+        spec = _local_block_spec(config, backend, layers, rotary, vp_stage)
     extra = {"loss_tile_tokens": workload.loss_tile_tokens} if loss == "tiled" else {}
     gpt = (TiledLossGPTModel if loss == "tiled" else GPTModel)(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(model, parallel.tp),
         max_sequence_length=workload.seq,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_base=model.rotary_base,
         rope_scaling=model.rope_scaling,
         rope_scaling_factor=model.rope_scaling_factor,
+        vp_stage=vp_stage,
         **extra,
     )
     layout = layers.sequence_layout
@@ -449,21 +518,8 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
         gpt.rotary_pos_emb.sequence_layout = layout
     if device_type != "cpu":
         gpt.cuda(torch.cuda.current_device())
-    if not use_te:
+    if rotary is not None:
         # The table is made with the angles (the embedding's phase), before any layer uses it.
         gpt.rotary_pos_emb.register_forward_hook(lambda _module, _args, freqs: rotary.fill(freqs, dtype))
         rotate_within_documents(gpt)
-    step_end = lambda: None  # noqa: E731
-    if config.fine_grained_activation_offloading:
-        # a manager of this model's own: the one before (an earlier job of a sweep) holds that
-        # model's chunks, and would take this model's first step for a later one
-        FineGrainedActivationOffloadingInterface.reset_instance()
-        step_end = FineGrainedActivationOffloadingInterface.reset
-    return BuiltModel(
-        module=gpt,
-        layer_spec="te" if use_te else "local",
-        attention_backend=backend,
-        attention_block_kernel=block_kernel,
-        params=count_parameters(gpt),
-        step_end=step_end,
-    )
+    return gpt

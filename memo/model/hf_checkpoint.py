@@ -121,6 +121,28 @@ def names(model: ModelConfig) -> dict:
     return table
 
 
+def chunk_names(chunk: torch.nn.Module, model: ModelConfig) -> dict:
+    """:func:`names` of the parameters one model chunk holds (a pipeline stage's, its layers
+    numbered within it): the embedding where it comes first, its layers, and the final norm and
+    output layer where it comes last (on a pipeline's last stage a tied embedding's copy, read from
+    the embedding's tensor)."""
+    prefix = "model."
+    table = {}
+    if chunk.pre_process:
+        table["embedding.word_embeddings.weight"] = prefix + "embed_tokens.weight"
+    for local, layer in enumerate(chunk.decoder.layers):
+        whole = _layer_names(prefix, layer.layer_number - 1, model)
+        table.update({ours.replace(f"decoder.layers.{layer.layer_number - 1}.", f"decoder.layers.{local}.", 1): theirs
+                      for ours, theirs in whole.items()})
+    if chunk.post_process:
+        table["decoder.final_layernorm.weight"] = prefix + "norm.weight"
+        if model.untie_embeddings_and_output_weights:
+            table["output_layer.weight"] = "lm_head.weight"
+        elif not chunk.pre_process:
+            table["output_layer.weight"] = prefix + "embed_tokens.weight"
+    return table
+
+
 # Transformer Engine's spec keeps each norm's weight in the linear layer after it
 _TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
@@ -153,14 +175,17 @@ def from_megatron(tensors: dict, model: ModelConfig) -> dict:
     :func:`load` reads)."""
     out = {}
     for ours, theirs in names(model).items():
-        t = tensors[ours]
-        if isinstance(theirs, str):
-            out[theirs] = t
-        elif "linear_qkv" in ours:
-            out.update(zip(theirs, _split_qkv(t, model), strict=True))
-        else:
-            out.update(zip(theirs, (c.clone() for c in t.chunk(2, dim=0)), strict=True))
+        out.update(_theirs(ours, theirs, tensors[ours], model))
     return out
+
+
+def _theirs(ours: str, theirs, t: torch.Tensor, model: ModelConfig) -> dict:
+    """Our whole tensor ``ours`` as the checkpoint's tensor(s) ``theirs``."""
+    if isinstance(theirs, str):
+        return {theirs: t}
+    if "linear_qkv" in ours:
+        return dict(zip(theirs, _split_qkv(t, model), strict=True))
+    return dict(zip(theirs, (c.clone() for c in t.chunk(2, dim=0)), strict=True))
 
 
 # ------------------------------------------------------------- tensor parallelism
@@ -326,10 +351,10 @@ def _read_shard(checkpoint: _Checkpoint, ours: str, theirs, param: torch.nn.Para
     return torch.cat([checkpoint.rows(n, dim, rank, tp) for n in theirs], dim=dim)
 
 
-def load(module: torch.nn.Module, model: ModelConfig, directory) -> int:
-    """Copy the checkpoint in ``directory`` into ``module`` (this rank's Megatron ``GPTModel``
-    of ``model``, its tensor-parallel shards), each rank reading only its part of every tensor;
-    returns the checkpoint's tensors read.
+def load(chunks: list[torch.nn.Module], model: ModelConfig, directory) -> int:
+    """Copy the checkpoint in ``directory`` into ``chunks`` (this rank's Megatron ``GPTModel``
+    chunks of ``model``: its pipeline stage, its tensor-parallel shards), each rank reading only
+    its part of every tensor; returns the checkpoint's tensors read.
 
     Raises:
         ConfigError: if the checkpoint is not of this model (one line naming the field), lacks one
@@ -340,31 +365,40 @@ def load(module: torch.nn.Module, model: ModelConfig, directory) -> int:
     rank = parallel_state.get_tensor_model_parallel_rank()
     check_config(model, directory, tp)
     checkpoint = _Checkpoint.of(model, directory)
-    table = names(model)
-    params = dict(module.named_parameters())
-    for ours, theirs in table.items():
-        param = params[_module_name(ours, params.keys())]
-        part = _read_shard(checkpoint, ours, theirs, param, model, rank, tp)
-        if part.shape != param.shape:
-            raise ConfigError(f"model.init_from: {ours} is {tuple(part.shape)} on this rank, the model's "
-                              f"{tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(part)
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for ours, theirs in chunk_names(chunk, model).items():
+            param = params[_module_name(ours, params.keys())]
+            part = _read_shard(checkpoint, ours, theirs, param, model, rank, tp)
+            if part.shape != param.shape:
+                raise ConfigError(f"model.init_from: {ours} is {tuple(part.shape)} on this rank, the model's "
+                                  f"{tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(part)
     return len(checkpoint.used)
 
 
-def gather(module: torch.nn.Module, model: ModelConfig, grads: bool = False) -> dict:
+def gather(chunks: list[torch.nn.Module], model: ModelConfig, grads: bool = False) -> dict:
     """The whole model's tensors in ``transformers``' names (its weights, or with ``grads`` their
-    gradients), gathered from every tensor-parallel rank (a collective: every rank of the group
-    calls it), on the host."""
+    gradients), gathered from every tensor-parallel rank and pipeline stage (a collective: every
+    rank of the model-parallel group calls it with its model ``chunks``), on the host. A tied
+    embedding's copy on the last stage is left out: the first stage's is the tensor."""
     group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
     size = parallel_state.get_tensor_model_parallel_world_size() if dist.is_initialized() else 1
-    params = dict(module.named_parameters())
     whole = {}
-    for ours in names(model):
-        param = params[_module_name(ours, params.keys())]
-        whole[ours] = unshard(param.grad if grads else param, param, group, size).cpu()
-    return from_megatron(whole, model)
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for ours, theirs in chunk_names(chunk, model).items():
+            if ours == "output_layer.weight" and not model.untie_embeddings_and_output_weights:
+                continue
+            param = params[_module_name(ours, params.keys())]
+            whole.update(_theirs(ours, theirs, unshard(param.grad if grads else param, param, group, size).cpu(),
+                                 model))
+    if dist.is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, whole, group=parallel_state.get_pipeline_model_parallel_group())
+        whole = {name: t for stage in stages for name, t in stage.items()}
+    return whole
 
 
 # the context a config.json states where the run's is shorter: Llama-3.1's and Qwen2.5's
@@ -405,17 +439,17 @@ def hf_config(model: ModelConfig, dtype: torch.dtype, token_ids: Optional[dict] 
     return {**config, **(token_ids or {})}
 
 
-def save(module: torch.nn.Module, model: ModelConfig, directory, token_ids: Optional[dict] = None,
+def save(chunks: list[torch.nn.Module], model: ModelConfig, directory, token_ids: Optional[dict] = None,
          positions: int = 0) -> None:
-    """Write ``module`` (this rank's shard of ``model``) to ``directory`` in ``transformers``'
-    format: ``config.json`` and one ``model.safetensors``. A collective over the tensor-parallel
+    """Write ``chunks`` (this rank's model chunks of ``model``) to ``directory`` in ``transformers``'
+    format: ``config.json`` and one ``model.safetensors``. A collective over the model-parallel
     group (every rank calls it); the job's first rank writes. An existing ``directory`` with a checkpoint is never
     overwritten; each file appears whole (written beside, then renamed).
 
     Raises:
         FileExistsError: if ``directory`` holds a checkpoint already.
     """
-    tensors = gather(module, model)
+    tensors = gather(chunks, model)
     if dist.is_initialized() and dist.get_rank() != 0:  # every replica gathered the same tensors
         return
     directory = Path(directory)

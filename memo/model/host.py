@@ -1,6 +1,6 @@
 """What Megatron-core needs to run where PyTorch has no CUDA (CPU-only builds).
 
-Four places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
+Five places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
 
 * ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()``, and its
   forward picks a context-parallel rank's positions with a pinned index sent to the GPU.
@@ -13,6 +13,9 @@ Four places of megatron-core 0.16 assume CUDA even when nothing runs on a GPU:
 * The sequence-parallel collectives and the tensor-parallel linear layers allocate their
   gather and reduce-scatter outputs on ``torch.cuda.current_device()``. On a build without
   CUDA that call can only fail, so :func:`run_megatron_on_host` answers it with the host device.
+* The pipeline schedules make their count of tokens with ``device="cuda"``, and a tied
+  embedding's copy on the last pipeline stage is moved to the GPU (``.cuda()``) to be made equal to
+  the first stage's; inside :class:`HostFactories` both stay on the host.
 
 They are installed by the run's device, not by whether this machine has CUDA: a CPU job on a GPU
 machine (the gloo tests, ``hardware=cpu``) needs them too, and a GPU job built after it in the same
@@ -20,6 +23,7 @@ process gets Megatron's own functions back (:func:`run_megatron_on_device`).
 """
 
 import torch
+from torch.overrides import TorchFunctionMode
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import random as megatron_random
 
@@ -122,3 +126,18 @@ def run_megatron_on_device() -> None:
     megatron_random._get_cuda_rng_state = _ORIGINALS["get_rng"]
     megatron_random._set_cuda_rng_state = _ORIGINALS["set_rng"]
     torch.cuda.current_device = _ORIGINALS["current_device"]
+
+
+class HostFactories(TorchFunctionMode):
+    """While active, a tensor asked for on "cuda" is made on the host and ``Tensor.cuda()`` leaves
+    a tensor where it is: for Megatron's pipeline schedules and pipeline-parallel models in a CPU
+    job. Every other call passes through unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)

@@ -123,6 +123,12 @@ class LayerRuntime(Protocol):
         """A micro-batch (``[b, s]`` tensors) in the token order the layers take."""
         ...
 
+    def use(self, chunk: int, micro_batch: int) -> None:
+        """Run the layers of model chunk ``chunk`` for ``micro_batch`` (0-based, of the step) next,
+        its forward or its backward pass (a pipeline stage's micro-batches in flight,
+        :mod:`memo.swap.in_flight`)."""
+        ...
+
     def accounting(self) -> Optional[Accounting]:
         """The skeletal activations of the steps since the last call; None where it keeps them
         nowhere but where autograd does."""
@@ -160,6 +166,9 @@ class NullRuntime:
 
     def token_order(self, micro_batch: dict) -> dict:
         return micro_batch
+
+    def use(self, chunk: int, micro_batch: int) -> None:
+        pass
 
     def accounting(self) -> Optional[Accounting]:
         return None

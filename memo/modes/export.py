@@ -121,9 +121,9 @@ def export(source: Path, output: Path, tokenizer: Optional[str] = None) -> Path:
     distributed.initialize(run.workload.parallel, "cpu", distributed.ProcessInfo(rank=0, world_size=1, local_rank=0))
     try:
         built = build_model(run.workload, "cpu")
-        checkpoint.load_weights(found.path, built.module, facts)
+        checkpoint.load_weights(found.path, built.chunks, facts)
         try:
-            hf_checkpoint.save(built.module, model, output, token_ids, positions=facts["data"].get("seq", 0))
+            hf_checkpoint.save(built.chunks, model, output, token_ids, positions=facts["data"].get("seq", 0))
             if words is not None:
                 _write_tokenizer(words, output)
         except FileExistsError as error:

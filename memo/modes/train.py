@@ -30,6 +30,7 @@ from memo.fit import choice, rates
 from memo.fit.calibration import rates_of_row
 from memo.plan.runtime import ALLOCATOR_FIELDS, TENSOR_BYTES_FIELDS, PlanRuntime, measured_allocator_row
 from memo.plan.server import ServingStats
+from memo.execute.pipeline import PipelineSchedule, in_flight as pipeline_in_flight
 from memo.execute.progress import step_progress
 from memo.execute.schedule import schedule_settings
 from memo.execute.timeline import StepTimeline, combined
@@ -359,12 +360,12 @@ def _build(run: Run, policy: ActivationPolicy, started: Started, row: dict, writ
     torch.manual_seed(train.seed)  # build_gpt seeds Megatron's CUDA generators from it
     built = build_gpt(workload, device_type, train.attention_backend, layers=policy.layers)
     if workload.model.init_from is not None:
-        read = hf_checkpoint.load(built.module, workload.model, workload.model.init_from)
+        read = hf_checkpoint.load(built.chunks, workload.model, workload.model.init_from)
         log.info("weights: %d tensors of %s", read, workload.model.init_from)
-    optimizer = build_optimizer(built.module, train, device_type, workload.parallel)
+    optimizer = build_optimizer(built.chunks, train, device_type, workload.parallel)
     resumed = None
     if started.saved is not None:
-        resumed = checkpoint.load(started.resume_from, started.saved, built.module, optimizer)
+        resumed = checkpoint.load(started.resume_from, started.saved, built.chunks, optimizer)
     row["resumed_from_step"] = resumed.step if resumed else None
     if run.train.resume:  # the step logs of the run continued: through the step it goes on from
         writer.keep_steps_through(resumed.step if resumed else 0)
@@ -380,7 +381,10 @@ def _place(run: Run, policy: ActivationPolicy, started: Started, built: Built, j
     its decisions into the row, ``layers.jsonl`` and the log."""
     budget = max(started.host_budget - built.optimizer.offload.host_bytes, 0)
     group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
-    runtime = policy.prepare(built.model.module, run.workload, started.device, budget, group=group)
+    parallel = run.workload.parallel
+    in_flight = pipeline_in_flight(parallel.pp, parallel_state.get_pipeline_model_parallel_rank(),
+                                   run.train.micro_batches, parallel.vpp)
+    runtime = policy.prepare_stage(built.model.chunks, run.workload, started.device, budget, in_flight, group=group)
     report = runtime.report()
     job.row.update(report.row)
     job.writer.append_layers(list(report.layer_records))
@@ -420,24 +424,26 @@ def _run(run: Run, policy: ActivationPolicy, started: Started, built: Built, run
 
     this_ranks_tokens = rank_tokens(policy.layers.sequence_layout)
     speaks, log_records = info.rank == 0, StepLog(job.writer)
-    plan = PlanRuntime(built.model.module, run.plan, run.planner, untimed_steps(train, built.start_step),
+    plan = PlanRuntime(built.model.module if workload.parallel.pp == 1 else None, run.plan, run.planner, untimed_steps(train, built.start_step),
                        device_type, started.arena, layers=runtime)
     if started.arena is not None:
         started.arena.phase = plan.phase
     def layers_view(micro_batch: dict) -> dict:  # (a walk in tiles under sequence parallelism reorders tokens)
         return runtime.token_order(this_ranks_tokens(micro_batch))
 
-    step = TrainingStep(built.optimizer, device_type, layers_view, built.model.step_end)
+    pipeline = None if workload.parallel.pp == 1 else PipelineSchedule(
+        built.optimizer.chunks, device_type, seq, workload.micro_batch_size, runtime)
+    step = TrainingStep(built.optimizer, device_type, layers_view, built.model.step_end, pipeline)
     with step_progress(train.steps - built.start_step, show_bar=speaks) as progress:
         hooks = [
             throughput,
             MemoryReadings(started.memory),
             ActivationAccounting(runtime, job.writer),
             Validation(train.eval_interval, train.steps, validation_pass(
-                built.optimizer.model, source, seq, train, torch.device(device_type), layers_view, eod),
+                built.optimizer.chunks, source, seq, train, torch.device(device_type), layers_view, eod, pipeline),
                 row, speaks),
             log_records,
-            Checkpointing(train.save_interval, train.steps, started.save_dir, built.model.module, built.optimizer,
+            Checkpointing(train.save_interval, train.steps, started.save_dir, built.model.chunks, built.optimizer,
                           started.facts, built.consumed, built.start_step, global_batch, row),
             Progress(progress, job.stop_if_signalled, train.steps, speaks),
         ]

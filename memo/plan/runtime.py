@@ -54,10 +54,11 @@ class PlanRuntime:
     nor served) must be told of the backward pass and the optimizer step. ``arena`` is the
     installed :class:`memo.plan.cuda_arena.ArenaAllocator` on a GPU with ``plan``, else None.
     ``layers`` is what runs the model's layers: the marker names the parts of their passes it
-    reports (a walk in tiles: each tile's phases and its attention blocks') as they go.
+    reports (a walk in tiles: each tile's phases and its attention blocks') as they go. ``gpt``
+    None: nothing is recorded (a pipeline stage, whose micro-batches' passes interleave).
     """
 
-    def __init__(self, gpt: torch.nn.Module, plan: bool, planner: PlannerConfig, warmup_steps: int,
+    def __init__(self, gpt: Optional[torch.nn.Module], plan: bool, planner: PlannerConfig, warmup_steps: int,
                  device_type: str, arena=None, layers: LayerRuntime = NullRuntime()):
         if plan and device_type == "cuda" and arena is None:
             raise ValueError("plan=true on a GPU needs the installed arena allocator")
@@ -81,7 +82,7 @@ class PlanRuntime:
     def step(self, step: int) -> Iterator[Optional[PhaseMarker]]:
         """The context of 0-based training step ``step``."""
         # On a GPU without the plan the allocator's figures are measured: nothing to record.
-        recorded = self.plan or self.device_type == "cpu"
+        recorded = (self.plan or self.device_type == "cpu") and self.gpt is not None
         if not recorded or step < self.record_at or (step > self.record_at and self.server is None):
             yield None
             return

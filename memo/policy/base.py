@@ -9,7 +9,7 @@ come with the :class:`memo.config.Workload` each call is given.
 
 import abc
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -21,6 +21,7 @@ from memo.model.context_parallel import exchange_bytes
 from memo.model.placement import LayerRuntime, NullRuntime
 from memo.profile.template import IterationTemplate
 from memo.profile.trace import Trace
+from memo.swap.in_flight import in_flight_runtimes
 from memo.swap.streams import Streams
 
 
@@ -95,6 +96,9 @@ class ActivationPolicy(abc.ABC):
     one is made once (:func:`memo.profile.template.iteration_template`)."""
 
     method: Method
+    # its layers run under a runtime of its own (:meth:`prepare`), which keeps one micro-batch's
+    # activations (one per micro-batch in flight on a pipeline stage)
+    has_runtime: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ the model
 
@@ -126,8 +130,6 @@ class ActivationPolicy(abc.ABC):
 
     def training_refusal(self, parallel: ParallelConfig) -> Optional[str]:
         """Why training cannot run under ``parallel`` (one line naming what to change), or None."""
-        if parallel.pp > 1:
-            return f"parallel.pp={parallel.pp}: the training loop has no pipeline schedule yet; use parallel.pp=1"
         return None
 
     def check_training(self, parallel: ParallelConfig) -> None:
@@ -151,6 +153,20 @@ class ActivationPolicy(abc.ABC):
             group: the processes whose recomputations must agree (the tensor-parallel group).
         """
         return NullRuntime()
+
+    def prepare_stage(self, chunks: list, workload: Workload, device: torch.device, host_budget: float,
+                      in_flight: list[int], group=None) -> LayerRuntime:
+        """What runs the layers of this rank's model ``chunks`` (unwrapped) through training, ready:
+        :meth:`prepare`'s runtime of the one chunk without pipeline parallelism; under it, where the
+        policy places anything, ``in_flight[c]`` runtimes for chunk ``c``, one per micro-batch in
+        flight (:mod:`memo.swap.in_flight`), sharing ``host_budget`` equally."""
+        if workload.parallel.pp == 1:
+            return self.prepare(chunks[0], workload, device, host_budget, group=group)
+        if not self.has_runtime:
+            return NullRuntime()
+        share = host_budget / sum(in_flight)
+        return in_flight_runtimes(chunks, in_flight,
+                                  lambda chunk: self.prepare(chunk, workload, device, share, group=group))
 
     # ------------------------------------------------------------------ layouts a search tries
 

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -37,6 +37,8 @@ log = logging.getLogger("memo")
 class SequenceTiles(ActivationPolicy):
     """Layers walked in tiles of ``workload.layer_tile_tokens`` tokens, swapped (``memo``,
     ``full_swap``) or recomputed (``full_recompute``)."""
+
+    has_runtime: ClassVar[bool] = True
 
     method: Method
 

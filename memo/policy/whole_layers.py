@@ -10,7 +10,7 @@ node is ``(n − 2)·(S_input + S_attn + α·S_other)`` per device times the dev
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -54,6 +54,8 @@ class SwappedLayers(OurLayers):
     """MEMO on whole layers: the swap runtime (:class:`memo.swap.SwapRuntime`) keeps every
     layer's saved tensors in two rounding buffers and swaps the first α of the tokens of each to
     the host, recomputing the rest."""
+
+    has_runtime: ClassVar[bool] = True
 
     @property
     def layers(self) -> LayerBuild:

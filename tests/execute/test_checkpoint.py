@@ -302,7 +302,7 @@ def test_megatrons_distributed_optimizer_resumes_bit_for_bit_without_transformer
         for number in numbers:
             tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(number)).cuda()
             optimizer.zero_grad()
-            loss = optimizer.model(tokens, torch.arange(16)[None].cuda(), None, labels=tokens).float().mean()
+            loss = optimizer.chunks[0](tokens, torch.arange(16)[None].cuda(), None, labels=tokens).float().mean()
             optimizer.scale_loss(loss).backward()
             optimizer.step(1e-2)
             losses.append(loss.item())
@@ -311,14 +311,14 @@ def test_megatrons_distributed_optimizer_resumes_bit_for_bit_without_transformer
     facts = checkpoint.RunFacts(model_config={}, dtype="bf16", optimizer="megatron_distributed", schedule={}, data={})
     modules = [model() for _ in range(3)]
     with cuda_stand_in() as cuda:
-        whole = steps(MegatronStepOptimizer(modules[0].cuda(), train, sharded=True), range(6))
-        saving = MegatronStepOptimizer(modules[1].cuda(), train, sharded=True)
+        whole = steps(MegatronStepOptimizer([modules[0].cuda()], train, sharded=True), range(6))
+        saving = MegatronStepOptimizer([modules[1].cuda()], train, sharded=True)
         first = steps(saving, range(3))
         with monkeypatch.context() as gpu:  # the GPU's save: its tensors staged to the host first
             gpu.setattr(torch.cuda, "is_available", lambda: True)
-            saved = checkpoint.save(tmp_path, 3, 3, modules[1], saving, facts)
-        loading = MegatronStepOptimizer(modules[2].cuda(), train, sharded=True)
-        resumed = checkpoint.load(saved, checkpoint.saved_facts(saved.path), modules[2], loading)
+            saved = checkpoint.save(tmp_path, 3, 3, [modules[1]], saving, facts)
+        loading = MegatronStepOptimizer([modules[2].cuda()], train, sharded=True)
+        resumed = checkpoint.load(saved, checkpoint.saved_facts(saved.path), [modules[2]], loading)
         assert _adam_places(cuda, loading) == _adam_places(cuda, saving)
         rest = steps(loading, range(3, 6))
     assert resumed.step == 3

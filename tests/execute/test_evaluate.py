@@ -26,7 +26,7 @@ def _tiny_model_and_source(seq: int):
 
 def test_the_loss_by_position_is_the_mean_of_each_spans_token_losses(single_process):
     model, source = _tiny_model_and_source(64)
-    got = validation_loss(model, source, 64, 2, 2, 4, torch.device("cpu"), lambda mb: mb)
+    got = validation_loss([model], source, 64, 2, 2, 4, torch.device("cpu"), lambda mb: mb)
     # by hand: the same two micro-batches of two validation samples, every token's loss kept
     (batch,) = [next(micro_batches(ValidationSamples(source), 64, 2, 2, 0, 1, torch.device("cpu")))]
     with torch.no_grad():
@@ -44,7 +44,7 @@ def test_the_loss_by_position_is_the_mean_of_each_spans_token_losses(single_proc
 
 def test_the_buckets_are_the_spans_of_bucket_bounds_where_they_differ_in_length(single_process):
     model, source = _tiny_model_and_source(30)
-    got = validation_loss(model, source, 30, 1, 1, 4, torch.device("cpu"), lambda mb: mb)
+    got = validation_loss([model], source, 30, 1, 1, 4, torch.device("cpu"), lambda mb: mb)
     (mb,) = next(micro_batches(ValidationSamples(source), 30, 1, 1, 0, 1, torch.device("cpu")))
     with torch.no_grad():
         losses = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"]).double()[0]
@@ -64,7 +64,7 @@ def test_validation_walks_layers_in_tiles_and_gives_their_whole_losses(single_pr
     walk = policy_of(run.workload).prepare(model, run.workload, torch.device("cpu"), 2**40, InlineStreams())
     source, phases = SyntheticTokens(1000, seed=3), []
     walk.name_phases(lambda layer, part: phases.append((layer, part)))
-    tiled = validation_loss(model, source, 64, 1, 2, 4, torch.device("cpu"), walk.token_order)
+    tiled = validation_loss([model], source, 64, 1, 2, 4, torch.device("cpu"), walk.token_order)
     walk.name_phases(None)
     # every layer walked tile by tile, each tile's queries over the store's blocks so far, twice
     # every layer of both micro-batches walked tile by tile, each tile's queries over the store's
@@ -73,7 +73,7 @@ def test_validation_walks_layers_in_tiles_and_gives_their_whole_losses(single_pr
                                                        f"fwd.t{t}")] + ["fwd"]
     assert phases == 2 * [(layer, part) for layer in range(run.workload.model.num_layers) for part in one_layer]
     walk.detach()  # the same weights, each layer run whole
-    whole = validation_loss(model, source, 64, 1, 2, 4, torch.device("cpu"), lambda mb: mb)
+    whole = validation_loss([model], source, 64, 1, 2, 4, torch.device("cpu"), lambda mb: mb)
     assert tiled["valid_loss_by_position"] == pytest.approx(whole["valid_loss_by_position"], abs=1e-6)
     assert tiled["valid_loss"] == pytest.approx(whole["valid_loss"], abs=1e-6)
 

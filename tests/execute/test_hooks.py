@@ -105,7 +105,7 @@ def test_checkpoints_are_saved_on_schedule_with_the_samples_consumed(monkeypatch
     monkeypatch.setattr("memo.execute.checkpoint.save", save)
     row = {}
     # resumed at step 4 with 32 samples consumed, 8 a step: saves at 6 and the last, 7
-    hook = Checkpointing(interval=3, last_step=7, save_dir=tmp_path, module=None, optimizer=None, facts=None,
+    hook = Checkpointing(interval=3, last_step=7, save_dir=tmp_path, chunks=None, optimizer=None, facts=None,
                          consumed=32, start_step=4, global_batch=8, row=row)
     for step in (5, 6, 7):
         hook(_record(step))

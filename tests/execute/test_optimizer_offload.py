@@ -78,17 +78,17 @@ def test_states_and_main_weights_live_on_the_host_in_the_bytes_of_the_byte_model
     run = resolve_config(*SMALL)
     models = _model(run), _model(run)
     with cuda_stand_in() as cuda:
-        reference = MegatronStepOptimizer(models[0].cuda(), _train(run, "none", steps=1), sharded=True)
+        reference = MegatronStepOptimizer([models[0].cuda()], _train(run, "none", steps=1), sharded=True)
         _losses(reference, _train(run, "none", steps=1), run)
         train = _train(run, "host", fraction, steps=1)
-        optimizer = MegatronStepOptimizer(models[1].cuda(), train, sharded=False)
+        optimizer = MegatronStepOptimizer([models[1].cuda()], train, sharded=False)
         _losses(optimizer, train, run)  # Adam's states and the gradients' copies come at the first step
 
         (hybrid,) = hybrid_optimizers(optimizer.optimizer)
         shards = [p for group in hybrid.param_groups for p in group["params"]]
         on_host = offloaded([p.numel() for p in shards], fraction)
         assert all(on_host) == (fraction == 1.0) and any(on_host)
-        for weight in optimizer.model.parameters():
+        for weight in optimizer.chunks[0].parameters():
             assert cuda.on_device(weight) and weight.dtype == torch.bfloat16
         held = dict.fromkeys(("master", "moments", "steps", "grads", "pinned"), 0)
         for shard, host in zip(shards, on_host, strict=True):
@@ -128,7 +128,7 @@ def test_ten_steps_give_the_losses_of_adam_on_the_device(parallel_state):
     models = {fraction: _model(run) for fraction in (None, 1.0, 0.5)}
     with cuda_stand_in():
         train = _train(run, "none")
-        reference = MegatronStepOptimizer(models[None].cuda(), train, sharded=True)
+        reference = MegatronStepOptimizer([models[None].cuda()], train, sharded=True)
         # PyTorch's fused AdamW, the kernel the host steps with: the runs then differ in where
         # Adam's states live and nothing else. (On a GPU the device's Adam is another kernel, whose
         # rounding differs: bf16 weights then part after a few steps.)
@@ -138,7 +138,7 @@ def test_ten_steps_give_the_losses_of_adam_on_the_device(parallel_state):
         got = {}
         for fraction in (1.0, 0.5):
             train = _train(run, "host", fraction)
-            optimizer = MegatronStepOptimizer(models[fraction].cuda(), train, sharded=False)
+            optimizer = MegatronStepOptimizer([models[fraction].cuda()], train, sharded=False)
             assert hybrid_optimizers(optimizer.optimizer)
             got[fraction] = _losses(optimizer, train, run)
     assert expected[-1][0] < expected[0][0] - 1  # it learns
@@ -197,7 +197,7 @@ def test_a_cpu_run_with_host_offload_is_refused_in_one_line(parallel_state):
     assert "\n" not in message and "CPU" in message and message.endswith("set train.optimizer_offload=none")
     run = resolve_config(*SMALL)  # and where a CPU job reaches the optimizer without resolving
     with pytest.raises(ConfigError, match="this run trains on the CPU"):
-        build_optimizer(_model(run), _train(run, "host"), "cpu", run.workload.parallel)
+        build_optimizer([_model(run)], _train(run, "host"), "cpu", run.workload.parallel)
 
 
 def test_a_gpu_run_offloads_16_bit_weights_only():

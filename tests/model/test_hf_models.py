@@ -54,8 +54,8 @@ def test_a_checkpoint_survives_a_round_trip_byte_for_byte(single_process, tmp_pa
     hf_models.make_checkpoint(model, tmp_path / "theirs")
     run = resolve_config(f"model={model}", "seq=64")
     gpt = build_model(run.workload, "cpu").module
-    hf_checkpoint.load(gpt, run.workload.model, tmp_path / "theirs")
-    hf_checkpoint.save(gpt, run.workload.model, tmp_path / "ours")
+    hf_checkpoint.load([gpt], run.workload.model, tmp_path / "theirs")
+    hf_checkpoint.save([gpt], run.workload.model, tmp_path / "ours")
     weights = hf_checkpoint.WEIGHTS_FILE
     assert (tmp_path / "ours" / weights).read_bytes() == (tmp_path / "theirs" / weights).read_bytes()
     # transformers reads our config.json as the shape it wrote
@@ -65,7 +65,7 @@ def test_a_checkpoint_survives_a_round_trip_byte_for_byte(single_process, tmp_pa
                 "num_key_value_heads", "rms_norm_eps", "vocab_size", "tie_word_embeddings", "rope_parameters"):
         assert ours[key] == theirs[key], key
     with pytest.raises(FileExistsError, match="exists and is kept"):
-        hf_checkpoint.save(gpt, run.workload.model, tmp_path / "ours")
+        hf_checkpoint.save([gpt], run.workload.model, tmp_path / "ours")
 
 
 def test_a_checkpoint_of_another_shape_or_format_is_refused_in_one_line(tmp_path):
@@ -110,11 +110,11 @@ def test_a_checkpoint_with_tensors_the_model_has_no_place_for_is_refused(single_
     save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": torch.zeros(256)}, weights)
     with pytest.raises(ConfigError, match=r"holds model.layers.0.self_attn.o_proj.bias, which the model has no "
                                           r"place for \(0 missing, 1 unused\)"):
-        hf_checkpoint.load(gpt, run.workload.model, tmp_path)
+        hf_checkpoint.load([gpt], run.workload.model, tmp_path)
     del tensors["lm_head.weight"]
     save_file(tensors, weights)
     with pytest.raises(ConfigError, match=r"lacks lm_head.weight \(1 missing, 0 unused\)"):
-        hf_checkpoint.load(gpt, run.workload.model, tmp_path)
+        hf_checkpoint.load([gpt], run.workload.model, tmp_path)
 
 
 def test_megatrons_distributed_checkpoint_sees_every_weight(single_process):
@@ -259,8 +259,8 @@ def test_a_model_read_from_its_directory_is_counted_as_built_and_saved_back_byte
     model = resolve_config("model=hf", f"model.init_from={tmp_path / 'theirs'}", "seq=64").workload
     with one_process():
         gpt = build_model(model, "cpu").module
-        hf_checkpoint.load(gpt, model.model, tmp_path / "theirs")
-        hf_checkpoint.save(gpt, model.model, tmp_path / "ours")
+        hf_checkpoint.load([gpt], model.model, tmp_path / "theirs")
+        hf_checkpoint.save([gpt], model.model, tmp_path / "ours")
     assert parameter_numels(model.model) == [p.numel() for p in gpt.parameters()]
     assert parameter_count(model.model) == hf.num_parameters()
     weights = hf_checkpoint.WEIGHTS_FILE

@@ -39,7 +39,7 @@ def test_an_exported_checkpoint_gives_our_logits_in_transformers(tmp_path, capsy
     ids = torch.randint(0, run.workload.model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     with one_process():
         ours = build_model(run.workload, "cpu").module
-        facts = load_weights(saved, ours)
+        facts = load_weights(saved, [ours])
         with torch.no_grad():
             logits = ours(ids, torch.arange(64).unsqueeze(0), None)[0]
     assert facts["step"] == 2 and facts["model_config"]["name"] == model

@@ -1,0 +1,91 @@
+"""Pipeline parallelism under torchrun: our model's pipeline stages, run by Megatron-core's
+schedule over a step of several micro-batches, next to ``transformers``' model of the same
+checkpoint on the whole batch (a check of ``tests/checks_worker.py``'s shared launches)."""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from memo.execute import distributed
+from memo.execute.optimizer import HostOptimizer, reduce_gradients
+from memo.execute.pipeline import PipelineSchedule, in_flight
+from memo.execute.train import TrainingStep
+from memo.model import hf_checkpoint
+from memo.policy import build_model, policy_of
+
+from conftest import compose_config, resolve_config
+from hf_models import LLAMA_3_1_8B, SIZES
+
+SEQ = 64  # tokens of a sequence
+MICRO_BATCHES = 4
+
+
+def make_checkpoint(directory: Path, tied: bool):
+    """A tiny Llama (``tiny_llama``'s sizes; its embedding tied to its output layer or not) with
+    random weights, saved to ``directory``; returns it (float32, eval mode)."""
+    import transformers
+
+    from hf_models import _saved
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**LLAMA_3_1_8B, "tie_word_embeddings": tied}, **SIZES["tiny_llama"])
+    return _saved(transformers.LlamaForCausalLM(config), directory)
+
+
+def _micro_batches(vocab: int) -> tuple[torch.Tensor, list[dict]]:
+    ids = torch.randint(0, vocab, (MICRO_BATCHES, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ).unsqueeze(0)
+    return ids, [{"tokens": ids[i:i + 1, :-1], "labels": ids[i:i + 1, 1:], "position_ids": positions}
+                 for i in range(MICRO_BATCHES)]
+
+
+def _theirs(hf, ids: torch.Tensor) -> dict:
+    """transformers' mean loss over the batch and its gradients."""
+    hf.zero_grad()
+    logits = hf(input_ids=ids[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in hf.named_parameters()}}
+
+
+def check_gradients(info, out, tied: str, method: str, *overrides: str) -> str:
+    """Under torchrun: a step of four micro-batches through our pipeline stages (``overrides``:
+    parallel.pp and what else the layout has) with ``method``'s layers, started from a checkpoint
+    rank 0 makes (``tied``: "tied" or "untied"): its loss and every gradient (summed over the tied
+    embedding's two ends, as the optimizer sums them) equal transformers' on the whole batch."""
+    import transformers
+
+    directory = Path(out) / "checkpoint"
+    settings = ("model=hf", f"model.init_from={directory}", f"seq={SEQ}", f"method={method}",
+                f"train.micro_batches={MICRO_BATCHES}", *overrides)
+    distributed.initialize(compose_config(*settings).parallel, "cpu", info)
+    runtime = None
+    try:
+        if info.rank == 0:
+            make_checkpoint(directory, tied == "tied")
+        dist.barrier()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        run = resolve_config(*settings)
+        built = build_model(run.workload, "cpu")
+        hf_checkpoint.load(built.chunks, run.workload.model, directory)
+        parallel = run.workload.parallel
+        counts = in_flight(parallel.pp, parallel_state.get_pipeline_model_parallel_rank(), MICRO_BATCHES, parallel.vpp)
+        runtime = policy_of(run.workload).prepare_stage(built.chunks, run.workload, torch.device("cpu"), 2**34, counts)
+        pipeline = PipelineSchedule(built.chunks, "cpu", SEQ, 1, runtime)
+        step = TrainingStep(HostOptimizer(built.chunks, run.train), "cpu", runtime.token_order, pipeline=pipeline)
+        ids, batch = _micro_batches(hf.config.vocab_size)
+        loss = step._pipelined(batch)
+        reduce_gradients(built.chunks)
+        ours = hf_checkpoint.gather(built.chunks, run.workload.model, grads=True)
+        theirs = _theirs(hf, ids)
+        torch.testing.assert_close(loss, theirs["loss"])
+        assert ours.keys() == theirs["grads"].keys() - ({"lm_head.weight"} if tied == "tied" else set())
+        for name, grad in ours.items():
+            torch.testing.assert_close(grad, theirs["grads"][name], msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        if runtime is not None:
+            runtime.release()
+        distributed.shutdown()
+    return f"{method}, {tied}, {' '.join(overrides)}: loss and {len(ours)} gradients equal transformers'"
