@@ -2,6 +2,7 @@
 schedule over a step of several micro-batches, next to ``transformers``' model of the same
 checkpoint on the whole batch (a check of ``tests/checks_worker.py``'s shared launches)."""
 
+import time
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ from megatron.core import parallel_state
 from memo.execute import distributed
 from memo.execute.optimizer import HostOptimizer, reduce_gradients
 from memo.execute.pipeline import PipelineSchedule, in_flight
-from memo.execute.train import TrainingStep
+from memo.execute.train import TrainingStep, rank_tokens
 from memo.model import hf_checkpoint
 from memo.policy import build_model, policy_of
 
@@ -74,9 +75,15 @@ def check_gradients(info, out, tied: str, method: str, *overrides: str) -> str:
         counts = in_flight(parallel.pp, parallel_state.get_pipeline_model_parallel_rank(), MICRO_BATCHES, parallel.vpp)
         runtime = policy_of(run.workload).prepare_stage(built.chunks, run.workload, torch.device("cpu"), 2**34, counts)
         pipeline = PipelineSchedule(built.chunks, "cpu", SEQ, 1, runtime)
-        step = TrainingStep(HostOptimizer(built.chunks, run.train), "cpu", runtime.token_order, pipeline=pipeline)
+        ranks_tokens = rank_tokens(policy_of(run.workload).layers.sequence_layout)
+        step = TrainingStep(HostOptimizer(built.chunks, run.train), "cpu",
+                            lambda micro_batch: runtime.token_order(ranks_tokens(micro_batch)), pipeline=pipeline)
         ids, batch = _micro_batches(hf.config.vocab_size)
         loss = step._pipelined(batch)
+        # (under context parallelism each rank's loss is its tokens' mean: the mean over them the batch's)
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dist.all_reduce(loss, group=group)
+        loss /= dist.get_world_size(group)
         reduce_gradients(built.chunks)
         ours = hf_checkpoint.gather(built.chunks, run.workload.model, grads=True)
         theirs = _theirs(hf, ids)
@@ -89,3 +96,31 @@ def check_gradients(info, out, tied: str, method: str, *overrides: str) -> str:
             runtime.release()
         distributed.shutdown()
     return f"{method}, {tied}, {' '.join(overrides)}: loss and {len(ours)} gradients equal transformers'"
+
+
+def train(info, out, tied: str, *overrides: str) -> str:
+    """Under torchrun: the training job ``overrides`` describe, started from the checkpoint
+    :func:`make_checkpoint` makes (``tied``: "tied" or "untied") and reading ``make_corpus``'s 120
+    documents, both made by rank 0 into ``out`` (the same files any process makes), in as many
+    processes as the launch has; raises unless its row says ``ok``."""
+    from memo.modes.train import run_job
+
+    from tiny_corpus import make_corpus
+
+    out = Path(out)
+    ready = out / "ready"
+    if info.rank == 0:
+        make_checkpoint(out / "checkpoint", tied == "tied")
+        prefix, tokenizer, _ = make_corpus(out / "data", count=120)
+        (out / "ready.part").write_text(f"{prefix}\n{tokenizer}")
+        (out / "ready.part").rename(ready)  # (whole when seen)
+    deadline = time.monotonic() + 120
+    while not ready.exists():  # (a failing rank 0 ends the launch)
+        assert time.monotonic() < deadline, f"rank 0 made no checkpoint and corpus in {out} within 120 s"
+        time.sleep(0.1)
+    prefix, tokenizer = ready.read_text().split("\n")
+    settings = ("model=hf", f"model.init_from={out / 'checkpoint'}", f"train.data=megatron:{prefix}",
+                f"train.tokenizer={tokenizer}", *overrides)
+    row = run_job(compose_config(*settings), out / "run", settings, info=info)
+    assert row["status"] == "ok" and row["world_size"] == info.world_size, row["error"]
+    return f"status ok in {out / 'run'}"
