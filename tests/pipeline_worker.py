@@ -15,6 +15,8 @@ from memo.execute.pipeline import PipelineSchedule, in_flight
 from memo.execute.train import TrainingStep, rank_tokens
 from memo.model import hf_checkpoint
 from memo.policy import build_model, policy_of
+from memo.swap.in_flight import InFlight
+from memo.swap.tiled_layer import TiledLayers
 
 from conftest import compose_config, resolve_config
 from hf_models import LLAMA_3_1_8B, SIZES
@@ -85,6 +87,11 @@ def check_gradients(info, out, tied: str, method: str, *overrides: str) -> str:
         dist.all_reduce(loss, group=group)
         loss /= dist.get_world_size(group)
         reduce_gradients(built.chunks)
+        if isinstance(runtime, InFlight):  # a runtime per micro-batch in flight, a walk's stores once per chunk
+            assert runtime.counts == counts
+            for walks in runtime.by_chunk:
+                if isinstance(walks[0], TiledLayers):
+                    assert all(walk.stores is walks[0].stores is not None for walk in walks)
         ours = hf_checkpoint.gather(built.chunks, run.workload.model, grads=True)
         theirs = _theirs(hf, ids)
         torch.testing.assert_close(loss, theirs["loss"])

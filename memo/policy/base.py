@@ -165,8 +165,15 @@ class ActivationPolicy(abc.ABC):
         if not self.has_runtime:
             return NullRuntime()
         share = host_budget / sum(in_flight)
-        return in_flight_runtimes(chunks, in_flight,
-                                  lambda chunk: self.prepare(chunk, workload, device, share, group=group))
+        stage = in_flight_runtimes(chunks, in_flight,
+                                   lambda chunk: self.prepare(chunk, workload, device, share, group=group))
+        for runtimes in stage.by_chunk:
+            self.share_in_flight(runtimes)
+        return stage
+
+    def share_in_flight(self, runtimes: list[LayerRuntime]) -> None:
+        """Let one model chunk's runtimes of its micro-batches in flight (:meth:`prepare`'s) share
+        what lives within one pass only: nothing to share."""
 
     # ------------------------------------------------------------------ layouts a search tries
 

@@ -87,6 +87,13 @@ class SequenceTiles(ActivationPolicy):
         return prepare_tiles(model, workload, workload.layer_tile_tokens, device, self.swaps, host_budget,
                              self.alpha, streams, group)
 
+    def share_in_flight(self, runtimes: list[LayerRuntime]) -> None:
+        """The walks of one chunk's micro-batches in flight share the stores of keys, values and
+        their gradients, which live within one layer's pass (their inputs' host memory, tile
+        buffers and input store stay each walk's own)."""
+        for walk in runtimes[1:]:
+            walk.share_stores(runtimes[0])
+
     # ------------------------------------------------------------------ layouts a search tries
 
     def layer_tiles_tried(self, tried: tuple[Optional[int], ...], own: Optional[int]) -> tuple[Optional[int], ...]:

@@ -42,6 +42,11 @@ class InFlight:
         self._all = [r for chunk in chunks for r in chunk.runtimes]
 
     @property
+    def by_chunk(self) -> list[list[LayerRuntime]]:
+        """Each chunk's runtimes, micro-batch ``j``'s at ``j mod`` their number."""
+        return [chunk.runtimes for chunk in self._chunks]
+
+    @property
     def counts(self) -> list[int]:
         """Runtimes (micro-batches in flight) of each chunk."""
         return [len(chunk.runtimes) for chunk in self._chunks]
@@ -93,7 +98,8 @@ class InFlight:
         return [b for runtime in self._all for b in runtime.device_buffers()]
 
     def device_stores(self) -> list[torch.Tensor]:
-        return [s for runtime in self._all for s in runtime.device_stores()]
+        # (a chunk's walks share their stores: each once)
+        return list({id(s): s for runtime in self._all for s in runtime.device_stores()}.values())
 
     def name_phases(self, on_phase: Optional[Callable[[int, str], None]]) -> None:
         for runtime in self._all:

@@ -110,10 +110,7 @@ class TiledLayers(TileForward, TileBackward, TileAttention):
         self._input_grad: Optional[torch.Tensor] = None  # rows of the layer input's gradient being made
         self._output_grad: Optional[torch.Tensor] = None  # rows of the layer output's gradient
         self._chain_output: Optional[torch.Tensor] = None  # attention's kept output, in a CHAIN tile
-        self.stores: Optional[TileStores] = None
-        # passes that wrote the stores' keys and values so far: a layer's backward finds the
-        # count its forward left when nothing wrote them since (the last layer's, as a rule)
-        self.store_writes = 0
+        self._held = _HeldStores()
         self.cp_group = None  # the context-parallel group of the layers' attention, if any
         self.cp, self.cp_rank = 1, 0  # its size and this rank's place in it
         self.layers: list = []
@@ -129,6 +126,31 @@ class TiledLayers(TileForward, TileBackward, TileAttention):
         self.on_phase: Callable[[int, str], None] = _unnamed
         # under swapping, what getting it ready decided (memo.swap.prepare.ready_tiles)
         self.tile_report = None
+
+    @property
+    def stores(self) -> Optional[TileStores]:
+        """The stores of keys, values and their gradient accumulators (made by the first pass)."""
+        return self._held.stores
+
+    @stores.setter
+    def stores(self, stores: Optional[TileStores]) -> None:
+        self._held.stores = stores
+
+    @property
+    def store_writes(self) -> int:
+        """Passes that wrote the stores' keys and values so far: a layer's backward finds the
+        count its forward left when nothing wrote them since (the last layer's, as a rule)."""
+        return self._held.writes
+
+    @store_writes.setter
+    def store_writes(self, writes: int) -> None:
+        self._held.writes = writes
+
+    def share_stores(self, other: "TiledLayers") -> None:
+        """Use ``other``'s stores from now on, this walk's own given back: walks of one model
+        chunk's micro-batches in flight (:mod:`memo.swap.in_flight`), whose passes never overlap,
+        so that the stores exist once. A pass of either counts as a write of both's keys."""
+        self._held = other._held
 
     def name_phases(self, on_phase: Optional[Callable[[int, str], None]]) -> None:
         """Tell ``on_phase`` of the walk's parts as they begin (see :attr:`on_phase`); None: stop."""
@@ -346,6 +368,15 @@ class TiledLayers(TileForward, TileBackward, TileAttention):
     def _count(self) -> int:
         """``T``: tiles of one layer on this rank."""
         return self.swap.units_per_layer
+
+
+class _HeldStores:
+    """A walk's stores and the count of passes that wrote them (shared by the walks of one model
+    chunk's micro-batches in flight, :meth:`TiledLayers.share_stores`)."""
+
+    def __init__(self):
+        self.stores: Optional[TileStores] = None
+        self.writes = 0
 
 
 class _TiledLayer(torch.autograd.Function):
