@@ -330,7 +330,7 @@ class FitConfig:
     runners_up: int = field(default=3, metadata={
         "help": "parallel=search: layouts reported after the best one."})
     layouts: str = field(default="runnable", metadata={
-        "help": "parallel=search: runnable (only layouts that training runs: no pipeline parallelism; the "
+        "help": "parallel=search: runnable (only layouts that training runs, pipelines included; the "
                 "others are listed in layouts.csv with the reason) or all."})
     # 1.2 to 2.4 GiB measured on one GPU.
     device_reserved_gib: float = field(default=2.0, metadata={

@@ -13,6 +13,7 @@ from typing import Optional
 from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 
 from memo.config import FitConfig, ParallelConfig, Workload, shards_optimizer
+from memo.execute.pipeline import in_flight as pipeline_in_flight
 from memo.fit import memory
 from memo.fit.timing import TimePrediction, layer_seconds, predict_time
 from memo.hardware import GiB, Hardware
@@ -152,7 +153,11 @@ def predict(problem: Problem, parallel: ParallelConfig, seq: int) -> Prediction:
             f"{local * frame.optimizer_host / GiB:.1f} GiB of the node's {frame.host_capacity / GiB:.1f} GiB usable, "
             "before any activation; lower train.optimizer_offload_fraction, add devices or set "
             "hardware.host_memory_gib", 0, alpha=policy.alpha))
-    in_flight = min(parallel.pp, problem.micro_batches)
+    # The first pipeline stage binds: it holds the most micro-batches in flight, and as many
+    # parameters as the last (whose output layer, or tied copy, is the first's embedding's size,
+    # beside one final norm); its every chunk keeps one runtime's activations per micro-batch in flight.
+    layers //= parallel.vpp
+    in_flight = sum(pipeline_in_flight(parallel.pp, 0, problem.micro_batches, parallel.vpp))
     situation = Situation(workload, iteration_template(workload, layers * in_flight, policy.traced), layers,
                           in_flight, layer_seconds(workload, hw, fit, policy.cp_exchange(parallel)),
                           hw.host_link_bytes_per_s, budget)

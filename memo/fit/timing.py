@@ -59,6 +59,7 @@ class TimePrediction:
     layer_tp_comm_s: float  # forward and backward together
     layer_cp_comm_exposed_s: float
     head_s: float
+    pipeline_p2p_s: float  # per micro-batch: a stage's sends and receives between pipeline stages
     bubble_fraction: float  # pipeline slots spent idle
     dp_comm_s: float  # per iteration
     optimizer_offload_s: float  # per iteration: Adam on the host and its copies (0 without)
@@ -176,8 +177,16 @@ def predict_time(
 
     vocab = padded_vocab_size(model, tp)
     head = 3 * 2 * b * t * h * vocab / tp / (peak * fit.gemm_efficiency)
-    stage = n // pp * (forward + backward + recompute + swap) + head
-    slots = micro_batches + pp - 1
+    # a stage's micro-batch: its layers, the head (the last stage's, which binds), and the layer
+    # outputs sent on and their gradients sent back at each of its chunks' ends (Megatron's
+    # schedules wait for them), between neighbours tp·cp·dp ranks apart
+    vpp = parallel.vpp
+    sent = b * t / (tp if parallel.sequence_parallel else 1) * h * workload.dtype_bytes
+    p2p = 0.0 if pp == 1 else 2 * vpp * sent / _link(2 * tp * cp * dp, hw, fit.link_efficiency)
+    stage = n // pp * (forward + backward + recompute + swap) + head + p2p
+    # 1F1B fills and drains the pipeline once: pp − 1 idle slots of a micro-batch; the interleaved
+    # schedule's are a chunk's, 1/vpp of one
+    slots = micro_batches + (pp - 1) / vpp
     grad_ranks = dp * cp
     dp_link = _link(tp * cp * pp * dp, hw, fit.link_efficiency)
     dp_comm = 2 * _ring_seconds(local_params * 4, grad_ranks, dp_link) * (1 - fit.dp_comm_overlap)
@@ -199,7 +208,8 @@ def predict_time(
         layer_tp_comm_s=2 * parts.tp_pass,
         layer_cp_comm_exposed_s=parts.cp_forward + parts.cp_backward,
         head_s=head,
-        bubble_fraction=(pp - 1) / slots,
+        pipeline_p2p_s=p2p,
+        bubble_fraction=(pp - 1) / vpp / slots,
         dp_comm_s=dp_comm,
         optimizer_offload_s=optimizer_offload,
         iteration_s=iteration,

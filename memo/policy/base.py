@@ -53,8 +53,11 @@ class Situation:
 
     workload: Workload  # at the layout and length predicted
     template: IterationTemplate  # the iteration's requests, traced as the policy's ``traced`` runs
-    layers: int  # layers of the device's pipeline stage
-    in_flight: int  # micro-batches in flight on it (1F1B): the device holds ``layers·in_flight``
+    layers: int  # layers of one model chunk of the device's pipeline stage (the stage's, but interleaved)
+    # runtimes of its chunks' micro-batches in flight (memo.execute.pipeline.in_flight, summed over
+    # the chunks; 1 without pipelining): the device holds ``layers·in_flight`` layers' activations,
+    # each runtime its own buffers and its share of the host budget
+    in_flight: int
     seconds: LayerSeconds
     host_link: float  # bytes/s between the device and the host (math.inf: copies are free)
     host_budget: float  # bytes of host memory the device's activations may fill

@@ -22,7 +22,7 @@ from memo.model import LayerBuild, head_size
 from memo.model.placement import LayerRuntime
 from memo.model.tiles import rank_tile_blocks, tiles_per_rank
 from memo.policy.base import ActivationPolicy, LayerSeconds, OutOfHostMemory, Placed, Situation, _host_lines
-from memo.policy.whole_layers import alpha_line
+from memo.policy.whole_layers import alpha_line, rounding_buffer_bytes
 from memo.profile.template import MIN_TRACED_TILE, iteration_template
 from memo.profile.trace import Trace
 from memo.swap import HostMemoryError, host_budget, prepare_tiles
@@ -163,15 +163,18 @@ class SequenceTiles(ActivationPolicy):
             return Placed(trace, recompute_s=self.recompute_seconds(w, s.seconds))
         blocks = tile_blocks(w)
         sizes = s.template.tile_skeletal(tile)
-        try:
+        try:  # each runtime of a pipeline stage's micro-batches in flight its share of the host budget
             plan = tile_host_plan(sizes, s.layers, tile_forward_times(s.seconds, blocks), self.alpha, s.host_link,
-                                  s.host_budget)
+                                  s.host_budget / s.in_flight)
         except HostMemoryError as error:
             shape = TileShape(sizes, s.layers, len(blocks), 2)
-            need = math.ceil(shape.host_bytes([self.alpha or 0.0] * len(blocks), max(s.layers, 1)))
+            need = s.in_flight * math.ceil(shape.host_bytes([self.alpha or 0.0] * len(blocks), max(s.layers, 1)))
             raise OutOfHostMemory(str(error), need, alpha=self.alpha) from None
         alphas = plan.solution.alphas
-        return Placed(trace, host_bytes=plan.per_device,
+        # the trace holds one walk's tile buffers and input store; the other runtimes of a pipeline
+        # stage have theirs beside them (the stores of keys and values they share)
+        others = (s.in_flight - 1) * (rounding_buffer_bytes(sizes) + input_store_bytes(w))
+        return Placed(trace, host_bytes=plan.per_device * s.in_flight, rounding_buffers=others,
                       recompute_s=self.recompute_seconds(w, s.seconds, checkpoint_every=plan.solution.checkpoint_every),
                       swap_exposed_s=plan.exposed_copy_s, alpha=sum(alphas) / len(alphas),
                       alpha_binding=plan.solution.binding[alphas.index(min(alphas))],  # the smallest α's
@@ -181,6 +184,14 @@ class SequenceTiles(ActivationPolicy):
         if not self.swaps:
             return super().report_lines(prediction)
         return _host_lines(prediction) + [alpha_line(prediction)]
+
+
+def input_store_bytes(workload: Workload) -> int:
+    """The device store a swapping walk brings a layer's input back into: the layer input of one
+    rank (``b·s/cp`` tokens, over tp under sequence parallelism, ``h`` wide)."""
+    p = workload.parallel
+    chunks = p.tp if p.sequence_parallel else 1
+    return workload.micro_batch_size * workload.seq // p.cp // chunks * workload.model.hidden_size * workload.dtype_bytes
 
 
 def tile_blocks(workload: Workload) -> list[int]:

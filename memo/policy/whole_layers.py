@@ -94,10 +94,11 @@ class SwappedLayers(OurLayers):
         s, w = situation, situation.workload
         sizes = swapped_sizes(s.template, w)
         rounding = rounding_buffer_bytes(sizes)
-        try:
-            plan = host_plan(sizes, s.layers, self.alpha, s.seconds.forward, s.host_link, s.host_budget)
+        rounding *= s.in_flight  # (a pipeline stage's runtimes each have their two)
+        try:  # each runtime its share of the host budget, α solved for its layers
+            plan = host_plan(sizes, s.layers, self.alpha, s.seconds.forward, s.host_link, s.host_budget / s.in_flight)
         except HostMemoryError as error:
-            need = max(s.layers - 2, 0) * math.ceil(sizes.swapped(self.alpha or 0.0))
+            need = s.in_flight * max(s.layers - 2, 0) * math.ceil(sizes.swapped(self.alpha or 0.0))
             raise OutOfHostMemory(str(error), need, rounding, self.alpha) from None
         solution = plan.solution
         alpha = solution.alpha
@@ -105,7 +106,7 @@ class SwappedLayers(OurLayers):
         recompute = math.ceil((1 - alpha) * sizes.other)
         trace = s.template.instance(s.tokens, s.layers * s.in_flight, swap=True, recompute_bytes=recompute,
                                     loss_tile_tokens=w.loss_tile_tokens)
-        return Placed(trace, host_bytes=plan.per_device, rounding_buffers=rounding,
+        return Placed(trace, host_bytes=plan.per_device * s.in_flight, rounding_buffers=rounding,
                       recompute_s=self.recompute_seconds(w, s.seconds, alpha),
                       swap_exposed_s=_exposed_copies(w, s, sizes.swapped(alpha)), alpha=alpha,
                       alpha_binding=solution.binding, alpha_bandwidth=solution.alpha_bandwidth,

@@ -24,6 +24,11 @@ import torch
 from memo.model.placement import Accounting, LayerRuntime, Placed, RuntimeReport
 
 
+# a runtime's report's bytes that the stage holds once per runtime
+_SUMMED = ("swap.host_budget_bytes", "swap.host_bytes", "swap.rounding_buffer_bytes", "tiles.host_budget_bytes",
+           "tiles.host_bytes", "tiles.tile_buffer_bytes")
+
+
 class _Chunk:
     """One model chunk's runtimes and, for each, the placement it gave each module of the layers."""
 
@@ -87,12 +92,18 @@ class InFlight:
         return Accounting(tuple(layers[i] for i in sorted(layers)), device)
 
     def report(self) -> RuntimeReport:
-        """The first runtime's decisions (every runtime of a chunk decides alike), and how many
-        sets of buffers the stage keeps."""
-        first = self._all[0].report()
+        """The first runtime's decisions (every runtime of a chunk decides alike; a walk's stores
+        are its chunk's), the bytes they hold summed over the stage's runtimes, and how many there
+        are (``pipeline.in_flight``)."""
+        reports = [runtime.report() for runtime in self._all]
+        first = reports[0]
+        row = {**first.row, "pipeline.in_flight": sum(self.counts)}
+        for key in _SUMMED:
+            if row.get(key) is not None:
+                row[key] = sum(report.row[key] for report in reports)
         summary = f"{first.summary + '; ' if first.summary else ''}one set per micro-batch in flight: {self.counts}"
-        return RuntimeReport(row={**first.row, "pipeline.in_flight": sum(self.counts)},
-                             layer_records=first.layer_records, summary=summary, skeletal_bytes=first.skeletal_bytes)
+        return RuntimeReport(row=row, layer_records=first.layer_records, summary=summary,
+                             skeletal_bytes=first.skeletal_bytes)
 
     def device_buffers(self) -> list[torch.Tensor]:
         return [b for runtime in self._all for b in runtime.device_buffers()]

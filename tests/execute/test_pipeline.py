@@ -3,13 +3,16 @@ and gradients (transformers' own, which one stage equals: tests/model/test_hf_mo
 every method, tied and untied, 1F1B and interleaved, with tensor and context parallelism; a
 pipelined run trains, validates, saves and exports as one stage does."""
 
+import dataclasses
 import json
 
 import pytest
 import safetensors.torch
 
 from conftest import run_in_process
-from memo.config import ConfigError
+from memo.config import ConfigError, FitConfig
+from memo.fit.predict import Problem, predict, prediction_hardware
+from memo.hardware import HARDWARE, GiB
 from memo.execute.pipeline import in_flight
 from memo.modes.export import export
 from pipeline_worker import make_checkpoint
@@ -116,3 +119,31 @@ def test_a_pipelined_run_trains_validates_saves_and_exports_as_one_stage(tmp_pat
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert ours[name].sub(tensor).abs().max() < 1e-5, name
+
+
+# memo in whole layers at 2K tokens over two stages of four layers: rank 0 holds two micro-batches in flight
+STAGE = ["method=memo", "alpha=0.5", "seq=2k", "train.steps=2", "train.warmup_steps=1", "train.micro_batches=4",
+         "model=tiny", "model.num_layers=8", "model.vocab_size=1000", "parallel.pp=2"]
+
+
+@pytest.mark.torchrun(2, " ".join(["training_worker.train", *STAGE]))
+def test_the_first_stages_buffers_host_bytes_and_resident_layers_are_predicted(torchrun_results):
+    """The first stage of two as training allocates it on the CPU (rank 0's row: its two runtimes,
+    one per micro-batch in flight, each with its rounding buffers and host slab, each swapping two
+    of its four layers), against the fit's first stage: within 10%, as one stage's prediction is
+    held (tests/fit/test_fit.py)."""
+    (result,) = torchrun_results
+    result.passed()
+    row = json.loads((result.out_dir / "result.json").read_text())
+    step = json.loads((result.out_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    run = resolve_config(*STAGE)
+    cpu = prediction_hardware(dataclasses.replace(HARDWARE["cpu"], peak_flops=1e11, device_memory_bytes=16 * GiB,
+                                                  host_memory_bytes=16 * GiB, host_link_bytes_per_s=1e10))
+    workload = dataclasses.replace(run.workload, dtype="fp32")
+    prediction = predict(Problem(workload, hardware=cpu, fit=FitConfig(), micro_batches=4), run.workload.parallel, 2048)
+    assert row["pipeline.in_flight"] == 2
+    assert prediction.rounding_buffers == pytest.approx(row["swap.rounding_buffer_bytes"], rel=0.10)
+    assert row["swap.swapped_layers"] == 2 and row["swap.host_bytes"] > 0
+    assert prediction.host_per_device == pytest.approx(row["swap.host_bytes"], rel=0.10)
+    assert prediction.rounding_buffers + prediction.acts.skeletal == pytest.approx(step["skeletal_device_bytes"],
+                                                                                   rel=0.10)

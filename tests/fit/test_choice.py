@@ -162,8 +162,8 @@ def test_a_run_chooses_its_layout_among_its_processes(torchrun_results):
     fits = {choice.layout_label(c.parallel): predict(choice._of_candidate(problem, c), c.parallel, 4096).fits
             for c in choice.candidates(run, problem) if not c.unrunnable}
     assert fits == {"tp1 cp1 pp1 dp2": False, "tp1 cp2 pp1 dp1 all_gather": True, "tp1 cp2 pp1 dp1 p2p": True,
-                    "tp1 cp2 pp1 dp1 a2a": True}, fits
-    assert row["choice.candidates"] == 4 and row["predicted_device_bytes"] <= 0.25 * GiB - row["margin_bytes"]
+                    "tp1 cp2 pp1 dp1 a2a": True, "tp1 cp1 pp2 dp1": True}, fits
+    assert row["choice.candidates"] == 5 and row["predicted_device_bytes"] <= 0.25 * GiB - row["margin_bytes"]
     with pytest.raises(ConfigError, match="parallel=auto chooses a layout of the 1 process"):
         from memo.modes.train import _of_processes
         from memo.execute.distributed import ProcessInfo

@@ -128,10 +128,9 @@ def test_the_layouts_a_search_tries_are_the_policys():
     assert _policy("method=memo")[1].candidate_layout(workload, cp, 65536) == cp
 
 
-def test_training_refuses_pipeline_parallelism_for_every_policy_so_far():
-    for method in ("none", "memo", "full_recompute"):
-        assert "no pipeline schedule" in _policy(f"method={method}")[1].training_refusal(ParallelConfig(pp=2))
-        assert _policy(f"method={method}")[1].training_refusal(ParallelConfig(tp=2)) is None
+def test_training_runs_pipeline_parallelism_with_every_policy():
+    for method in ("none", "memo", "full_recompute", "megatron_full_recompute"):
+        assert _policy(f"method={method}")[1].training_refusal(ParallelConfig(pp=2)) is None
 
 
 def test_a_plan_of_tiles_refuses_context_parallelism():
