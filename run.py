@@ -37,7 +37,12 @@ from memo.execute.launch import LAUNCHED, launch, leave_error
 from memo.results import claim_run_dir, continue_run_dir
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-RANK = int(os.environ.get("RANK", "0"))  # this process's, under torchrun, srun's ranks aside, or a launch
+def _rank() -> int:
+    """This process's rank under torchrun, a launch, or a SLURM job's tasks (whose ``RANK`` the
+    SLURM launcher sets as each task starts: read when asked, not at import)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 register_configs()
 
 
@@ -53,9 +58,10 @@ def main(cfg: DictConfig) -> None:
             if code >= 128 or (code and hydra_cfg.mode == RunMode.RUN):
                 sys.exit(code)  # rank 0 printed the refusal, or the interrupt, which ends a sweep too
             return
-        if RANK != 0:  # what every rank would log, rank 0 logs
+        rank = _rank()
+        if rank != 0:  # what every rank would log, rank 0 logs
             logging.getLogger("memo").setLevel(logging.WARNING)
-        claimed = RANK == 0
+        claimed = rank == 0
         if claimed:  # before anything is written there, Hydra's .hydra/ included
             take = continue_run_dir if cfg.mode == "train" and cfg.train.resume else claim_run_dir
             take(output_dir, _hydra_files(cfg, hydra_cfg))
@@ -126,9 +132,9 @@ def _secondary_rank_arguments(argv: list[str]) -> list[str]:
     """Under torchrun or a launch every process composes the config; only rank 0 writes results,
     so the others get a scratch output directory (in place of any given) instead of a stray one
     under outputs/."""
-    if RANK == 0:
+    if _rank() == 0:
         return argv
-    scratch = tempfile.mkdtemp(prefix=f"memo-rank{RANK}-")
+    scratch = tempfile.mkdtemp(prefix=f"memo-rank{_rank()}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
     return [*kept, f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
@@ -147,10 +153,10 @@ def _one_line(error: BaseException) -> str:
 
 
 def _fail(message: str) -> None:
-    if RANK == 0:  # every rank refuses alike: the line once (another's, where it alone fails, the launch prints)
+    if _rank() == 0:  # every rank refuses alike: the line once (another's, where it alone fails, the launch prints)
         print(f"error: {message}", file=sys.stderr)
     else:
-        leave_error(RANK, message)
+        leave_error(_rank(), message)
     sys.exit(2)
 
 
@@ -174,6 +180,6 @@ if __name__ == "__main__":
         _fail(f"{error.filename or ''}: {error.strerror or error}; choose a writable hydra.run.dir")
     except KeyboardInterrupt as error:  # the row, if any, is written and says so
         signum = getattr(error, "signum", signal.SIGINT)
-        if RANK == 0:
+        if _rank() == 0:
             print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
         sys.exit(128 + signum)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# A real one-node SLURM cluster on this machine, for the tests and for trying the SLURM launcher.
+# A real SLURM cluster of two nodes on this machine, for the tests and for trying the SLURM launcher:
+# two slurmd daemons (a SLURM built with multiple slurmd, as Debian's is), nodes memo1 and memo2,
+# each with this machine's CPUs, so that a job across nodes runs for real.
 #
 #   slurm/cluster.sh install             apt-get install what is missing
-#   slurm/cluster.sh start  [STATE_DIR]  start munged, mariadbd, slurmdbd, slurmctld, slurmd; print the env
+#   slurm/cluster.sh start  [STATE_DIR]  start munged, mariadbd, slurmdbd, slurmctld, two slurmd; print the env
 #   slurm/cluster.sh stop   [STATE_DIR]  cancel jobs, stop the daemons, remove STATE_DIR
 #   slurm/cluster.sh status [STATE_DIR]  sinfo and which daemons run
 #   slurm/cluster.sh env    [STATE_DIR]  the export lines a client needs
@@ -19,8 +21,10 @@ DEFAULT_STATE_DIR="${TMPDIR:-/tmp}/memo-slurm"
 CLUSTER_NAME=memo
 PARTITION=debug
 ACCOUNT=memo
+NODES=("${CLUSTER_NAME}1" "${CLUSTER_NAME}2")
+SLURMDS=("${NODES[@]/#/slurmd-}")  # a slurmd per node: its pid file slurmd-<node>.pid, its log slurmd-<node>.log
 # Daemons in start order.
-DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)
+DAEMONS=(munged mariadbd slurmdbd slurmctld "${SLURMDS[@]}")
 START_TIMEOUT_S=60
 
 die() {
@@ -79,8 +83,8 @@ alive() { # PID: exists and is no zombie (a daemon's dead child waits for init t
     [[ $stat != Z* ]]
 }
 
-pid_of() { # DAEMON -> pid if it runs from this state dir, else nothing
-    local name=$1 pidfile="$S/$1.pid" pid
+pid_of() { # DAEMON (or slurmd-<node>) -> pid if it runs from this state dir, else nothing
+    local name=${1%%-*} pidfile="$S/$1.pid" pid
     [[ -r $pidfile ]] || return 1
     pid=$(head -n1 "$pidfile" 2>/dev/null | tr -dc 0-9)
     [[ -n $pid ]] || return 1
@@ -107,7 +111,7 @@ log_tail() {
 
 fail_start() {
     note "$1"
-    log_tail munged.log mariadbd.log slurmdbd.log slurmctld.log slurmd.log
+    log_tail munged.log mariadbd.log slurmdbd.log slurmctld.log "${SLURMDS[@]/%/.log}"
     die "start failed; state kept in $S (slurm/cluster.sh stop $S cleans up)"
 }
 
@@ -124,7 +128,7 @@ wait_for() { # SECONDS DESCRIPTION COMMAND...
 
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# Three consecutive free ports in 16817-17816, away from SLURM's defaults (6817-6819) so a system
+# Four consecutive free ports in 16817-17816, away from SLURM's defaults (6817-6819) so a system
 # SLURM can run too.  The search starts at a place derived from STATE_DIR, so that clusters started
 # side by side (parallel test runs) do not race for the same ports.
 pick_ports() {
@@ -132,12 +136,12 @@ pick_ports() {
     start=$(($(printf '%s' "$S" | cksum | cut -d' ' -f1) % 100))
     for ((i = 0; i < 100; i++)); do
         base=$((16817 + 10 * ((start + i) % 100)))
-        port_busy $base || port_busy $((base + 1)) || port_busy $((base + 2)) || {
-            CTLD_PORT=$base SLURMD_PORT=$((base + 1)) DBD_PORT=$((base + 2))
+        port_busy $base || port_busy $((base + 1)) || port_busy $((base + 2)) || port_busy $((base + 3)) || {
+            CTLD_PORT=$base SLURMD_PORT=$((base + 1)) DBD_PORT=$((base + 2)) SLURMD_PORT_2=$((base + 3))
             return 0
         }
     done
-    die "no three free ports in 16817-17816"
+    die "no four free ports in 16817-17816"
 }
 
 # --- start ---------------------------------------------------------------------------------------
@@ -147,8 +151,9 @@ write_configs() {
     user=$(id -un)
     host=$(hostname -s 2>/dev/null || uname -n)
     host=${host%%.*}
-    # The host's real CPUs, sockets and memory, as slurmd itself will report them at registration.
-    node_line=$(SLURM_CONF=/dev/null slurmd -C 2>/dev/null | sed -n "s/^NodeName=[^ ]*/NodeName=$host/p")
+    # The host's real CPUs, sockets and memory, as slurmd itself will report them at registration
+    # (each node has them all: a node's CPUs are what its jobs may be given).
+    node_line=$(SLURM_CONF=/dev/null slurmd -C 2>/dev/null | sed -n "s/^NodeName=[^ ]* //p")
     [[ -n $node_line ]] || die "slurmd -C printed no node line"
 
     cat >"$S/slurmdbd.conf" <<EOF
@@ -180,11 +185,11 @@ AuthType=auth/munge
 AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
 CredType=cred/munge
 StateSaveLocation=$S/ctld
-SlurmdSpoolDir=$S/spool
+SlurmdSpoolDir=$S/spool/%n
 SlurmctldPidFile=$S/slurmctld.pid
-SlurmdPidFile=$S/slurmd.pid
+SlurmdPidFile=$S/slurmd-%n.pid
 SlurmctldLogFile=$S/slurmctld.log
-SlurmdLogFile=$S/slurmd.log
+SlurmdLogFile=$S/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # No cgroups needed: plain /proc process tracking, no task binding.
@@ -212,10 +217,11 @@ KillWait=5
 SlurmdTimeout=60
 InactiveLimit=0
 MailProg=/bin/true
-$node_line NodeAddr=127.0.0.1 State=UNKNOWN
-PartitionName=$PARTITION Nodes=$host Default=YES MaxTime=INFINITE State=UP
+# both daemons on this host (NodeHostname), each at its own port
+NodeName=${NODES[0]} NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT $node_line State=UNKNOWN
+NodeName=${NODES[1]} NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT_2 $node_line State=UNKNOWN
+PartitionName=$PARTITION Nodes=${NODES[0]},${NODES[1]} Default=YES MaxTime=INFINITE State=UP
 EOF
-    echo "$host" >"$S/node"
 }
 
 start_munged() {
@@ -270,8 +276,10 @@ sacctmgr_add() {
     timeout 10 sacctmgr -i -Q add "$@" >/dev/null || fail_start "sacctmgr add $* failed"
 }
 
-node_idle() {
-    [[ $(timeout 5 sinfo -h -n "$(cat "$S/node")" -o %T 2>/dev/null) == idle ]]
+nodes_idle() {
+    local states
+    states=$(timeout 5 sinfo -h -N -o %T 2>/dev/null) || return 1
+    [[ $(grep -cx idle <<<"$states") -eq ${#NODES[@]} ]]
 }
 
 cluster_up() {
@@ -299,7 +307,7 @@ cmd_start() {
         command -v "$cmd" >/dev/null || die "$cmd not found; run: slurm/cluster.sh install"
     done
 
-    mkdir -p "$S/ctld" "$S/spool"
+    mkdir -p "$S/ctld" "${NODES[@]/#/$S/spool/}"
     # Every user's clients read slurm.conf and talk to munged's socket in here.
     chmod 755 "$S"
     touch "$S/.memo-slurm"
@@ -312,10 +320,13 @@ cmd_start() {
     register_accounts
     # Daemons print nothing on stdout: it carries only the export lines.
     slurmctld -f "$SLURM_CONF_FILE" >&2 || fail_start "slurmctld did not start"
-    slurmd -f "$SLURM_CONF_FILE" -N "$(cat "$S/node")" >&2 || fail_start "slurmd did not start"
-    wait_for "$START_TIMEOUT_S" "node $(cat "$S/node") to be idle" node_idle
+    local node
+    for node in "${NODES[@]}"; do
+        slurmd -f "$SLURM_CONF_FILE" -N "$node" >&2 || fail_start "slurmd of $node did not start"
+    done
+    wait_for "$START_TIMEOUT_S" "nodes ${NODES[*]} to be idle" nodes_idle
     wait_for 10 "sacct" timeout 5 sacct -n -X
-    note "cluster up in $S (slurmctld :$CTLD_PORT, slurmd :$SLURMD_PORT, slurmdbd :$DBD_PORT)"
+    note "cluster up in $S (slurmctld :$CTLD_PORT, slurmd :$SLURMD_PORT and :$SLURMD_PORT_2, slurmdbd :$DBD_PORT)"
     print_env
 }
 
@@ -360,7 +371,7 @@ cmd_stop() {
     [[ -e $S ]] || { note "no cluster in $S"; return 0; }
     [[ -e $S/.memo-slurm ]] || die "$S is not a cluster state dir; not touching it"
     export SLURM_CONF="$SLURM_CONF_FILE"
-    if running slurmctld && running slurmd; then
+    if running slurmctld && running "${SLURMDS[0]}"; then
         local jobs i
         jobs=$(timeout 10 squeue -h -o %A 2>/dev/null || true)
         if [[ -n $jobs ]]; then
@@ -374,7 +385,7 @@ cmd_stop() {
         fi
     fi
     # The SLURM daemons still talk to slurmdbd, MariaDB and munged while they shut down.
-    stop_daemons slurmd slurmctld slurmdbd
+    stop_daemons "${SLURMDS[@]}" slurmctld slurmdbd
     stop_daemons mariadbd munged
     kill_stray_steps
     rm -rf "$S"

@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,8 @@ class SlurmLauncher(BaseSubmititLauncher):
         env = submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True  # every task sees its node's GPUs
         )
+        # submitit names the master by the first node's name, which need not resolve
+        os.environ["MASTER_ADDR"] = node_address(submitit.JobEnvironment().hostnames[0])
         sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides)
         with open_dict(sweep_config.hydra):
             sweep_config.hydra.job.id = submitit.JobEnvironment().job_id
@@ -312,6 +315,15 @@ def forks_leave_requeueing_to_the_task() -> None:
 
     signum = getattr(signal, f"SIG{submitit.JobEnvironment.USR_SIG}")
     os.register_at_fork(after_in_child=lambda: signal.signal(signum, signal.SIG_IGN))
+
+
+def node_address(node: str) -> str:
+    """The address SLURM reaches ``node`` at (its ``NodeAddr``; the name where none is given): a
+    node's name need not resolve (names the cluster alone knows, or several node daemons of one
+    machine, as slurm/cluster.sh starts)."""
+    shown = subprocess.run(["scontrol", "show", "node", "--oneliner", node], capture_output=True, text=True,
+                           check=False).stdout
+    return next((field.split("=", 1)[1] for field in shown.split() if field.startswith("NodeAddr=")), node)
 
 
 def _config_problem(cfg: DictConfig) -> Optional[str]:

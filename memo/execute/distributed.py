@@ -53,10 +53,14 @@ def process_info(env: Mapping[str, str] = os.environ) -> ProcessInfo:
 
 
 def _first_host(nodelist: str) -> str:
-    hosts = subprocess.run(
+    """The address of the first node of ``nodelist``: its ``NodeAddr`` as SLURM reaches it (a
+    node's name need not resolve: two node daemons of one machine, or names the cluster alone knows)."""
+    first = subprocess.run(
         ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
-    ).stdout.split()
-    return hosts[0]
+    ).stdout.split()[0]
+    node = subprocess.run(["scontrol", "show", "node", "--oneliner", first], capture_output=True, text=True,
+                          check=False).stdout
+    return next((field.split("=", 1)[1] for field in node.split() if field.startswith("NodeAddr=")), first)
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> None:

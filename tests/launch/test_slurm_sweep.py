@@ -137,3 +137,37 @@ def test_a_preempted_job_is_requeued_and_goes_on_from_its_last_checkpoint(slurm_
     assert "this job is preempted" in logs and f"Requeued job {job}" in logs
     assert "an earlier attempt of this job was interrupted" in logs
     assert f"resumed from {job_dir / 'checkpoints' / f'step_{resumed:07d}'}" in logs
+
+
+@pytest.mark.timeout(400)
+def test_a_job_across_two_nodes_trains_as_one_process(slurm_cluster, tmp_path):
+    """Two pipeline stages on the cluster's two nodes, each stage's two tensor-parallel ranks on
+    one node (Megatron's order: tensor-parallel ranks next to each other, stages apart), the
+    process group's master found at the first node's address: the losses and gradient norms of
+    one process, as far as one process and four sum in another order (1e-4)."""
+    from pipeline_worker import make_checkpoint
+
+    from conftest import run_in_process
+
+    make_checkpoint(tmp_path / "hf", tied=False)
+    common = ["model=hf", f"model.init_from={tmp_path / 'hf'}", "seq=128", "train.steps=3", "train.warmup_steps=1",
+              "train.micro_batches=4", "method=memo", "alpha=0.5"]
+    sweep = tmp_path / "sweep"
+    done = subprocess.run(
+        sweep_command(sweep, *common, "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
+        cwd=tmp_path, env=slurm_cluster.env, capture_output=True, text=True, timeout=380,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ": 1 job(s), 2 node(s) x 2 task(s), 0 GPU(s) per node" in done.stdout
+    row = json.loads((sweep / "0" / "result.json").read_text())
+    assert row["status"] == "ok" and row["world_size"] == 4, row["error"]
+    accounted = subprocess.run(["sacct", "-X", "-n", "-P", "-j", slurm_job_id(sweep), "-o", "NNodes,NodeList"],
+                               env=slurm_cluster.env, capture_output=True, text=True, timeout=30, check=True)
+    assert accounted.stdout.split() == ["2|memo[1-2]"]
+    one = run_in_process(tmp_path / "one", *common)
+    assert one["status"] == "ok", one["error"]
+    steps = {name: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+             for name, out in (("two", sweep / "0"), ("one", tmp_path / "one"))}
+    for a, b in zip(steps["two"], steps["one"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
