@@ -109,6 +109,12 @@ def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
         f"{candidate_label(r.candidate)}: {r.best.seq if r.best else r.failed.status}"
         for r in results[1 : 1 + run.fit.runners_up]
     )
+    # the best with pipeline stages and the best without, beside each other
+    for key, pipelined in (("fit.best_without_pp", False), ("fit.best_with_pp", True)):
+        best = next((r for r in results if (r.candidate.parallel.pp > 1) == pipelined), None)
+        row[key] = None if best is None else _summary(best)
+        if best is not None and len(results) > 1:
+            log.info("best %s pipeline stages: %s", "with" if pipelined else "without", row[key])
     chosen = results[0].shown
     row.update(_row(chosen, problem))
     # how to train the chosen candidate
@@ -118,6 +124,13 @@ def _fit(run: Run, output_dir: Path, row: dict[str, Any]) -> None:
     row["fit.unrunnable"] = results[0].unrunnable  # None: training runs this layout
     _write_layouts(output_dir / LAYOUTS_FILE, results, skipped)
     log.info("%s", report(chosen, problem))
+
+
+def _summary(result) -> str:
+    """A layout result in a few words: its layout, and the length it fits at and its MFU, or why not."""
+    shown = result.shown
+    reach = f"{shown.seq} tokens, MFU {100 * shown.time.mfu:.1f}%" if result.best else shown.status
+    return f"{candidate_label(result.candidate)}: {reach}"
 
 
 def _nothing_faster(run: Run) -> bool:
