@@ -131,3 +131,22 @@ def train(info, out, tied: str, *overrides: str) -> str:
     row = run_job(compose_config(*settings), out / "run", settings, info=info)
     assert row["status"] == "ok" and row["world_size"] == info.world_size, row["error"]
     return f"status ok in {out / 'run'}"
+
+
+def check_stages_draw_their_own_layers(info, out, *overrides: str) -> str:
+    """Under torchrun, a stage per rank (``overrides``: parallel.pp and the model): from one seed,
+    each stage's first layer is drawn apart from every other's (Megatron-LM seeds stage r with
+    seed + 100·r), not the same numbers again."""
+    run = resolve_config(*overrides)
+    distributed.initialize(run.workload.parallel, "cpu", info)
+    try:
+        torch.manual_seed(run.train.seed)
+        weight = build_model(run.workload, "cpu").module.decoder.layers[0].self_attention.linear_qkv.weight
+        stages = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, weight.detach().clone())
+    finally:
+        distributed.shutdown()
+    for i, a in enumerate(stages):
+        for b in stages[i + 1:]:
+            assert not torch.equal(a, b), "two stages drew the same first layer"
+    return f"{len(stages)} stages drew {len(stages)} different first layers"

@@ -321,8 +321,11 @@ def node_address(node: str) -> str:
     """The address SLURM reaches ``node`` at (its ``NodeAddr``; the name where none is given): a
     node's name need not resolve (names the cluster alone knows, or several node daemons of one
     machine, as slurm/cluster.sh starts)."""
-    shown = subprocess.run(["scontrol", "show", "node", "--oneliner", node], capture_output=True, text=True,
-                           check=False).stdout
+    try:
+        shown = subprocess.run(["scontrol", "show", "node", "--oneliner", node], capture_output=True, text=True,
+                               check=False).stdout
+    except OSError:  # no scontrol in the job's environment (a container): the name, as submitit gives it
+        return node
     return next((field.split("=", 1)[1] for field in shown.split() if field.startswith("NodeAddr=")), node)
 
 

@@ -91,6 +91,7 @@ def validate(cfg) -> Settings:
     _check_hardware(cfg.hardware)
     _check_parallel(cfg.parallel, m, seq)
     _check_cp_attention(method, cfg.parallel)
+    _check_pipeline(method, cfg.parallel, m)
     _check_tiles(cfg, method, tiles, seq)
     _check_cluster(cfg)
     t = cfg.train
@@ -448,6 +449,20 @@ def _check_cp_attention(method: Method, p) -> None:
     if method.cp_attention == "deepspeed" and p.cp > 1 and p.cp_comm_type != "a2a":
         raise ConfigError(f"method={method.name} exchanges by DeepSpeed-Ulysses' all-to-all, not "
                           f"parallel.cp_comm_type={p.cp_comm_type}; set parallel.cp_comm_type=a2a")
+
+
+def _check_pipeline(method, p, model) -> None:
+    """What a pipeline's chunks of layers (``num_layers / (pp·vpp)`` each) rule out."""
+    if p.search and p.vpp > 1:
+        raise ConfigError(f"parallel=search tries layouts of plain 1F1B stages, and parallel.vpp={p.vpp}; "
+                          "set parallel.vpp=1 (or give the layout's sizes instead of parallel=search)")
+    if p.search or method.recompute_granularity != "full" or method.recompute_method != "uniform":
+        return
+    per_chunk = model.num_layers // (p.pp * p.vpp)
+    if method.recompute_num_layers > per_chunk:
+        raise ConfigError(f"method.recompute_num_layers={method.recompute_num_layers} recomputes layers in groups "
+                          f"larger than a model chunk's {per_chunk} (model.num_layers / (parallel.pp·vpp)); set it "
+                          f"to at most {per_chunk}")
 
 
 def sequence_divisor(tp: int, cp: int, sequence_parallel: bool) -> int:

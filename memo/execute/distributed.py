@@ -58,8 +58,11 @@ def _first_host(nodelist: str) -> str:
     first = subprocess.run(
         ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
     ).stdout.split()[0]
-    node = subprocess.run(["scontrol", "show", "node", "--oneliner", first], capture_output=True, text=True,
-                          check=False).stdout
+    try:
+        node = subprocess.run(["scontrol", "show", "node", "--oneliner", first], capture_output=True, text=True,
+                              check=False).stdout
+    except OSError:
+        return first
     return next((field.split("=", 1)[1] for field in node.split() if field.startswith("NodeAddr=")), first)
 
 

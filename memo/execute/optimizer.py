@@ -196,7 +196,9 @@ def reduce_gradients(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
                 parallel_state.get_tensor_model_parallel_group())
     # a tied embedding's ends on the first and last pipeline stages (Megatron's copies) take the
     # sum of both's gradients
-    _all_reduce([w.grad for w in _tied_embedding_ends(chunks)], parallel_state.get_embedding_group())
+    ends = _tied_embedding_ends(chunks)
+    if ends:  # (only the first and last stages are in the embedding group)
+        _all_reduce([w.grad for w in ends], parallel_state.get_embedding_group())
     params = [p for _, p in named]
     _all_reduce([p.grad for p in params], parallel_state.get_data_parallel_group(with_context_parallel=True),
                 average=True)

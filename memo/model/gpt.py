@@ -397,8 +397,13 @@ def _prepare_megatron(device_type: str) -> None:
     """Megatron's device functions for a job on ``device_type``: the host adapters on the CPU
     (whether or not the machine has CUDA); on a GPU Megatron's own, with the CUDA generators its
     weight initialisation draws from seeded from the torch seed, as every GPU entry point needs.
-    Megatron's RoPE cache lets go of the models built before."""
+    A pipeline stage draws from the seed plus 100 times its rank, as Megatron-LM seeds its stages,
+    so that no two stages draw the same layers. Megatron's RoPE cache lets go of the models built
+    before."""
     forget_rotary_angles()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    if stage:
+        torch.manual_seed(torch.initial_seed() + 100 * stage)
     if device_type == "cpu":
         run_megatron_on_host()
         return

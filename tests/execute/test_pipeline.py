@@ -46,13 +46,19 @@ def test_two_stages_give_the_losses_and_gradients_of_one_with_every_method(torch
 
 FOUR = [_gradients("tied", method, "parallel.pp=2", *layout) for method in METHODS[2:]
         for layout in (("parallel.tp=2", "parallel.sequence_parallel=true"), ("parallel.cp=2",))]
+# four stages of one layer each: the middle ones hold neither the embedding nor the loss
+DEEP = [_gradients("tied", ("memo", "alpha=0.5"), "parallel.pp=4"),
+        "pipeline_worker.check_stages_draw_their_own_layers model=tiny model.vocab_size=1000 parallel.pp=4"]
 
 
 @pytest.mark.slow
-@pytest.mark.torchrun(4, *FOUR)
-def test_two_stages_with_tensor_or_context_parallelism_give_the_gradients_of_one(torchrun_results):
-    for message in _answered(torchrun_results):
+@pytest.mark.torchrun(4, *FOUR, *DEEP)
+def test_two_stages_with_tensor_or_context_parallelism_and_four_stages_give_the_gradients_of_one(
+        torchrun_results):
+    *gradients, drawn = _answered(torchrun_results)
+    for message in gradients:
         assert "gradients equal transformers'" in message
+    assert drawn == "4 stages drew 4 different first layers"
 
 
 def test_micro_batches_in_flight_follow_the_schedules():
@@ -72,6 +78,9 @@ def test_micro_batches_in_flight_follow_the_schedules():
     (["parallel.pp=2", "parallel.vpp=4"], r"parallel.pp·vpp = 2·4 does not divide model.num_layers=4"),
     (["parallel.pp=2", "parallel.vpp=2", "train.micro_batches=3"], "set train.micro_batches to a multiple of 2"),
     (["parallel.pp=2", "plan=true", "train.micro_batches=1"], "set parallel.pp=1 or plan=false"),
+    (["parallel.pp=2", "method=megatron_full_recompute", "method.recompute_num_layers=3"],
+     "groups larger than a model chunk's 2 .* set it to at most 2"),
+    (["parallel=search", "parallel.vpp=2", "mode=fit"], "set parallel.vpp=1"),
 ])
 def test_pipeline_settings_that_cannot_run_are_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -63,7 +63,7 @@ def test_configuration_errors_leave_an_error_row(tmp_path):
     "overrides, message",
     [
         (["hardware=a800"], "hardware=a800 trains on a GPU and none is visible here"),
-        (["parallel.pp=2"], "no pipeline schedule yet"),
+        (["parallel.pp=2"], "= 2 but 1 process(es) were launched"),
         (["train.dtype=fp16"], "train.dtype=fp16 needs a GPU"),
         (["train.attention_backend=te"], "train.attention_backend=te needs Transformer Engine"),
         (["method=memo", "train.attention_backend=te"], "method=memo runs on Megatron's local layers"),
