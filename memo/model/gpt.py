@@ -397,13 +397,8 @@ def _prepare_megatron(device_type: str) -> None:
     """Megatron's device functions for a job on ``device_type``: the host adapters on the CPU
     (whether or not the machine has CUDA); on a GPU Megatron's own, with the CUDA generators its
     weight initialisation draws from seeded from the torch seed, as every GPU entry point needs.
-    A pipeline stage draws from the seed plus 100 times its rank, as Megatron-LM seeds its stages,
-    so that no two stages draw the same layers. Megatron's RoPE cache lets go of the models built
-    before."""
+    Megatron's RoPE cache lets go of the models built before."""
     forget_rotary_angles()
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    if stage:
-        torch.manual_seed(torch.initial_seed() + 100 * stage)
     if device_type == "cpu":
         run_megatron_on_host()
         return
@@ -433,8 +428,10 @@ def build_gpt(workload: Workload, device_type: str, attention_backend: str = "au
         ConfigError: if the attention backend asked for is not available here, or is SDPA's math
             kernel for layers whose saves are taken apart token by token.
     """
-    _prepare_megatron(device_type)
     parallel, loss, method = workload.parallel, workload.loss, workload.method.name
+    if parallel.pp > 1:  # stage r draws from seed + 100·r, as Megatron-LM seeds its stages: none draws another's layers
+        torch.manual_seed(torch.initial_seed() + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    _prepare_megatron(device_type)
     if loss not in LOSSES:
         raise ConfigError(f"train.loss={loss} is not a loss; choose one of: {', '.join(LOSSES)}")
     dtype = torch_dtype(workload)
