@@ -20,10 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from memo.data.batches import micro_batches
-from memo.execute.pipeline import PipelineSchedule
+from memo.execute.pipeline import PipelineSchedule, loss_result
 from memo.execute.train import token_losses
-
-_ONE = torch.ones((), dtype=torch.int)
 
 
 class ValidationSamples:
@@ -101,7 +99,7 @@ def validation_loss(
 
                     def loss(per_token):  # (the last stage's: its sums, nothing to reduce)
                         add(per_token, counted, mb["position_ids"])
-                        return per_token.new_zeros(()), _ONE, {}
+                        return loss_result(per_token.new_zeros(()), {})
                     return output, loss
                 pipeline.run(batch, forward, forward_only=True)
                 # the last stage's sums, on every stage

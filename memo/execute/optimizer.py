@@ -89,8 +89,6 @@ def _all_reduce(tensors: list[torch.Tensor], group, average: bool = False) -> No
     """Sum (or average) ``tensors`` over ``group`` in place, a tensor at a time: a flat buffer of
     them all would be a copy of every gradient at the optimizer's step (Megatron's buffer on a GPU
     is reduced where it lies)."""
-    if not tensors:  # (a rank outside ``group`` has none to reduce)
-        return
     size = dist.get_world_size(group)
     if size == 1:
         return

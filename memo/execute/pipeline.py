@@ -30,6 +30,15 @@ from memo.model.placement import LayerRuntime, NullRuntime
 # that turns it into the micro-batch's loss (Megatron's ``forward_step_func`` contract)
 ForwardStep = Callable[[torch.nn.Module, int, dict], tuple[torch.Tensor, Callable]]
 
+_ONE = torch.ones((), dtype=torch.int)
+
+
+def loss_result(loss: torch.Tensor, reported: dict) -> tuple:
+    """What a last stage's loss function returns to Megatron's schedule: ``loss`` (a micro-batch's
+    mean already), counted as one "token", so that the schedule only divides it by the
+    micro-batches, and ``reported``, which the schedule hands back micro-batch by micro-batch."""
+    return loss, _ONE, reported
+
 
 @dataclass
 class PipelineSchedule:

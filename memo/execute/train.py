@@ -18,13 +18,10 @@ from megatron.core import parallel_state
 
 from memo.config import TrainConfig
 from memo.execute.optimizer import StepOptimizer, single_chunk
-from memo.execute.pipeline import PipelineSchedule
+from memo.execute.pipeline import PipelineSchedule, loss_result
 from memo.execute.schedule import LearningRateSchedule
 from memo.model.context_parallel import batch_for_rank
 from memo.profile.recorder import PhaseMarker
-
-
-_ONE = torch.ones((), dtype=torch.int)
 
 
 def _whole(micro_batch: dict) -> dict:
@@ -130,8 +127,7 @@ class TrainingStep:
 
             def loss(per_token):
                 value = mean_loss(per_token, mask, None if counted is None else counted.sum(), cp)
-                # (Megatron divides it by the micro-batches, by the one "token" named here)
-                return value, _ONE, {"loss": value.detach() / len(batch)}
+                return loss_result(value, {"loss": value.detach() / len(batch)})
             return output, loss
 
         reported = self.pipeline.run(batch, forward)
